@@ -1,0 +1,62 @@
+"""The engine's one configuration object, validated once at construction."""
+
+import re
+from dataclasses import dataclass
+
+BUILTIN_MODEL = "builtin://smollm2-135m"
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB' / '512MiB' / '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size in bytes (examples: 2GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = BUILTIN_MODEL
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length (capped by the pool)
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "kv_cache_memory_bytes"):
+            positive(name)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_dtype not in ("auto",):
+            raise ValueError(f"kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(
+                f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}"
+            )

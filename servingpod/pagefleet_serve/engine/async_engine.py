@@ -1,0 +1,171 @@
+"""Drives an LLMEngine from one background thread for asyncio callers (the HTTP server).
+
+Callers never touch engine state: `generate()` validates on the caller's side, then hands
+the request to the step thread through a queue and reads its outputs from a per-request
+mailbox (an asyncio.Queue filled with `call_soon_threadsafe`). Leaving the iterator early
+(a disconnected client) aborts the request; its blocks are freed before the next step.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagefleet_serve.engine.llm_engine import EngineStats, LLMEngine, Request
+from pagefleet_serve.outputs import RequestOutput
+from pagefleet_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Mailbox:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    # A step that has not returned within this bound means the engine has hung.
+    STEP_TIMEOUT_S = 120.0
+    MAX_CONSECUTIVE_FAILURES = 3
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._mailboxes: dict[str, _Mailbox] = {}
+        self._stop = threading.Event()
+        self._dead: str | None = None
+        self._step_started: float | None = None
+        self.last_step_time = time.monotonic()
+        self.stats: EngineStats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    # -- caller side ----------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, step by step (deltas); raises ValueError for bad input."""
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        request = self.engine.make_request(request_id, prompt, params)
+        mailbox = _Mailbox(asyncio.get_running_loop(), asyncio.Queue())
+        if request_id in self._mailboxes:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._mailboxes[request_id] = mailbox
+        self._send(("add", request))
+        finished = False
+        try:
+            while not finished:
+                item = await mailbox.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._mailboxes.pop(request_id, None)
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams
+                     ) -> Request:
+        return self.engine.make_request(request_id, prompt, params)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    @property
+    def is_healthy(self) -> bool:
+        if self._dead or not self._thread.is_alive():
+            return False
+        started = self._step_started
+        return started is None or time.monotonic() - started < self.STEP_TIMEOUT_S
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    def _send(self, message: tuple) -> None:
+        self._inbox.put(message)
+        self._wakeup.set()
+
+    # -- the step thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self.stats = self.engine.stats()
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            self._step_started = time.monotonic()
+            try:
+                outputs = self.engine.step()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - a step failure must not kill the loop
+                failures += 1
+                logger.exception("engine step failed (%d in a row)", failures)
+                self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
+                if failures >= self.MAX_CONSECUTIVE_FAILURES:
+                    self._die(f"engine failed {failures} steps in a row; last: {exc!r}")
+                    return
+                continue
+            finally:
+                self._step_started = None
+                self.last_step_time = time.monotonic()
+            self.stats = self.engine.stats()
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            mailbox = self._mailboxes.get(output.request_id)
+            if mailbox is not None:
+                mailbox.put(output)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(payload)
+            elif kind == "abort":
+                self.engine.abort_request(payload)
+
+    def _add(self, request: Request) -> None:
+        try:
+            self.engine.add(request)
+        except ValueError as exc:
+            mailbox = self._mailboxes.get(request.request_id)
+            if mailbox is not None:
+                mailbox.put(exc)
+
+    def _fail_running(self, message: str) -> None:
+        """Fail the requests that were in the failed step; waiting ones carry on."""
+        for request_id in {seq.request_id for seq in self.engine.scheduler.running}:
+            self.engine.abort_request(request_id, reason="error", error=message)
+        self._deliver(self.engine.step_pending())
+
+    def _die(self, reason: str) -> None:
+        self._dead = reason
+        for request_id in list(self.engine.output_processor.requests):
+            self.engine.abort_request(request_id, reason="error", error=reason)
+        self._deliver(self.engine.step_pending())

@@ -1,0 +1,227 @@
+"""The KV block allocator: ref-counted blocks, hash-chained prefix caching, LRU eviction.
+
+A full block is named by sha256(parent block's hash + its token ids), so a hit means the
+whole prefix up to and including that block is the same. Freed blocks keep their hash and
+stay in the prefix cache until the allocator reuses them; the free queue is least recently
+used first, and a sequence frees its blocks tail-first so that chain tails go first.
+"""
+
+import hashlib
+from array import array
+
+from pagefleet_serve.engine.sequence import Sequence
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_count", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: bytes | None = None
+        self.prev: KVBlock | None = None
+        self.next: KVBlock | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) removal from the middle (a cache hit
+    revives a freed block)."""
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, block: KVBlock) -> None:
+        self._insert(block, self._tail.prev, self._tail)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert(block, self._head, self._head.next)
+
+    def popleft(self) -> KVBlock:
+        if self._len == 0:
+            raise IndexError("no free blocks")
+        block = self._head.next
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self._len -= 1
+
+    def block_ids(self) -> list[int]:
+        ids, node = [], self._head.next
+        while node is not self._tail:
+            ids.append(node.block_id)
+            node = node.next
+        return ids
+
+    def _insert(self, block: KVBlock, before: KVBlock, after: KVBlock) -> None:
+        block.prev, block.next = before, after
+        before.next = after.prev = block
+        self._len += 1
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (cached-but-free blocks count as free)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------------
+    def update_block_hashes(self, seq: Sequence) -> None:
+        """Extend `seq.block_hashes` over every full block of its known tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else None
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """The longest run of cached blocks that starts the sequence. At least one token is
+        always left to compute: the step needs its logits."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(seq)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(seq.num_cached_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            block_hash = seq.block_hashes[i]
+            # A block computed twice (two requests missed the cache in the same step) keeps
+            # the first copy as the cached one; the duplicate stays unnamed.
+            if block.block_hash is None and block_hash not in self.cached:
+                block.block_hash = block_hash
+                self.cached[block_hash] = block
+        seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
+
+    # -- allocation ---------------------------------------------------------------------
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] = ()
+    ) -> list[tuple[int, int]] | None:
+        """Make room for `num_new_tokens` more computed tokens of `seq`, after taking
+        `cached_prefix` (a new admission's prefix-cache hits) into its block table.
+
+        Returns the (src, dst) block copies to run first (copy-on-write of a shared partial
+        block), or None, changing nothing, when the free blocks do not suffice.
+        """
+        bs = self.block_size
+        table = seq.block_table
+        num_computed = seq.num_computed_tokens + len(cached_prefix) * bs
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(
+            cached_prefix
+        )
+        write_block = num_computed // bs
+        needs_copy = (
+            write_block < len(table) and self.blocks[table[write_block]].ref_count > 1
+        )
+        num_revived = sum(1 for block in cached_prefix if block.ref_count == 0)
+        if max(num_new_blocks, 0) + needs_copy + num_revived > self.num_free_blocks:
+            return None
+
+        for block in cached_prefix:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+            table.append(block.block_id)
+        if cached_prefix:
+            seq.num_computed_tokens = num_computed
+            seq.num_cached_blocks = len(cached_prefix)
+        copies = []
+        if needs_copy:
+            shared = self.blocks[table[write_block]]
+            shared.ref_count -= 1
+            fresh = self._take_free_block()
+            copies.append((shared.block_id, fresh.block_id))
+            table[write_block] = fresh.block_id
+        for _ in range(num_new_blocks):
+            table.append(self._take_free_block().block_id)
+        return copies
+
+    def count_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def fork(self, child: Sequence) -> None:
+        """`child` was forked with a copy of its parent's block table: share the blocks."""
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first (chain tails are evicted first)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)  # holds nothing reusable
+                else:
+                    self.free_queue.append(block)
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    def _take_free_block(self) -> KVBlock:
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block
+
+    def check_no_leaks(self) -> None:
+        """Raise when any block is still referenced (used by tests and the engine's idle check)."""
+        held = [b.block_id for b in self.blocks if b.ref_count != 0]
+        if held or self.num_free_blocks != self.num_blocks:
+            raise AssertionError(
+                f"blocks still referenced: {held[:20]} ({len(held)} in all); "
+                f"free queue holds {self.num_free_blocks} of {self.num_blocks}"
+            )

@@ -1,0 +1,197 @@
+"""The engine: one step = schedule -> run the model -> update -> outputs."""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.engine.block_manager import BlockManager
+from pagefleet_serve.engine.model_runner import ModelRunner
+from pagefleet_serve.engine.scheduler import Scheduler
+from pagefleet_serve.engine.sequence import Sequence
+from pagefleet_serve.model.loader import load_model
+from pagefleet_serve.output_processor import OutputProcessor
+from pagefleet_serve.outputs import RequestOutput
+from pagefleet_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request, ready for the engine thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_used_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        started = time.monotonic()
+        loaded = load_model(config.model, self.dtype)
+        self.model_name = loaded.name
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(loaded, self.device, self.dtype, config.block_size,
+                                  config.attention_backend)
+        del loaded
+        logger.info("model %s: %d layers, %d heads (%d kv), loaded in %.1fs", self.model_name,
+                    self.model_config.num_layers, self.model_config.num_heads,
+                    self.model_config.num_kv_heads, time.monotonic() - started)
+        logger.info("device %s, dtype %s", self.device, str(self.dtype).removeprefix("torch."))
+
+        num_blocks = self._kv_budget() // self.runner.bytes_per_block
+        pool_tokens = num_blocks * config.block_size
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > pool_tokens:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len} tokens) does not fit in the KV cache pool "
+                f"({pool_tokens} tokens = {num_blocks} blocks of {config.block_size}); raise "
+                f"kv_cache_memory_bytes or lower max_model_len"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        logger.info("KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks,
+                    config.block_size, pool_tokens, num_blocks * self.runner.bytes_per_block / 2**20)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._pending: list[RequestOutput] = []  # aborts, handed out by the next step
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            return max(int(total * self.config.gpu_memory_utilization) - used, 0)
+        return _CPU_DEFAULT_KV_BYTES
+
+    # -- requests ----------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     arrival_time: float | None = None) -> Request:
+        """Validate and tokenize; safe to call from any thread. Raises ValueError."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
+            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            prompt_token_ids = list(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt: this model's maximum context length is {self.max_model_len} tokens, "
+                f"but {total} were requested ({len(prompt_token_ids)} in the prompt, "
+                f"{params.max_tokens} for max_tokens)"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be at most max_num_seqs ({self.config.max_num_seqs})")
+        return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
+
+    def add(self, request: Request) -> None:
+        """Queue a validated request (engine thread only)."""
+        if request.request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        params = request.params
+
+        def generator(index: int) -> torch.Generator | None:
+            if params.seed is None:
+                return None
+            return torch.Generator().manual_seed((params.seed + index) % 2**63)
+
+        seq = Sequence(
+            request_id=request.request_id, sample_index=0,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids), params=params,
+            eos_token_id=self.model_config.eos_token_id, arrival_time=request.arrival_time,
+            priority=params.priority, generator=generator(0),
+            sibling_generators=[generator(i) for i in range(1, params.n)],
+        )
+        self.output_processor.add_request(request.request_id, request.prompt_token_ids, params,
+                                          request.arrival_time)
+        self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        self.add(self.make_request(request_id, prompt, params))
+
+    def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
+        for seq in self.scheduler.sequences_of(request_id):
+            self.scheduler.finish(seq, reason)
+        output = self.output_processor.finish(request_id, reason, time.time(), error)
+        if output is not None:
+            self._pending.append(output)
+
+    def step_pending(self) -> list[RequestOutput]:
+        """Hand out the outputs of aborted requests without running a step."""
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = self.step_pending()
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            return outputs
+        now = time.time()
+        for item in step.scheduled:
+            self.output_processor.mark_scheduled(item.seq, now)
+        sampled = self.runner.execute(step)
+        new_tokens = self.scheduler.update(step, sampled)
+        step_outputs, stopped = self.output_processor.process(new_tokens, time.time())
+        for seq in stopped:
+            self.scheduler.finish(seq, "stop")
+        return outputs + step_outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks, num_used_blocks=bm.num_used_blocks,
+            kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,100 @@
+"""Runs one scheduled step: builds the flattened batch, runs the model over the paged KV
+cache, samples the next tokens."""
+
+import torch
+
+from pagefleet_serve.attention import get_attention_backend
+from pagefleet_serve.engine.sampler import SampledToken, SampleRow, sample
+from pagefleet_serve.engine.scheduler import SchedulerOutput
+from pagefleet_serve.engine.sequence import Sequence
+from pagefleet_serve.model.llama import AttentionMetadata, LlamaForCausalLM
+from pagefleet_serve.model.loader import LoadedModel
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+        block_size: int, attention_backend: str,
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.config = loaded.config
+        self.model = LlamaForCausalLM(loaded.config, get_attention_backend(attention_backend, device))
+        self.model.load_hf_state_dict(loaded.weights)
+        self.model.to(device=device, dtype=dtype).eval()
+        self.kv_cache: torch.Tensor | None = None  # (layers, 2, blocks, block_size, kv_heads, head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def bytes_per_block(self) -> int:
+        c = self.config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        c = self.config
+        self.kv_cache = torch.zeros(
+            c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> dict[Sequence, list[SampledToken]]:
+        copies = step.block_copies
+        if copies:
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies, strict=True))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+        input_ids: list[int] = []
+        query_lens, seq_lens, starts, tables = [], [], [], []
+        for item in step.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + item.num_new_tokens])
+            starts.append(start)
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(start + item.num_new_tokens)
+            tables.append(seq.block_table)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        # Token t of sequence i sits at position starts[i] + (t - query_start_loc[i]).
+        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        positions = torch.arange(len(input_ids)) - query_start_loc[seq_index] + torch.tensor(starts)[seq_index]
+        slot_mapping = (
+            block_tables[seq_index, positions // self.block_size] * self.block_size
+            + positions % self.block_size
+        )
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            query_start_loc=query_start_loc.to(dev),
+            query_lens=query_lens,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev), positions.to(dev),
+            self.kv_caches, attn,
+        )
+
+        sampling = [(i, item.seq) for i, item in enumerate(step.scheduled) if item.samples]
+        if not sampling:
+            return {}
+        last_token = query_start_loc[1:] - 1
+        logits = self.model.compute_logits(hidden[last_token[[i for i, _ in sampling]].to(dev)])
+        rows, row_logits = [], []
+        for j, (_, seq) in enumerate(sampling):
+            for generator in [seq.generator, *seq.sibling_generators]:
+                rows.append(SampleRow(seq.params, generator, seq.output_token_ids,
+                                      seq.token_ids[: seq.num_prompt_tokens]))
+                row_logits.append(j)
+        tokens = sample(logits[row_logits].cpu(), rows)
+        result, k = {}, 0
+        for _, seq in sampling:
+            result[seq] = tokens[k : k + seq.num_samples]
+            k += seq.num_samples
+        return result

@@ -1,0 +1,181 @@
+"""Iteration-level scheduling: every step decides which sequences run and how many tokens
+each computes, under `max_num_seqs` and a token budget (`max_num_batched_tokens`).
+
+One rule (as in vLLM v1): a sequence's `num_computed_tokens` catches up with its
+`num_tokens`. Running decodes go first, so a long prompt (prefilled in chunks) never
+starves them; then ongoing prefills; then waiting requests in (priority, arrival) order.
+When blocks run out the newest running sequence is preempted: its blocks are freed and it
+is recomputed later (its full blocks usually survive in the prefix cache).
+"""
+
+import bisect
+from dataclasses import dataclass, field
+
+from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.engine.block_manager import BlockManager
+from pagefleet_serve.engine.sampler import SampledToken
+from pagefleet_serve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence's tokens (and so samples)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        return [copy for item in self.scheduled for copy in item.block_copies]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence now (abort, or a stop string seen by the output side)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def sequences_of(self, request_id: str) -> list[Sequence]:
+        return [s for s in self.running + self.waiting if s.request_id == request_id]
+
+    # -- the step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, ScheduledSeq] = {}
+        preempted: list[Sequence] = []
+
+        decodes_first = sorted(
+            self.running, key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens, s.sort_key)
+        )
+        for seq in decodes_first:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while (copies := self.block_manager.allocate(seq, num_new)) is None:
+                victim = max(self.running, key=lambda s: s.sort_key)
+                if victim in scheduled:
+                    budget += scheduled.pop(victim).num_new_tokens
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if copies is None:
+                continue
+            scheduled[seq] = ScheduledSeq(seq, num_new, copies)
+            budget -= num_new
+
+        # Admit waiting requests, unless this step had to preempt (no room to grow).
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if len(self.running) + seq.num_samples > self.max_num_seqs:
+                break
+            prefix = self.block_manager.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
+            copies = self.block_manager.allocate(seq, num_new, prefix)
+            if copies is None:
+                break
+            num_hit = seq.num_computed_tokens
+            self.block_manager.count_prefix_lookup(seq.num_tokens, num_hit)
+            if seq.num_preemptions == 0:
+                seq.num_prefix_hit_tokens = num_hit
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq] = ScheduledSeq(seq, num_new, copies)
+            budget -= num_new
+
+        return SchedulerOutput(list(scheduled.values()), preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def update(
+        self, output: SchedulerOutput, sampled: dict[Sequence, list[SampledToken]]
+    ) -> list[tuple[Sequence, SampledToken]]:
+        """Advance the scheduled sequences by the step's results.
+
+        `sampled[seq]` holds one token, or `num_samples` tokens for a request's first
+        sequence whose prompt just completed (it forks into its siblings here).
+        Returns (sequence, new token) pairs, siblings included, in order.
+        """
+        new_tokens = []
+        for item in output.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            tokens = sampled[seq]
+            family = [seq]
+            for index, generator in enumerate(seq.sibling_generators, start=1):
+                child = seq.fork(index, generator)
+                self.block_manager.fork(child)
+                self.running.append(child)
+                family.append(child)
+            seq.sibling_generators = []
+            for member, token in zip(family, tokens, strict=True):
+                member.token_ids.append(token.token_id)
+                new_tokens.append((member, token))
+                reason = self._stop_reason(member, token.token_id)
+                if reason is not None:
+                    self.finish(member, reason)
+        return new_tokens
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token == seq.eos_token_id:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

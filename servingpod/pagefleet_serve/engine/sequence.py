@@ -1,0 +1,102 @@
+"""One generated sample: its tokens, its progress through the model, its KV blocks."""
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pagefleet_serve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's prompt plus one sample's output tokens.
+
+    `num_computed_tokens` catches up with `num_tokens` within the step budget: that one
+    rule covers prefill, chunked prefill, prefix-cache hits, decode and recompute after
+    preemption. A request with n > 1 starts as one sequence and forks into n when its
+    prompt is done (`num_samples`).
+    """
+
+    request_id: str
+    sample_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    # Generators of the siblings a request with n > 1 forks into when its prompt is done.
+    sibling_generators: list[torch.Generator | None] = field(default_factory=list)
+    arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, by position
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_prefix_hit_tokens: int = 0  # tokens reused from the prefix cache on first admission
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    @property
+    def seq_id(self) -> tuple[str, int]:
+        return (self.request_id, self.sample_index)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this sequence's next token fans out to (n before the fork, else 1)."""
+        return 1 + len(self.sibling_generators)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: priority (lower first), then arrival."""
+        return (self.priority, self.arrival_order)
+
+    def fork(self, sample_index: int, generator: torch.Generator | None) -> "Sequence":
+        """A sibling sample sharing everything computed so far (blocks are shared by the
+        block manager, which copies the partial last block on write)."""
+        return Sequence(
+            request_id=self.request_id,
+            sample_index=sample_index,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            params=self.params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            arrival_order=self.arrival_order,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            block_table=list(self.block_table),
+            block_hashes=list(self.block_hashes),
+            num_cached_blocks=self.num_cached_blocks,
+            num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            generator=generator,
+        )

@@ -1,0 +1,194 @@
+"""A Llama-family decoder over the paged KV cache, in plain PyTorch.
+
+The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
+sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
+context. Weight names follow Hugging Face's LlamaForCausalLM; q/k/v and gate/up are fused
+at load time (one matmul each).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3: factor, freq factors, ...
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    seq_lens: torch.Tensor  # (B,) int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # (B + 1,) int64
+    query_lens: list[int]  # host copy
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(config.rope_scaling or ())
+    if scaling.get("rope_type") == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif scaling.get("rope_type") == "freqs":  # GGUF's rope_freqs tensor: divisors per dim
+        inv_freq = inv_freq / torch.tensor(scaling["divisors"], dtype=torch.float32)
+    return inv_freq.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos/sin: (T, D). Hugging Face's rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(self, x, cos, sin, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        self.backend.write_kv_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+        out = self.backend.paged_attention(
+            q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
+            attn.query_start_loc, self.scale, attn.query_lens,
+        )
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, backend) for _ in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.embed_tokens(input_ids)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face LlamaForCausalLM names (`model.` prefix optional), fusing
+        q/k/v and gate/up."""
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+        for i in range(self.config.num_layers):
+            p = f"layers.{i}."
+            weights[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            )
+            weights[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [weights.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            )
+        if self.config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+            weights["lm_head.weight"] = weights["embed_tokens.weight"]
+        missing, unexpected = self.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not fit the Llama architecture: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )

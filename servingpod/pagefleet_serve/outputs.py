@@ -1,0 +1,54 @@
+"""What the engine hands back, step by step: plain data, no tensors."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass
+class CompletionOutput:
+    """One sample. In a step's output: what is new since the last output (a delta); in
+    `LLM.generate`'s result: the whole sample."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+
+    def extend(self, delta: "CompletionOutput") -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # the samples with news this step
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the engine failed this request
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
