@@ -75,6 +75,19 @@ def load_model(uri: str, dtype: torch.dtype) -> LoadedModel:
     raise UnsupportedModelError(f"model {uri!r} not found; supported: {SUPPORTED}")
 
 
+def load_tokenizer(uri: str):
+    """The tokenizer (with chat template) of a model source, without loading its weights;
+    None for builtin://tiny-random."""
+    if uri == "builtin://tiny-random":
+        return None
+    path = builtin_gguf_path() if uri == "builtin://smollm2-135m" else Path(uri.removeprefix("file://"))
+    if path.is_file():
+        return _gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 # -- GGUF ------------------------------------------------------------------------------
 _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

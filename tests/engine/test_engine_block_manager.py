@@ -1,0 +1,140 @@
+"""The block allocator on its own: exact block ids, free-queue order, ref counts."""
+
+import pytest
+
+from pagefleet_serve.engine.block_manager import BlockManager, hash_block
+from pagefleet_serve.engine.sequence import Sequence
+from pagefleet_serve.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_seq(tokens, request_id="r"):
+    return Sequence(request_id=request_id, sample_index=0, token_ids=list(tokens),
+                    num_prompt_tokens=len(tokens), params=SamplingParams(), eos_token_id=None,
+                    arrival_time=0.0)
+
+
+def compute(bm, seq, num_tokens, prefix=()):
+    """Allocate and 'run' num_tokens more tokens of seq (what one step does)."""
+    copies = bm.allocate(seq, num_tokens, list(prefix))
+    assert copies is not None
+    seq.num_computed_tokens += num_tokens
+    bm.cache_full_blocks(seq)
+    return copies
+
+
+def test_allocates_on_demand_and_frees_tail_first():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(10))
+    compute(bm, seq, 6)  # a first prefill chunk: 2 blocks, not 3
+    assert seq.block_table == [0, 1]
+    compute(bm, seq, 4)
+    assert seq.block_table == [0, 1, 2]
+    assert bm.free_queue.block_ids() == [3, 4, 5, 6, 7]
+    assert bm.num_used_blocks == 3 and bm.usage == pytest.approx(3 / 8)
+    bm.free(seq)
+    # The partial block 2 holds nothing reusable: it goes first; the cached chain 0 -> 1 is
+    # appended tail first, so block 1 is evicted before block 0.
+    assert bm.free_queue.block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert sorted(bm.cached.values(), key=lambda b: b.block_id) == bm.blocks[:2]
+    bm.check_no_leaks()
+
+
+def test_prefix_hit_reuses_blocks_and_leaves_one_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    first = make_seq(range(12))
+    compute(bm, first, 12)
+    bm.free(first)
+    # The same 12 tokens: 3 cached blocks, but the last token must be computed for logits.
+    again = make_seq(range(12), "again")
+    hits = bm.find_cached_prefix(again)
+    assert [b.block_id for b in hits] == [0, 1]
+    # A different tail after 8 shared tokens.
+    other = make_seq([*range(8), 99, 98, 97], "other")
+    hits = bm.find_cached_prefix(other)
+    assert [b.block_id for b in hits] == [0, 1]
+    compute(bm, other, 3, hits)
+    assert other.num_computed_tokens == 11
+    assert other.block_table[:2] == [0, 1]
+    assert [bm.blocks[i].ref_count for i in other.block_table] == [1, 1, 1]
+    # The revived blocks left the free queue; the new block came from its front.
+    assert 0 not in bm.free_queue.block_ids() and 1 not in bm.free_queue.block_ids()
+    bm.free(other)
+    bm.check_no_leaks()
+
+
+def test_shared_blocks_are_ref_counted():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    a = make_seq([*range(8), 1], "a")
+    compute(bm, a, 9)
+    b = make_seq([*range(8), 2], "b")
+    hits = bm.find_cached_prefix(b)
+    compute(bm, b, 1, hits)
+    assert [bm.blocks[i].ref_count for i in (0, 1)] == [2, 2]
+    bm.free(a)
+    assert [bm.blocks[i].ref_count for i in (0, 1)] == [1, 1]
+    assert 0 not in bm.free_queue.block_ids()
+    bm.free(b)
+    bm.check_no_leaks()
+
+
+def test_lru_eviction_drops_the_hash():
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(8))
+    compute(bm, seq, 8)
+    bm.free(seq)
+    assert bm.free_queue.block_ids() == [2, 3, 1, 0]
+    big = make_seq(range(100, 112), "big")  # needs 3 blocks: takes 2, 3, then evicts 1
+    compute(bm, big, 12)
+    assert big.block_table == [2, 3, 1]
+    assert bm.blocks[1].block_hash != hash_block(bm.blocks[0].block_hash, list(range(4, 8)))
+    probe = make_seq(range(9), "probe")
+    assert [b.block_id for b in bm.find_cached_prefix(probe)] == [0]
+    bm.free(big)
+    bm.check_no_leaks()
+
+
+def test_allocation_that_does_not_fit_changes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=BS, enable_prefix_caching=True)
+    a = make_seq(range(8), "a")
+    compute(bm, a, 8)
+    b = make_seq(range(50, 58), "b")
+    assert bm.allocate(b, 8) is None
+    assert b.block_table == [] and bm.free_queue.block_ids() == [2]
+    bm.free(a)
+    bm.check_no_leaks()
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    parent = make_seq(range(6))
+    compute(bm, parent, 6)  # blocks 0 (full) and 1 (2 of 4 slots)
+    child = parent.fork(1, None)
+    bm.fork(child)
+    assert [bm.blocks[i].ref_count for i in (0, 1)] == [2, 2]
+    child.token_ids.append(7)
+    copies = bm.allocate(child, 1)  # writes slot 2 of block 1, which the parent shares
+    assert copies == [(1, 2)]
+    assert child.block_table == [0, 2]
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2)] == [2, 1, 1]
+    parent.token_ids.append(8)
+    assert bm.allocate(parent, 1) == []  # now sole owner of block 1: writes in place
+    bm.free(parent)
+    bm.free(child)
+    bm.check_no_leaks()
+
+
+def test_prefix_caching_off_caches_nothing():
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    seq = make_seq(range(8))
+    compute(bm, seq, 8)
+    bm.free(seq)
+    assert bm.cached == {} and bm.find_cached_prefix(make_seq(range(8), "x")) == []
+    bm.check_no_leaks()
+
+
+def test_hash_chain_covers_the_parent():
+    first = hash_block(None, [1, 2, 3, 4])
+    assert hash_block(first, [5, 6, 7, 8]) != hash_block(hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 4]) == first

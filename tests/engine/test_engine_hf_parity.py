@@ -1,0 +1,86 @@
+"""Greedy parity with Hugging Face transformers on the same GGUF file, float32 on the CPU.
+
+Token ids must be equal. The one allowed difference is a genuine near-tie: at the first
+differing position the two candidates' logits in the reference differ by less than 1e-3
+(float32 summation order may then flip the argmax); that sequence is not compared further,
+and at least 90% of sequences must match to the end.
+"""
+
+import pytest
+import torch
+
+from pagefleet_serve import SamplingParams
+from pagefleet_serve.model.loader import builtin_gguf_path
+
+MAX_NEW_TOKENS = 48
+NEAR_TIE = 1e-3
+GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = builtin_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(chat_prompts):
+    from pagefleet_serve.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin://smollm2-135m")
+    return [tokenizer.encode(p, add_special_tokens=False) for p in chat_prompts]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompt_ids):
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            generated = hf_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=2,
+            )
+            outputs.append(generated[0, len(ids) :].tolist())
+    return outputs
+
+
+def check_parity(hf_model, prompt_ids, reference, ours):
+    """Asserts the parity rule; returns the number of sequences that match to the end."""
+    full_matches = 0
+    for ids, ref, got in zip(prompt_ids, reference, ours, strict=True):
+        if got == ref:
+            full_matches += 1
+            continue
+        pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+        assert pos is not None, f"lengths differ without a differing token: {ref} vs {got}"
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([ids + ref[:pos]])).logits[0, -1]
+        gap = abs(float(logits[ref[pos]] - logits[got[pos]]))
+        assert gap < NEAR_TIE, (
+            f"token {pos} differs ({ref[pos]} vs {got[pos]}) and is not a near-tie "
+            f"(reference logit gap {gap:.2e})"
+        )
+    assert full_matches >= 0.9 * len(reference), f"only {full_matches}/{len(reference)} match"
+    return full_matches
+
+
+def test_greedy_parity_one_request_at_a_time(make_llm, hf_model, prompt_ids, reference):
+    llm = make_llm(max_model_len=512, kv_cache_memory_bytes=256 << 20)
+    ours = [llm.generate(ids, GREEDY)[0].outputs[0].token_ids for ids in prompt_ids]
+    check_parity(hf_model, prompt_ids, reference, ours)
+
+
+def test_greedy_parity_continuously_batched_with_prefix_cache_and_preemption(
+    make_llm, hf_model, prompt_ids, reference, kv_bytes_for_blocks
+):
+    # 40 blocks (640 tokens) cannot hold 20 sequences of ~110 tokens: preemption must happen.
+    llm = make_llm(max_model_len=256, kv_cache_memory_bytes=kv_bytes_for_blocks(40),
+                   enable_prefix_caching=True, max_num_batched_tokens=512)
+    results = llm.generate(prompt_ids, GREEDY)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions >= 1
+    assert stats.prefix_cache_hits > 0  # the shared system prompt was reused
+    check_parity(hf_model, prompt_ids, reference, [r.outputs[0].token_ids for r in results])

@@ -1,0 +1,126 @@
+"""The autoscaling decision, as tables: (replicas, samples over time, policy) -> replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagefleet_operator.autoscale import PodSample, Recommendation, decide
+from pagefleet_operator.spec import AutoscalingSpec
+
+POLICY = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=8)
+
+
+def pods(*loads, starting: int = 0, unscraped: int = 0) -> list[PodSample]:
+    """One ready pod per (kv, waiting) pair, plus starting and unscrapable ones."""
+    samples = [PodSample(f"p{i}", True, kv, waiting) for i, (kv, waiting) in enumerate(loads)]
+    samples += [PodSample(f"s{i}", False) for i in range(starting)]
+    samples += [PodSample(f"u{i}", True) for i in range(unscraped)]
+    return samples
+
+
+def run(current, rounds, policy=POLICY, interval=15.0):
+    """Feed rounds of samples `interval` seconds apart, scaling as decided; return replicas."""
+    history: tuple = ()
+    trace = []
+    for i, samples in enumerate(rounds):
+        samples = samples(current) if callable(samples) else samples
+        decision = decide(current, samples, policy, history, now=1000.0 + i * interval)
+        history, current = decision.history, decision.replicas
+        trace.append(current)
+    return trace
+
+
+@pytest.mark.parametrize(
+    ("current", "samples", "expected", "reason_start"),
+    [
+        # Steady: 2 pods at 60% KV with a short queue stay at 2.
+        (2, pods((0.6, 1), (0.6, 1)), 2, "hold 2"),
+        # KV pressure: ceil(2 x 0.95 / 0.8) = 3.
+        (2, pods((0.95, 0), (0.95, 0)), 3, "scale up 2 -> 3"),
+        # Queue pressure: ceil(20 / 4) = 5, but at most doubling: 4.
+        (2, pods((0.3, 10), (0.3, 10)), 4, "scale up 2 -> 4"),
+        # Bounded by maxReplicas.
+        (6, pods(*[(1.0, 50)] * 6), 8, "scale up 6 -> 8"),
+        # Idle with an empty window: down to the recommendation, bounded by minReplicas.
+        (3, pods((0.0, 0), (0.0, 0), (0.0, 0)), 1, "scale down 3 -> 1"),
+        # Exactly at target is not over it (1.0000000000000002 must not round up).
+        (2, pods((0.4, 0), (0.4, 0)), 1, "scale down 2 -> 1"),
+        # No metrics at all: hold.
+        (2, pods(unscraped=2), 2, "hold 2"),
+        # Below minReplicas (e.g. set by hand): raised to the minimum.
+        (0, [], 1, "scale up 0 -> 1"),
+    ],
+)
+def test_single_decision(current, samples, expected, reason_start):
+    decision = decide(current, samples, POLICY, (), now=0.0)
+    assert decision.replicas == expected
+    assert decision.reason.startswith(reason_start), decision.reason
+
+
+def test_disabled_autoscaling_never_changes_replicas():
+    policy = AutoscalingSpec(enabled=False)
+    decision = decide(3, pods((1.0, 100)), policy, (), now=0.0)
+    assert (decision.replicas, decision.reason) == (3, "autoscaling is disabled")
+
+
+def test_spike_scales_up_at_once_then_down_only_after_the_window():
+    spike = [pods((0.95, 12), (0.95, 12))] * 2
+    idle = [lambda n: pods(*[(0.1, 0)] * n)] * 30  # 30 rounds x 15 s = 450 s > 300 s window
+    trace = run(2, spike + idle)
+    assert trace[:2] == [4, 6]  # doubling, then the queue's 6 (24 waiting / 4)
+    # Idle starts at t=30 s; the spike's recommendations leave the 300 s window at t=315 s.
+    first_down = trace.index(min(trace))
+    assert all(r == 6 for r in trace[1:first_down])
+    assert 15 * first_down >= 300
+    assert trace[-1] == 1
+
+
+def test_sawtooth_load_does_not_flap():
+    # A fixed amount of work spread over however many pods run: peaks need 3 replicas.
+    busy = lambda n: pods(*[(1.8 / n, 12 / n)] * n)  # noqa: E731
+    quiet = lambda n: pods(*[(0.2 / n, 0)] * n)  # noqa: E731
+    trace = run(2, [busy, quiet] * 15)
+    # Up to meet the peak once, then steady: the window always holds a busy round.
+    assert trace == [3] * 30
+
+
+def test_scale_up_stabilization_takes_the_lowest_recent_recommendation():
+    policy = AutoscalingSpec(enabled=True, max_replicas=8, scale_up_stabilization_seconds=60)
+    steady, busy = pods((0.5, 0), (0.5, 0)), pods((0.95, 0), (0.95, 0))
+    trace = run(2, [steady] + [busy] * 5, policy)
+    # The steady round (recommending 2) stays in the 60 s up-window until t=75 s.
+    assert trace == [2, 2, 2, 2, 2, 3]
+
+
+def test_scrape_failures_do_not_count_as_idle():
+    # One pod idle, one unreachable: no scale-down on missing data.
+    decision = decide(2, pods((0.0, 0), unscraped=1), POLICY, (), now=0.0)
+    assert decision.replicas == 2
+    assert "only 1/2 pods report metrics" in decision.reason
+    # ...but what was scraped can still drive a scale-up.
+    decision = decide(2, pods((1.0, 20), unscraped=1), POLICY, (), now=0.0)
+    assert decision.replicas == 4
+
+
+def test_starting_pods_are_not_capacity():
+    # Scaled to 4, two still starting: the two ready ones' load is what counts,
+    # and the recommendation cannot drop below the replicas already ordered.
+    decision = decide(4, pods((0.9, 0), (0.9, 0), starting=2), POLICY, (), now=0.0)
+    assert decision.replicas == 4
+    assert decision.scraped_pods == 2
+
+
+def test_history_is_trimmed_to_the_longest_window():
+    old = (Recommendation(0.0, 5), Recommendation(950.0, 3))
+    decision = decide(2, pods((0.5, 0), (0.5, 0)), POLICY, old, now=1000.0)
+    assert [h.time for h in decision.history] == [950.0, 1000.0]
+    # The 3 from 50 s ago is still in the scale-down window: no change from 2 upward
+    # is recommended now, so it holds.
+    assert decision.replicas == 2
+
+
+def test_observation_is_reported():
+    decision = decide(2, pods((0.5, 3), (0.7, 2)), POLICY, (), now=0.0)
+    assert decision.kv_cache_usage == pytest.approx(0.6)
+    assert decision.queue_depth == 5
+    assert (decision.scraped_pods, decision.unscraped_pods) == (2, 0)

@@ -1,0 +1,262 @@
+"""Pure builders: spec -> Deployment, Service, Ingress, PodDisruptionBudget."""
+
+from __future__ import annotations
+
+import pytest
+from operator_samples import DEFAULT_IMAGE, example_body, make_body
+
+from pagefleet_operator.deployment import get_deployment
+from pagefleet_operator.desired import get_desired_objects
+from pagefleet_operator.env import get_env
+from pagefleet_operator.ingress import get_ingress
+from pagefleet_operator.names import TEMPLATE_HASH_LABEL
+from pagefleet_operator.pdb import get_pdb
+from pagefleet_operator.service import get_service, get_url
+from pagefleet_operator.spec import SpecError, parse_spec
+
+BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
+
+
+def parsed(body):
+    return parse_spec(body["spec"], default_image=DEFAULT_IMAGE)
+
+
+def env_of(body) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in get_env(parsed(body))}
+
+
+def container_of(body) -> dict:
+    return get_deployment(body, parsed(body))["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        ({}, {"PAGEFLEET_MODEL": "builtin://smollm2-135m", "PAGEFLEET_HOST": "0.0.0.0"}),
+        ({"maxNumSeqs": 64}, {"PAGEFLEET_MAX_NUM_SEQS": "64"}),
+        ({"enablePrefixCaching": False}, {"PAGEFLEET_ENABLE_PREFIX_CACHING": "false"}),
+        ({"kvCacheMemory": "2GiB"}, {"PAGEFLEET_KV_CACHE_MEMORY": "2GiB"}),
+        ({"gpuMemoryUtilization": 0.9}, {"PAGEFLEET_GPU_MEMORY_UTILIZATION": "0.9"}),
+        ({"kvCacheDtype": "fp8", "blockSize": 32}, {"PAGEFLEET_KV_CACHE_DTYPE": "fp8", "PAGEFLEET_BLOCK_SIZE": "32"}),
+        ({"shutdownTimeoutSeconds": 90}, {"PAGEFLEET_SHUTDOWN_TIMEOUT": "90"}),
+        ({}, {"PAGEFLEET_PORT": "8000", "PAGEFLEET_SERVED_MODEL_NAME": "smollm2-135m"}),
+        # A user env entry replaces the operator's own.
+        ({"env": [{"name": "PAGEFLEET_HOST", "value": "::"}]}, {"PAGEFLEET_HOST": "::"}),
+        (
+            {"apiKeySecretRef": {"name": "keys", "key": "api"}},
+            {"PAGEFLEET_API_KEY": {"secretKeyRef": {"name": "keys", "key": "api"}}},
+        ),
+    ],
+)
+def test_engine_settings_become_env_vars(engine, expected):
+    env = env_of(make_body({**BUILTIN, "engine": engine}))
+    assert {k: env.get(k) for k in expected} == expected
+
+
+def test_unset_engine_settings_leave_engine_defaults():
+    env = env_of(make_body(BUILTIN))
+    assert "PAGEFLEET_MAX_NUM_SEQS" not in env and "PAGEFLEET_KV_CACHE_DTYPE" not in env
+
+
+def test_env_names_are_unique_even_with_overrides():
+    body = make_body({**BUILTIN, "engine": {"env": [{"name": "PAGEFLEET_PORT", "value": "8000"}]}})
+    names = [e["name"] for e in get_env(parsed(body))]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize(
+    ("uri", "model_env", "claim"),
+    [
+        ("hf://org/name", "hf://org/name", None),
+        ("file:///models/llama", "file:///models/llama", None),
+        ("pvc://weights/llama/3b", "file:///mnt/models/llama/3b", "weights"),
+        ("pvc://weights", "file:///mnt/models", "weights"),
+    ],
+)
+def test_model_uri_as_the_pod_sees_it(uri, model_env, claim):
+    body = make_body({"model": {"uri": uri}})
+    assert env_of(body)["PAGEFLEET_MODEL"] == model_env
+    volumes = get_deployment(body, parsed(body))["spec"]["template"]["spec"]["volumes"]
+    claims = [v["persistentVolumeClaim"] for v in volumes if v["name"] == "model"]
+    assert claims == ([{"claimName": claim, "readOnly": True}] if claim else [])
+
+
+def test_container_runs_pagefleet_serve_without_a_shell():
+    body = make_body({**BUILTIN, "engine": {"extraArgs": ["--log-level", "debug; rm -rf /"]}})
+    container = container_of(body)
+    assert container["command"] == ["pagefleet", "serve"]
+    assert container["args"] == ["--log-level", "debug; rm -rf /"]
+    assert container["image"] == DEFAULT_IMAGE
+
+
+def test_probes_and_graceful_drain():
+    body = make_body({**BUILTIN, "engine": {"shutdownTimeoutSeconds": 60}})
+    pod = get_deployment(body, parsed(body))["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    prestop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] > prestop + 60
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+
+
+def test_pod_is_locked_down():
+    body = make_body(BUILTIN)
+    pod = get_deployment(body, parsed(body))["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"] == {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    # Every path the engine writes is a volume.
+    assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/tmp", "/var/cache/pagefleet"}
+
+
+@pytest.mark.parametrize(
+    ("model_cache", "volume"),
+    [
+        (None, {"name": "model-cache", "emptyDir": {}}),
+        ({"sizeLimit": "20Gi"}, {"name": "model-cache", "emptyDir": {"sizeLimit": "20Gi"}}),
+        ({"pvcName": "hf"}, {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf"}}),
+    ],
+)
+def test_model_cache_volume(model_cache, volume):
+    spec = {**BUILTIN, **({"modelCache": model_cache} if model_cache else {})}
+    body = make_body(spec)
+    volumes = get_deployment(body, parsed(body))["spec"]["template"]["spec"]["volumes"]
+    assert volume in volumes
+
+
+def test_deployment_shape_and_ownership():
+    body = example_body("llama.yaml")
+    deployment = get_deployment(body, parsed(body))
+    owner = deployment["metadata"]["ownerReferences"][0]
+    assert owner == {
+        "apiVersion": "pagefleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "name": "llama",
+        "uid": "uid-llama",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    template_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= template_labels.items()
+    assert TEMPLATE_HASH_LABEL not in selector  # the selector is immutable
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert deployment["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+@pytest.mark.parametrize(
+    ("change", "rolls"),
+    [
+        ({"engine": {"maxNumSeqs": 8}}, True),
+        ({"model": {"uri": "hf://org/other"}}, True),
+        ({"nodeSelector": {"gpu": "h100"}}, True),
+        ({"replicas": 3}, False),  # scaling is not a rollout
+        ({"autoscaling": {"enabled": True}}, False),
+    ],
+)
+def test_template_hash_changes_exactly_when_pods_must_roll(change, rolls):
+    base = make_body(BUILTIN)
+    changed = make_body({**BUILTIN, **change})
+
+    def hash_of(body):
+        labels = get_deployment(body, parsed(body))["spec"]["template"]["metadata"]["labels"]
+        return labels[TEMPLATE_HASH_LABEL]
+
+    assert (hash_of(base) != hash_of(changed)) is rolls
+
+
+def test_service_and_url():
+    body = make_body(BUILTIN)
+    service = get_service(body, parsed(body))
+    assert service["spec"]["ports"][0]["name"] == "http"
+    assert service["spec"]["ports"][0]["port"] == 8000
+    assert service["spec"]["selector"] == {"pagefleet.dev/inferenceservice": "demo"}
+    assert get_url(body, parsed(body)) == "http://demo.ml.svc.cluster.local:8000"
+
+
+@pytest.mark.parametrize(
+    ("ingress", "url", "tls"),
+    [
+        ({"host": "llm.example.com"}, "http://llm.example.com", None),
+        (
+            {"host": "llm.example.com", "tlsSecretName": "cert", "className": "nginx"},
+            "https://llm.example.com",
+            [{"hosts": ["llm.example.com"], "secretName": "cert"}],
+        ),
+    ],
+)
+def test_ingress_streams_sse(ingress, url, tls):
+    body = make_body({**BUILTIN, "ingress": ingress})
+    obj = get_ingress(body, parsed(body))
+    annotations = obj["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 600
+    assert obj["spec"].get("tls") == tls
+    assert get_url(body, parsed(body)) == url
+    backend = obj["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+    assert backend == {"service": {"name": "demo", "port": {"name": "http"}}}
+
+
+def test_no_ingress_unless_asked():
+    body = make_body(BUILTIN)
+    assert get_ingress(body, parsed(body)) is None
+
+
+@pytest.mark.parametrize(("replicas", "has_pdb"), [(0, False), (1, False), (2, True), (5, True)])
+def test_pdb_only_with_more_than_one_replica(replicas, has_pdb):
+    body = make_body({**BUILTIN, "replicas": replicas})
+    pdb = get_pdb(body, parsed(body))
+    assert (pdb is not None) is has_pdb
+    if pdb:
+        assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_desired_objects_cover_every_managed_kind():
+    body = example_body("smollm2.yaml")
+    desired = get_desired_objects(body, parsed(body))
+    assert desired["Deployment"]["kind"] == "Deployment"
+    assert desired["Service"]["kind"] == "Service"
+    assert desired["Ingress"] is None and desired["PodDisruptionBudget"] is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({}, "model.uri"),
+        ({"model": {"uri": "s3://bucket/model"}}, "model.uri"),
+        ({"model": {"uri": "builtin://gpt-5"}}, "model.uri"),
+        ({"model": {"uri": "pvc://Bad_Claim/x"}}, "model.uri"),
+        ({**BUILTIN, "replicas": -1}, "replicas"),
+        ({**BUILTIN, "replicas": "2"}, "replicas"),
+        ({**BUILTIN, "engine": {"maxNumSeqs": 0}}, "engine.maxNumSeqs"),
+        ({**BUILTIN, "engine": {"maxNumSeqs": True}}, "engine.maxNumSeqs"),
+        ({**BUILTIN, "engine": {"kvCacheDtype": "fp4"}}, "engine.kvCacheDtype"),
+        ({**BUILTIN, "engine": {"gpuMemoryUtilization": 1.5}}, "engine.gpuMemoryUtilization"),
+        ({**BUILTIN, "engine": {"kvCacheMemory": "lots"}}, "engine.kvCacheMemory"),
+        ({**BUILTIN, "engine": {"env": [{"value": "x"}]}}, "engine.env"),
+        ({**BUILTIN, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "autoscaling.minReplicas"),
+        ({**BUILTIN, "autoscaling": {"targetKVCacheUtilization": -0.5}}, "autoscaling.targetKVCacheUtilization"),
+        ({**BUILTIN, "autoscaling": {"targetQueueDepth": -1}}, "autoscaling.targetQueueDepth"),
+        ({**BUILTIN, "modelCache": {"pvcName": "a", "sizeLimit": "1Gi"}}, "modelCache"),
+        ({**BUILTIN, "ingress": {"className": "nginx"}}, "ingress.host"),
+        ({**BUILTIN, "engine": "fast"}, "engine"),
+    ],
+)
+def test_bad_specs_name_the_field(spec, field):
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec, default_image=DEFAULT_IMAGE)
+    assert info.value.field_path == field
+    assert str(info.value).startswith(f"spec.{field}: ")

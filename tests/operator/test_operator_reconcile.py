@@ -1,0 +1,220 @@
+"""reconcile() and autoscale_once() against an in-memory test double of the Kubernetes
+API (FakeKube). It stands in for the API server, not for our code: it stores objects,
+merges patches and counts writes the way the server would."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from operator_samples import DEFAULT_IMAGE, make_body
+
+from pagefleet_operator.autoscale import PodSample
+from pagefleet_operator.kube import KubeError
+from pagefleet_operator.reconcile import reconcile
+from pagefleet_operator.scaler import autoscale_once
+
+BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
+
+
+def merge(base: dict, patch: dict) -> dict:
+    for key, value in patch.items():
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+class FakeKube:
+    def __init__(self, body: dict):
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self.writes: list[tuple[str, str, str]] = []
+        self.fail_apply: KubeError | None = None
+        self.put("InferenceService", body)
+
+    def put(self, kind, obj):
+        obj = copy.deepcopy(obj)
+        obj.setdefault("kind", kind)
+        meta = obj["metadata"]
+        self.objects[(kind, meta["namespace"], meta["name"])] = obj
+
+    def body(self, name="demo"):
+        return copy.deepcopy(self.objects[("InferenceService", "ml", name)])
+
+    def get(self, kind, namespace, name):
+        return copy.deepcopy(self.objects.get((kind, namespace, name)))
+
+    def list(self, kind, namespace, labels):
+        return [
+            copy.deepcopy(o)
+            for (k, ns, _), o in self.objects.items()
+            if k == kind and ns == namespace
+            and labels.items() <= o["metadata"].get("labels", {}).items()
+        ]
+
+    def apply(self, obj):
+        if self.fail_apply:
+            raise self.fail_apply
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        self.writes.append(("apply", obj["kind"], obj["metadata"]["name"]))
+        stored = self.objects.get(key)
+        if stored is None:
+            stored = {"status": {}}
+        # Server-side apply replaces what we own; lists are replaced wholesale here.
+        stored.update(copy.deepcopy({k: v for k, v in obj.items()}))
+        self.objects[key] = stored
+        return stored
+
+    def delete(self, kind, namespace, name):
+        self.writes.append(("delete", kind, name))
+        self.objects.pop((kind, namespace, name), None)
+
+    def patch_status(self, namespace, name, status):
+        self.writes.append(("status", "InferenceService", name))
+        merge(self.objects[("InferenceService", namespace, name)].setdefault("status", {}), status)
+
+    def scale(self, namespace, name, replicas):
+        self.writes.append(("scale", "InferenceService", name))
+        self.objects[("InferenceService", namespace, name)]["spec"]["replicas"] = replicas
+
+    def mark_deployment_ready(self, ready: int):
+        deployment = self.objects[("Deployment", "ml", "demo")]
+        deployment["status"] = {
+            "observedGeneration": deployment["metadata"].get("generation", 0),
+            "replicas": ready,
+            "updatedReplicas": ready,
+            "readyReplicas": ready,
+        }
+
+
+def run(kube: FakeKube):
+    kube.writes.clear()
+    return reconcile(kube, kube.body(), default_image=DEFAULT_IMAGE, now=lambda: "T")
+
+
+def condition(kube, kind):
+    conditions = kube.body()["status"]["conditions"]
+    return next(c for c in conditions if c["type"] == kind)
+
+
+def test_lifecycle_create_ready_update_idempotent():
+    kube = FakeKube(make_body(BUILTIN))
+    outcome = run(kube)
+    assert [o["kind"] for o in outcome.plan.to_create] == ["Deployment", "Service"]
+    for kind in ("Deployment", "Service"):
+        ref = kube.get(kind, "ml", "demo")["metadata"]["ownerReferences"][0]
+        assert (ref["uid"], ref["controller"]) == ("uid-demo", True)
+    assert condition(kube, "Progressing")["status"] == "True"
+    assert condition(kube, "Ready")["status"] == "False"
+
+    kube.mark_deployment_ready(1)
+    run(kube)
+    ready = condition(kube, "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "Serving")
+    status = kube.body()["status"]
+    assert status["url"] == "http://demo.ml.svc.cluster.local:8000"
+    assert (status["ready"], status["readyReplicas"]) == ("1/1", 1)
+    assert status["selector"] == "pagefleet.dev/inferenceservice=demo"
+
+    # Unchanged resource: no writes at all.
+    run(kube)
+    assert kube.writes == []
+
+    # A spec change updates the Deployment and nothing else (plus the status).
+    kube.objects[("InferenceService", "ml", "demo")]["spec"]["engine"] = {"maxNumSeqs": 8}
+    run(kube)
+    assert [w for w in kube.writes if w[0] != "status"] == [("apply", "Deployment", "demo")]
+
+
+def test_manual_drift_is_put_back():
+    kube = FakeKube(make_body(BUILTIN))
+    run(kube)
+    kube.objects[("Deployment", "ml", "demo")]["spec"]["replicas"] = 7
+    run(kube)
+    assert ("apply", "Deployment", "demo") in kube.writes
+    assert kube.get("Deployment", "ml", "demo")["spec"]["replicas"] == 1
+
+
+def test_replicas_add_and_remove_the_pdb():
+    kube = FakeKube(make_body({**BUILTIN, "replicas": 3}))
+    run(kube)
+    assert kube.get("PodDisruptionBudget", "ml", "demo") is not None
+    kube.objects[("InferenceService", "ml", "demo")]["spec"]["replicas"] = 1
+    run(kube)
+    assert ("delete", "PodDisruptionBudget", "demo") in kube.writes
+    assert kube.get("PodDisruptionBudget", "ml", "demo") is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason", "words"),
+    [
+        ({"model": {"uri": "s3://x/y"}}, "InvalidSpec", "spec.model.uri"),
+        ({**BUILTIN, "autoscaling": {"minReplicas": 3, "maxReplicas": 1}}, "InvalidSpec", "minReplicas"),
+        ({"model": {"uri": "pvc://weights/llama"}}, "PVCNotFound", "'weights'"),
+        ({**BUILTIN, "modelCache": {"pvcName": "cache"}}, "PVCNotFound", "modelCache.pvcName"),
+    ],
+)
+def test_unsatisfiable_spec_is_degraded_not_a_crash(spec, reason, words):
+    kube = FakeKube(make_body(spec))
+    outcome = run(kube)
+    degraded = condition(kube, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", reason)
+    assert words in degraded["message"]
+    assert outcome.new_problem
+    assert [w for w in kube.writes if w[0] != "status"] == []
+    # Reported once: the same problem again is not new (no second Event).
+    assert not run(kube).new_problem
+
+
+def test_problem_clears_when_the_pvc_appears():
+    kube = FakeKube(make_body({"model": {"uri": "pvc://weights/llama"}}))
+    run(kube)
+    kube.put("PersistentVolumeClaim", {"metadata": {"name": "weights", "namespace": "ml"}})
+    run(kube)
+    assert condition(kube, "Degraded")["status"] == "False"
+    assert kube.get("Deployment", "ml", "demo") is not None
+
+
+def test_someone_elses_service_is_a_conflict():
+    kube = FakeKube(make_body(BUILTIN))
+    kube.put("Service", {"metadata": {"name": "demo", "namespace": "ml"}, "spec": {}})
+    run(kube)
+    assert condition(kube, "Degraded")["reason"] == "NameConflict"
+    assert kube.get("Service", "ml", "demo")["spec"] == {}
+
+
+def test_refused_object_is_degraded_but_transient_errors_raise():
+    kube = FakeKube(make_body(BUILTIN))
+    kube.fail_apply = KubeError(422, "Deployment.apps is invalid")
+    run(kube)
+    assert condition(kube, "Degraded")["reason"] == "ApplyFailed"
+    kube.fail_apply = KubeError(503, "etcd is sad")
+    with pytest.raises(KubeError):
+        run(kube)
+
+
+def test_autoscale_once_scales_through_the_scale_subresource():
+    spec = {**BUILTIN, "replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 6}}
+    kube = FakeKube(make_body(spec))
+    busy = [PodSample("a", True, 0.95, 10), PodSample("b", True, 0.95, 10)]
+    decision = autoscale_once(
+        kube, kube.body(), default_image=DEFAULT_IMAGE, scrape=lambda _: busy, clock=lambda: 1e9
+    )
+    assert decision.replicas == 4
+    assert kube.body()["spec"]["replicas"] == 4
+    observed = kube.body()["status"]["autoscaler"]
+    assert observed["kvCacheUsagePercent"] == 95
+    assert observed["queueDepth"] == 20
+    assert observed["lastScaleReason"].startswith("scale up 2 -> 4")
+    assert observed["recentRecommendations"] == [{"time": "2001-09-09T01:46:40Z", "replicas": 5}]
+
+
+def test_autoscale_once_ignores_disabled_and_invalid():
+    kube = FakeKube(make_body(BUILTIN))
+    assert autoscale_once(kube, kube.body(), default_image=DEFAULT_IMAGE, scrape=list) is None
+    kube = FakeKube(make_body({"model": {}}))
+    assert autoscale_once(kube, kube.body(), default_image=DEFAULT_IMAGE, scrape=list) is None
+    assert kube.writes == []
