@@ -35,4 +35,4 @@ format: install
 bench: bench-offline
 
 bench-offline: install
-	$(VENV)/bin/pagefleet bench offline --output bench-offline.json
+	$(PY) benchmarks/bench_offline.py --output bench-offline.json

@@ -31,6 +31,21 @@ class Request:
     arrival_time: float
 
 
+class ContextLengthError(ValueError):
+    """The prompt plus max_tokens does not fit the model's context; carries the numbers so
+    the API can word the error its own way."""
+
+    def __init__(self, max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> None:
+        self.max_model_len = max_model_len
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        super().__init__(
+            f"prompt: this model's maximum context length is {max_model_len} tokens, "
+            f"but {num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for max_tokens)"
+        )
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -41,6 +56,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_kv_tokens: int  # tokens whose K/V the running sequences hold in their blocks
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,13 +135,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt: this model's maximum context length is {self.max_model_len} tokens, "
-                f"but {total} were requested ({len(prompt_token_ids)} in the prompt, "
-                f"{params.max_tokens} for max_tokens)"
-            )
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(self.max_model_len, len(prompt_token_ids), params.max_tokens)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({self.config.max_num_seqs})")
         return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
@@ -194,4 +205,5 @@ class LLMEngine:
             num_blocks=bm.num_blocks, num_used_blocks=bm.num_used_blocks,
             kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
         )
