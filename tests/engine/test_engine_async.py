@@ -1,0 +1,115 @@
+"""The background step loop: token-by-token outputs, aborts by leaving the iterator, and
+failures that fail only the affected requests (then mark the engine dead)."""
+
+import asyncio
+
+import pytest
+
+from pagefleet_serve import SamplingParams
+from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from pagefleet_serve.engine.llm_engine import LLMEngine
+
+PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine():
+    async_engine = AsyncEngine(LLMEngine(EngineConfig(
+        model="builtin://tiny-random", max_model_len=256, kv_cache_memory_bytes=4 << 20,
+        block_size=4)))
+    yield async_engine
+    async_engine.shutdown()
+
+
+async def collect(engine, request_id, prompt, params=PARAMS, stop_after=None):
+    outputs = []
+    async for out in engine.generate(request_id, prompt, params):
+        outputs.append(out)
+        if stop_after is not None and len(outputs) >= stop_after:
+            break
+    return outputs
+
+
+async def wait_until(predicate, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_streams_one_token_per_step_and_matches_offline(engine):
+    async def main():
+        results = await asyncio.gather(*[collect(engine, f"r{i}", [3, 4, 5 + i]) for i in range(4)])
+        for outputs in results:
+            assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 20
+            assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+        return results
+
+    results = asyncio.run(main())
+    offline = engine.engine
+    offline.add_request("again", [3, 4, 5], PARAMS)
+    tokens = []
+    while offline.has_unfinished_requests():
+        tokens += [t for o in offline.step() for t in o.outputs[0].token_ids]
+    assert tokens == [t for o in results[0] for t in o.outputs[0].token_ids]
+
+
+def test_leaving_the_iterator_aborts_and_frees_blocks(engine):
+    async def main():
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        outputs = await collect(engine, "quitter", list(range(10, 40)), long, stop_after=3)
+        assert len(outputs) == 3
+        await wait_until(lambda: engine.stats.num_used_blocks == 0 and engine.stats.num_running == 0)
+
+    asyncio.run(main())
+    engine.engine.block_manager.check_no_leaks()
+
+
+def test_bad_input_raises_before_queueing(engine):
+    async def main():
+        with pytest.raises(ValueError, match="prompt"):
+            await collect(engine, "empty", [])
+        assert len(await collect(engine, "fine", [1, 2])) == 20
+
+    asyncio.run(main())
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch):
+    runner = engine.engine.runner
+    real_execute = runner.execute
+    failures = {"left": 1}
+
+    def flaky(step):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("device fell over")
+        return real_execute(step)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+
+    async def main():
+        failed = await collect(engine, "victim", [1, 2, 3])
+        assert failed[-1].finished and failed[-1].error and "device fell over" in failed[-1].error
+        assert engine.is_healthy
+        assert len(await collect(engine, "survivor", [1, 2, 3])) == 20
+
+    asyncio.run(main())
+    engine.engine.block_manager.check_no_leaks()
+
+
+def test_repeated_failures_mark_the_engine_dead(engine, monkeypatch):
+    def broken(step):
+        raise RuntimeError("gone for good")
+
+    monkeypatch.setattr(engine.engine.runner, "execute", broken)
+
+    async def main():
+        for i in range(AsyncEngine.MAX_CONSECUTIVE_FAILURES):
+            out = await collect(engine, f"r{i}", [1, 2, 3])
+            assert out[-1].error
+        await wait_until(lambda: not engine.is_healthy)
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "late", [1, 2, 3])
+
+    asyncio.run(main())
