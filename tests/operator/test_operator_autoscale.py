@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pagefleet_operator.autoscale import PodSample, Recommendation, decide
 from pagefleet_operator.spec import AutoscalingSpec
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from operator_samples import DEFAULT_IMAGE, example_body, make_body
-
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.env import get_env
@@ -37,7 +36,10 @@ def container_of(body) -> dict:
         ({"enablePrefixCaching": False}, {"PAGEFLEET_ENABLE_PREFIX_CACHING": "false"}),
         ({"kvCacheMemory": "2GiB"}, {"PAGEFLEET_KV_CACHE_MEMORY": "2GiB"}),
         ({"gpuMemoryUtilization": 0.9}, {"PAGEFLEET_GPU_MEMORY_UTILIZATION": "0.9"}),
-        ({"kvCacheDtype": "fp8", "blockSize": 32}, {"PAGEFLEET_KV_CACHE_DTYPE": "fp8", "PAGEFLEET_BLOCK_SIZE": "32"}),
+        (
+            {"kvCacheDtype": "fp8", "blockSize": 32},
+            {"PAGEFLEET_KV_CACHE_DTYPE": "fp8", "PAGEFLEET_BLOCK_SIZE": "32"},
+        ),
         ({"shutdownTimeoutSeconds": 90}, {"PAGEFLEET_SHUTDOWN_TIMEOUT": "90"}),
         ({}, {"PAGEFLEET_PORT": "8000", "PAGEFLEET_SERVED_MODEL_NAME": "smollm2-135m"}),
         # A user env entry replaces the operator's own.
@@ -247,8 +249,14 @@ def test_desired_objects_cover_every_managed_kind():
         ({**BUILTIN, "engine": {"gpuMemoryUtilization": 1.5}}, "engine.gpuMemoryUtilization"),
         ({**BUILTIN, "engine": {"kvCacheMemory": "lots"}}, "engine.kvCacheMemory"),
         ({**BUILTIN, "engine": {"env": [{"value": "x"}]}}, "engine.env"),
-        ({**BUILTIN, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "autoscaling.minReplicas"),
-        ({**BUILTIN, "autoscaling": {"targetKVCacheUtilization": -0.5}}, "autoscaling.targetKVCacheUtilization"),
+        (
+            {**BUILTIN, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+            "autoscaling.minReplicas",
+        ),
+        (
+            {**BUILTIN, "autoscaling": {"targetKVCacheUtilization": -0.5}},
+            "autoscaling.targetKVCacheUtilization",
+        ),
         ({**BUILTIN, "autoscaling": {"targetQueueDepth": -1}}, "autoscaling.targetQueueDepth"),
         ({**BUILTIN, "modelCache": {"pvcName": "a", "sizeLimit": "1Gi"}}, "modelCache"),
         ({**BUILTIN, "ingress": {"className": "nginx"}}, "ingress.host"),

@@ -13,7 +13,6 @@ import copy
 
 import pytest
 from operator_samples import CRD_PATH, DEFAULT_IMAGE, EXAMPLES, load_yaml, make_body
-
 from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.spec import parse_spec
 
@@ -154,7 +153,10 @@ def test_defaults_are_filled():
         ({**BUILTIN, "autoscaling": {"targetKVCacheUtilization": -0.2}}, "minimum"),
         ({**BUILTIN, "autoscaling": {"targetKVCacheUtilization": 0}}, "minimum"),
         ({**BUILTIN, "autoscaling": {"targetQueueDepth": -4}}, "less than the minimum"),
-        ({**BUILTIN, "autoscaling": {"scaleDownStabilizationSeconds": -1}}, "less than the minimum"),
+        (
+            {**BUILTIN, "autoscaling": {"scaleDownStabilizationSeconds": -1}},
+            "less than the minimum",
+        ),
         ({**BUILTIN, "replicas": -1}, "less than the minimum"),
         ({**BUILTIN, "engine": {"kvCacheDtype": "fp4"}}, "is not one of"),
         ({**BUILTIN, "engine": {"gpuMemoryUtilization": 1.2}}, "maximum"),

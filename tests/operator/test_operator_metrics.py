@@ -6,7 +6,6 @@ import http.server
 import threading
 
 import pytest
-
 from pagefleet_operator.metrics import (
     MetricsError,
     get_metrics_url,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 from pagefleet_operator.plan import Plan, contains, is_drifted, plan
 
 OWNER = "uid-1"
@@ -30,7 +29,9 @@ def as_served(desired: dict) -> dict:
     return served
 
 
-DEPLOYMENT = obj("Deployment", {"replicas": 2, "template": {"containers": [{"name": "s", "args": []}]}})
+DEPLOYMENT = obj(
+    "Deployment", {"replicas": 2, "template": {"containers": [{"name": "s", "args": []}]}}
+)
 SERVICE = obj("Service", {"ports": [{"port": 8000}]})
 PDB = obj("PodDisruptionBudget", {"maxUnavailable": 1})
 
@@ -88,7 +89,11 @@ def test_plan(desired, observed, expected):
         ({"l": [1, 2]}, {"l": [1]}, False),
         ({"l": [{"n": 1, "d": 0}]}, {"l": [{"n": 1}]}, True),
         # The API server canonicalises quantities.
-        ({"limits": {"cpu": "1", "memory": "1Gi"}}, {"limits": {"cpu": "1000m", "memory": "1024Mi"}}, True),
+        (
+            {"limits": {"cpu": "1", "memory": "1Gi"}},
+            {"limits": {"cpu": "1000m", "memory": "1024Mi"}},
+            True,
+        ),
         ({"requests": {"nvidia.com/gpu": "1"}}, {"requests": {"nvidia.com/gpu": 1}}, True),
         ({"limits": {"cpu": "2"}}, {"limits": {"cpu": "1"}}, False),
         ({"emptyDir": {"sizeLimit": "20Gi"}}, {"emptyDir": {"sizeLimit": "20480Mi"}}, True),

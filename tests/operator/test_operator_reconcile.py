@@ -8,7 +8,6 @@ import copy
 
 import pytest
 from operator_samples import DEFAULT_IMAGE, make_body
-
 from pagefleet_operator.autoscale import PodSample
 from pagefleet_operator.kube import KubeError
 from pagefleet_operator.reconcile import reconcile
@@ -51,7 +50,8 @@ class FakeKube:
         return [
             copy.deepcopy(o)
             for (k, ns, _), o in self.objects.items()
-            if k == kind and ns == namespace
+            if k == kind
+            and ns == namespace
             and labels.items() <= o["metadata"].get("labels", {}).items()
         ]
 
@@ -152,7 +152,11 @@ def test_replicas_add_and_remove_the_pdb():
     ("spec", "reason", "words"),
     [
         ({"model": {"uri": "s3://x/y"}}, "InvalidSpec", "spec.model.uri"),
-        ({**BUILTIN, "autoscaling": {"minReplicas": 3, "maxReplicas": 1}}, "InvalidSpec", "minReplicas"),
+        (
+            {**BUILTIN, "autoscaling": {"minReplicas": 3, "maxReplicas": 1}},
+            "InvalidSpec",
+            "minReplicas",
+        ),
         ({"model": {"uri": "pvc://weights/llama"}}, "PVCNotFound", "'weights'"),
         ({**BUILTIN, "modelCache": {"pvcName": "cache"}}, "PVCNotFound", "modelCache.pvcName"),
     ],

@@ -1,0 +1,126 @@
+"""The autoscaling decision: a pure function of replicas, scraped samples, policy and time.
+
+Recommendation = max(ceil(ready x meanKV / targetKV), ceil(totalWaiting / targetQueueDepth)),
+clamped to [minReplicas, maxReplicas]. Like the HPA, a scale-up goes to the lowest
+recommendation of the scale-up window (at most doubling), and a scale-down only to the
+highest recommendation of the scale-down window, so a sawtooth load does not flap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .spec import AutoscalingSpec
+
+
+@dataclass(frozen=True)
+class PodSample:
+    pod: str
+    ready: bool
+    # None when the pod is ready but its /metrics could not be read or parsed.
+    kv_cache_usage: float | None = None
+    num_requests_waiting: float | None = None
+
+    @property
+    def scraped(self) -> bool:
+        return self.kv_cache_usage is not None and self.num_requests_waiting is not None
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    time: float  # seconds since the epoch
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    current: int
+    replicas: int
+    reason: str
+    recommended: int
+    history: tuple[Recommendation, ...]
+    kv_cache_usage: float | None = None  # mean over scraped pods
+    queue_depth: int | None = None  # total waiting over scraped pods
+    scraped_pods: int = 0
+    unscraped_pods: int = 0
+
+    @property
+    def scaled(self) -> bool:
+        return self.replicas != self.current
+
+
+def _ceil(value: float) -> int:
+    # 2 * 0.4 / 0.8 is 1.0000000000000002 in floating point; that must not mean 2 replicas.
+    return math.ceil(round(value, 6))
+
+
+def _clamp(replicas: int, policy: AutoscalingSpec) -> int:
+    return max(policy.min_replicas, min(policy.max_replicas, replicas))
+
+
+def decide(
+    current: int,
+    samples: Sequence[PodSample],
+    policy: AutoscalingSpec,
+    history: Sequence[Recommendation],
+    now: float,
+) -> Decision:
+    if not policy.enabled:
+        return Decision(current, current, "autoscaling is disabled", current, tuple(history))
+
+    ready = [s for s in samples if s.ready]
+    scraped = [s for s in ready if s.scraped]
+    unscraped = len(ready) - len(scraped)
+    observed = {"scraped_pods": len(scraped), "unscraped_pods": unscraped}
+
+    if scraped:
+        mean_kv = sum(s.kv_cache_usage for s in scraped) / len(scraped)
+        waiting = round(sum(s.num_requests_waiting for s in scraped))
+        by_kv = _ceil(len(scraped) * mean_kv / policy.target_kv_cache_utilization)
+        by_queue = _ceil(waiting / policy.target_queue_depth)
+        raw = max(by_kv, by_queue)
+        why = (
+            f"KV cache {mean_kv:.0%} on {len(scraped)} pod(s) (target "
+            f"{policy.target_kv_cache_utilization:.0%}), {waiting} waiting (target "
+            f"{policy.target_queue_depth}/replica)"
+        )
+        observed |= {"kv_cache_usage": mean_kv, "queue_depth": waiting}
+    else:
+        raw, why = current, "no metrics from any ready pod"
+    # Missing data is not idleness, and a pod still starting is not spare capacity:
+    # only when every replica is ready and scraped may the recommendation go down.
+    if unscraped or len(scraped) < current:
+        if raw < current:
+            why += f"; holding at {current}: only {len(scraped)}/{current} pods report metrics"
+        raw = max(raw, current)
+    recommended = _clamp(raw, policy)
+
+    window = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
+    history = tuple(h for h in history if now - h.time <= window) + (
+        Recommendation(now, recommended),
+    )
+
+    def within(seconds: int) -> list[int]:
+        return [h.replicas for h in history if now - h.time <= seconds]
+
+    if recommended > current:
+        # Lowest recommendation of the up-window (just `recommended` when the window is 0).
+        target = max(min(within(policy.scale_up_stabilization_seconds)), current)
+        target = min(target, max(2 * current, 1))
+    elif recommended < current:
+        target = min(max(within(policy.scale_down_stabilization_seconds)), current)
+    else:
+        target = current
+    target = _clamp(target, policy)
+
+    if target > current:
+        reason = f"scale up {current} -> {target}: {why}"
+    elif target < current:
+        reason = f"scale down {current} -> {target}: {why}"
+    elif recommended != current:
+        reason = f"hold {current} (recommended {recommended}, stabilizing): {why}"
+    else:
+        reason = f"hold {current}: {why}"
+    return Decision(current, target, reason, recommended, history, **observed)

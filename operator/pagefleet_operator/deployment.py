@@ -1,0 +1,31 @@
+"""The Deployment that runs the serving pods."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .names import get_object_meta, get_selector_labels
+from .pod import get_pod_template
+from .spec import InferenceServiceSpec
+
+
+def get_deployment(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": get_object_meta(body),
+        "spec": {
+            # spec.replicas of the resource is the single source of truth, whoever wrote it
+            # (a user, `kubectl scale`, an HPA, or our autoscaler through the scale subresource).
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": get_selector_labels(name)},
+            # Bring a new pod up before taking an old one down: capacity never drops in a rollout.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "revisionHistoryLimit": 3,
+            "template": get_pod_template(name, spec),
+        },
+    }

@@ -1,0 +1,68 @@
+"""The serving pod's configuration as environment variables.
+
+`pagefleet serve` reads every flag from PAGEFLEET_<FLAG_NAME>; going through the
+environment (not a shell command line) means no quoting and no injection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .names import HTTP_PORT
+from .spec import InferenceServiceSpec
+
+CACHE_DIR = "/var/cache/pagefleet"
+MODEL_MOUNT_DIR = "/mnt/models"
+
+
+def get_flag_env_name(flag: str) -> str:
+    return "PAGEFLEET_" + flag.upper().replace("-", "_")
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def get_pod_model_uri(spec: InferenceServiceSpec) -> str:
+    """The model URI as the pod sees it: a pvc:// claim is mounted, so it becomes a file://."""
+    claim = spec.pvc_claim
+    if claim is None:
+        return spec.model.uri
+    path = spec.model.uri[len(f"pvc://{claim}") :].lstrip("/")
+    return f"file://{MODEL_MOUNT_DIR}/{path}".rstrip("/")
+
+
+def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    flags: dict[str, Any] = {
+        "model": get_pod_model_uri(spec),
+        "served-model-name": spec.model.served_name,
+        # The pod must accept traffic from the Service, not only from loopback.
+        "host": "0.0.0.0",
+        "port": HTTP_PORT,
+        "shutdown-timeout": spec.engine.shutdown_timeout_seconds,
+        **spec.engine.settings,
+    }
+    env = [
+        {"name": get_flag_env_name(flag), "value": _format(value)} for flag, value in flags.items()
+    ]
+    if spec.engine.api_key_secret_ref:
+        ref = spec.engine.api_key_secret_ref
+        env.append(
+            {
+                "name": get_flag_env_name("api-key"),
+                "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}},
+            }
+        )
+    # The root filesystem is read-only: every library cache must land on a volume.
+    env += [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+    ]
+    # A user entry wins over ours, so any setting can be overridden without a new field.
+    overridden = {item["name"] for item in spec.engine.env}
+    return [item for item in env if item["name"] not in overridden] + [
+        dict(item) for item in spec.engine.env
+    ]

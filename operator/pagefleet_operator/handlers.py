@@ -1,0 +1,114 @@
+"""Every kopf registration of the operator, and nothing else of substance.
+
+Handlers are thin: they pick the right inputs and turn outcomes into Events and retries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from . import GROUP, KIND, PLURAL, VERSION
+from .config import OperatorConfig
+from .kube import Kube, KubeError, load_api_client
+from .names import MANAGED_BY
+from .reconcile import reconcile
+from .scaler import autoscale_once
+
+RETRY_DELAY_SECONDS = 10
+# Periodic re-reconcile: puts back manual drift and notices e.g. a PVC created later.
+RESYNC_SECONDS = 60
+DEFAULT_INTERVAL_SECONDS = 15
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Annotations under our own prefix; status.kopf would be pruned by the strict schema.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    # Our own Events say what happened; kopf's per-handler "succeeded" Events are noise.
+    settings.posting.level = logging.WARNING
+    # Only our known resources are watched: no CRD/Namespace access needed (see rbac.py).
+    settings.scanning.disabled = True
+    if "config" not in memo:
+        memo["config"] = OperatorConfig.from_env()
+    if "kube" not in memo:
+        memo["kube"] = Kube(load_api_client())
+
+
+def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger) -> None:
+    try:
+        outcome = reconcile(memo["kube"], body, default_image=memo["config"].default_image)
+    except KubeError as exc:
+        kopf.warn(body, reason="ReconcileFailed", message=str(exc))
+        raise kopf.TemporaryError(
+            f"API trouble, retrying: {exc}", delay=RETRY_DELAY_SECONDS
+        ) from exc
+    if outcome.problem is not None and outcome.new_problem:
+        kopf.warn(body, reason=outcome.problem.reason, message=outcome.problem.message)
+    for verb, objects in (
+        ("created", outcome.plan.to_create),
+        ("updated", outcome.plan.to_patch),
+        ("deleted", outcome.plan.to_delete),
+    ):
+        for obj in objects:
+            logger.info("%s %s %s", verb, obj.get("kind"), obj["metadata"]["name"])
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def reconcile_service(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    _reconcile(body, memo, logger)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def resync_service(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    _reconcile(body, memo, logger)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """A Deployment's rollout progressed, or someone edited or deleted it: reconcile its owner."""
+    refs = body.get("metadata", {}).get("ownerReferences") or []
+    owner = next((r for r in refs if r.get("kind") == KIND and r.get("controller")), None)
+    if owner is None:
+        return
+    namespace = body["metadata"]["namespace"]
+    parent = memo["kube"].get(KIND, namespace, owner["name"])
+    if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
+        return  # the owner is gone; garbage collection takes the Deployment
+    if parent["metadata"].get("deletionTimestamp"):
+        return
+    _reconcile(parent, memo, logger)
+
+
+def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
+    return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+
+# A daemon rather than a timer: each resource has its own intervalSeconds, and a kopf
+# timer's interval is fixed at registration. kopf stops it when autoscaling is disabled.
+@kopf.daemon(GROUP, VERSION, PLURAL, when=_autoscaling_enabled, cancellation_timeout=5)
+def autoscaler(
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    while not stopped:
+        try:
+            decision = autoscale_once(
+                memo["kube"], body, default_image=memo["config"].default_image
+            )
+        except KubeError as exc:
+            # Next round tries again; this resource's trouble must not stop the loop.
+            logger.warning("autoscaler round failed: %s", exc)
+            kopf.warn(body, reason="AutoscaleFailed", message=str(exc))
+        else:
+            if decision is not None and decision.scaled:
+                kopf.event(body, type="Normal", reason="Scaled", message=decision.reason)
+        interval = (body.get("spec", {}).get("autoscaling") or {}).get("intervalSeconds")
+        stopped.wait(interval or DEFAULT_INTERVAL_SECONDS)

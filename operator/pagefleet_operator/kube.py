@@ -1,0 +1,154 @@
+"""A thin Kubernetes API client on plain dicts: every object is JSON in, JSON out.
+
+Builders produce dicts and the plan compares dicts, so the typed client models would only
+be converted back and forth. Missing objects read as None; callers decide what a 409 or
+a 5xx means.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import kubernetes
+
+from . import API_VERSION, PLURAL
+
+FIELD_MANAGER = "pagefleet-operator"
+REQUEST_TIMEOUT_SECONDS = 30
+
+# kind -> (apiVersion, plural) for every resource the operator reads or writes.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "InferenceService": (API_VERSION, PLURAL),
+    "Deployment": ("apps/v1", "deployments"),
+    "Service": ("v1", "services"),
+    "Ingress": ("networking.k8s.io/v1", "ingresses"),
+    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+    "Pod": ("v1", "pods"),
+    "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
+}
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying as is: conflicts, throttling, server trouble, timeouts."""
+        return self.status in (409, 429) or self.status >= 500 or self.status == 0
+
+
+def get_path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    api_version, plural = RESOURCES[kind]
+    prefix = "/api" if "/" not in api_version else "/apis"
+    parts = [prefix, api_version, "namespaces", namespace, plural, name, sub]
+    return "/".join(part for part in parts if part)
+
+
+def load_api_client() -> kubernetes.client.ApiClient:
+    """In a pod, the service account; elsewhere, $KUBECONFIG or ~/.kube/config."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return kubernetes.client.ApiClient()
+
+
+class Kube:
+    def __init__(self, api_client: kubernetes.client.ApiClient):
+        self.api_client = api_client
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        serialized = self.api_client.param_serialize(
+            method,
+            path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = self.api_client.call_api(
+                *serialized, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            )
+        except kubernetes.client.ApiException as exc:
+            raise KubeError(exc.status or 0, str(exc.reason)) from exc
+        except OSError as exc:  # connection refused/reset, DNS, timeouts
+            raise KubeError(0, str(exc)) from exc
+        response.read()
+        text = response.data.decode("utf-8") if response.data else ""
+        if not 200 <= response.status <= 299:
+            try:
+                message = json.loads(text).get("message") or text
+            except ValueError:
+                message = text
+            raise KubeError(response.status, message)
+        return json.loads(text) if text else {}
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", get_path(kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        selector = ",".join(f"{key}={value}" for key, value in labels.items())
+        result = self.request("GET", get_path(kind, namespace), query={"labelSelector": selector})
+        # Filtered again here: the selector is an optimisation, the labels are the contract.
+        return [
+            item
+            for item in result.get("items", [])
+            if all(item["metadata"].get("labels", {}).get(k) == v for k, v in labels.items())
+        ]
+
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply: creates or updates, and removes fields we no longer set."""
+        meta = obj["metadata"]
+        return self.request(
+            "PATCH",
+            get_path(obj["kind"], meta["namespace"], meta["name"]),
+            dict(obj),
+            query={"fieldManager": FIELD_MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        try:
+            self.request(
+                "DELETE", get_path(kind, namespace, name), {"propagationPolicy": "Background"}
+            )
+        except KubeError as exc:
+            if exc.status != 404:  # already gone is what we wanted
+                raise
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        self.request(
+            "PATCH",
+            get_path("InferenceService", namespace, name, "status"),
+            {"status": dict(status)},
+            content_type="application/merge-patch+json",
+        )
+
+    def scale(self, namespace: str, name: str, replicas: int) -> None:
+        """Through the scale subresource, the same door `kubectl scale` and an HPA use."""
+        self.request(
+            "PATCH",
+            get_path("InferenceService", namespace, name, "scale"),
+            {"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )

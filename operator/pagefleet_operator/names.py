@@ -1,0 +1,64 @@
+"""Names and labels shared by every object the operator creates for a resource."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+INSTANCE_LABEL = "pagefleet.dev/inferenceservice"
+TEMPLATE_HASH_LABEL = "pagefleet.dev/template-hash"
+MANAGED_BY = "pagefleet-operator"
+CONTAINER_NAME = "server"
+HTTP_PORT_NAME = "http"
+HTTP_PORT = 8000  # the serving pod's contract
+
+
+def get_selector_labels(name: str) -> dict[str, str]:
+    # The Deployment selector is immutable: it must never include anything that changes.
+    return {INSTANCE_LABEL: name}
+
+
+def get_labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pagefleet",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "serving",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **get_selector_labels(name),
+    }
+
+
+def get_selector_string(name: str) -> str:
+    """The label selector in string form, as the scale subresource wants it in status."""
+    return ",".join(f"{key}={value}" for key, value in sorted(get_selector_labels(name).items()))
+
+
+def get_template_hash(template: dict[str, Any]) -> str:
+    """A short stable hash of a pod template: a changed spec means a changed hash."""
+    canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def get_owner_reference(body: dict[str, Any]) -> dict[str, Any]:
+    """Owner reference to the InferenceService, so deleting it garbage-collects its objects."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": body["apiVersion"],
+        "kind": body["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def get_object_meta(body: dict[str, Any]) -> dict[str, Any]:
+    """Metadata every child object gets: same name and namespace, our labels, our owner."""
+    meta = body["metadata"]
+    return {
+        "name": meta["name"],
+        "namespace": meta["namespace"],
+        "labels": get_labels(meta["name"]),
+        "ownerReferences": [get_owner_reference(body)],
+    }

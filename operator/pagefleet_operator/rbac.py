@@ -1,0 +1,50 @@
+"""Exactly the API access the operator needs, in one place.
+
+`python -m pagefleet_operator rbac` prints it as a ClusterRole; the Helm chart keeps a
+copy and its test compares the two. kopf itself needs the InferenceService watch and
+patch (for its annotations) and Event creation; resource scanning is switched off in
+`handlers.configure`, so it needs no CRD or Namespace access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import GROUP, PLURAL
+
+RULES: list[dict[str, Any]] = [
+    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"]},
+    # The autoscaler writes spec.replicas through the same door as `kubectl scale`.
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/scale"], "verbs": ["patch"]},
+    # Server-side apply creates through PATCH, which needs both verbs.
+    {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "verbs": ["get", "list", "watch", "create", "patch"],
+    },
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch"]},
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["ingresses"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["policy"],
+        "resources": ["poddisruptionbudgets"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
+    # Ready pods' IPs for scraping /metrics; claims are checked before pods need them.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]
+
+
+def get_cluster_role(name: str = "pagefleet-operator") -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": RULES,
+    }

@@ -1,0 +1,110 @@
+"""One reconciliation: validate, build desired, observe, plan, apply, report status.
+
+Called for every change of an InferenceService, of its Deployment, and periodically
+(to put back manual drift and to notice a PVC that appeared). Never raises for a bad
+spec: that is a Degraded condition. Raises KubeError only for API trouble.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .apply import apply_plan
+from .desired import MANAGED_KINDS, get_desired_objects
+from .kube import Kube, KubeError
+from .plan import Plan, plan
+from .spec import InferenceServiceSpec, SpecError, parse_spec
+from .status import Problem, get_status, is_status_current
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    plan: Plan
+    problem: Problem | None
+    # A problem that is new since the last status: worth an Event.
+    new_problem: bool
+    status_written: bool
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def find_missing_claims(kube: Kube, namespace: str, spec: InferenceServiceSpec) -> Problem | None:
+    for field_path, claim in (
+        ("model.uri", spec.pvc_claim),
+        ("modelCache.pvcName", spec.model_cache_pvc),
+    ):
+        if claim and kube.get("PersistentVolumeClaim", namespace, claim) is None:
+            return Problem(
+                "PVCNotFound",
+                f"spec.{field_path}: PersistentVolumeClaim {claim!r} does not exist in {namespace!r}",
+            )
+    return None
+
+
+def _describe_conflicts(plan_: Plan) -> Problem | None:
+    if not plan_.conflicts:
+        return None
+    names = ", ".join(
+        f"{o.get('kind', 'object')} {o['metadata']['name']!r}" for o in plan_.conflicts
+    )
+    return Problem("NameConflict", f"{names} already exist(s) and belong(s) to someone else")
+
+
+def _current_degraded_message(body: Mapping[str, Any]) -> str | None:
+    for condition in (body.get("status") or {}).get("conditions", []):
+        if condition.get("type") == "Degraded" and condition.get("status") == "True":
+            return condition.get("message")
+    return None
+
+
+def reconcile(
+    kube: Kube,
+    body: Mapping[str, Any],
+    *,
+    default_image: str,
+    now: Callable[[], str] = utc_now,
+) -> Outcome:
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    spec: InferenceServiceSpec | None
+    the_plan = Plan()
+    try:
+        spec = parse_spec(body.get("spec") or {}, default_image=default_image)
+    except SpecError as exc:
+        spec, problem = None, Problem("InvalidSpec", str(exc))
+    else:
+        problem = find_missing_claims(kube, namespace, spec)
+
+    observed_deployment = kube.get("Deployment", namespace, name)
+    if spec is not None and problem is None:
+        desired = get_desired_objects(dict(body), spec)
+        observed: dict[str, Any] = {"Deployment": observed_deployment}
+        for kind in MANAGED_KINDS[1:]:
+            observed[kind] = kube.get(kind, namespace, name)
+        the_plan = plan(desired, observed, meta["uid"])
+        try:
+            apply_plan(kube, the_plan)
+        except KubeError as exc:
+            if exc.transient:
+                raise
+            # E.g. 422: the API server refused what we built from this spec.
+            problem = Problem("ApplyFailed", f"the API server refused an object: {exc.message}")
+        problem = problem or _describe_conflicts(the_plan)
+        if the_plan.to_create or the_plan.to_patch:
+            observed_deployment = kube.get("Deployment", namespace, name)
+
+    status = get_status(body, spec, observed_deployment, problem, now())
+    new_problem = problem is not None and problem.message != _current_degraded_message(body)
+    written = False
+    if not is_status_current(body, status):
+        kube.patch_status(namespace, name, status)
+        written = True
+    return Outcome(the_plan, problem, new_problem, written)

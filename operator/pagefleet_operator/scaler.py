@@ -1,0 +1,86 @@
+"""One autoscaler round for one resource: scrape its pods, decide, scale, record."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from .autoscale import Decision, PodSample, Recommendation, decide
+from .kube import Kube
+from .metrics import scrape_pods
+from .names import get_selector_labels
+from .spec import SpecError, parse_spec
+
+
+def _iso(seconds: float) -> str:
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _epoch(iso: str) -> float:
+    return (
+        datetime.datetime.strptime(iso, "%Y-%m-%dT%H:%M:%SZ")
+        .replace(tzinfo=datetime.timezone.utc)
+        .timestamp()
+    )
+
+
+def read_history(status: Mapping[str, Any]) -> list[Recommendation]:
+    """The stabilization windows' memory, kept in status so a restart forgets nothing."""
+    history = []
+    for item in (status.get("autoscaler") or {}).get("recentRecommendations") or []:
+        try:
+            history.append(Recommendation(_epoch(item["time"]), int(item["replicas"])))
+        except (KeyError, TypeError, ValueError):
+            continue  # a hand-edited entry is dropped, not fatal
+    return history
+
+
+def get_autoscaler_status(decision: Decision, now: float) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "recommendedReplicas": decision.recommended,
+        "scrapedPods": decision.scraped_pods,
+        "unscrapedPods": decision.unscraped_pods,
+        "lastObservationTime": _iso(now),
+        "recentRecommendations": [
+            {"time": _iso(h.time), "replicas": h.replicas} for h in decision.history
+        ],
+    }
+    if decision.kv_cache_usage is not None:
+        status["kvCacheUsagePercent"] = round(decision.kv_cache_usage * 100)
+    if decision.queue_depth is not None:
+        status["queueDepth"] = decision.queue_depth
+    if decision.scaled:
+        status["lastScaleTime"] = _iso(now)
+        status["lastScaleReason"] = decision.reason
+    return status
+
+
+def autoscale_once(
+    kube: Kube,
+    body: Mapping[str, Any],
+    *,
+    default_image: str,
+    scrape: Callable[[Iterable[Mapping[str, Any]]], list[PodSample]] = scrape_pods,
+    clock: Callable[[], float] = time.time,
+) -> Decision | None:
+    """Returns the decision, or None when the spec is invalid (the reconciler reports that)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    try:
+        spec = parse_spec(body.get("spec") or {}, default_image=default_image)
+    except SpecError:
+        return None
+    if not spec.autoscaling.enabled:
+        return None
+    pods = kube.list("Pod", namespace, get_selector_labels(name))
+    now = clock()
+    status = body.get("status") or {}
+    decision = decide(spec.replicas, scrape(pods), spec.autoscaling, read_history(status), now)
+    if decision.scaled:
+        kube.scale(namespace, name, decision.replicas)
+    status_patch = {"autoscaler": get_autoscaler_status(decision, now)}
+    kube.patch_status(namespace, name, status_patch)
+    return decision

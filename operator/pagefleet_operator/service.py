@@ -1,0 +1,38 @@
+"""The ClusterIP Service in front of the serving pods, and the URL it gives them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .names import HTTP_PORT, HTTP_PORT_NAME, get_object_meta, get_selector_labels
+from .spec import InferenceServiceSpec
+
+
+def get_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": get_object_meta(body),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": get_selector_labels(body["metadata"]["name"]),
+            "ports": [
+                {
+                    "name": HTTP_PORT_NAME,
+                    "port": HTTP_PORT,
+                    "targetPort": HTTP_PORT_NAME,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                }
+            ],
+        },
+    }
+
+
+def get_url(body: dict[str, Any], spec: InferenceServiceSpec) -> str:
+    """Where clients reach the service: the Ingress host if any, else the cluster DNS name."""
+    if spec.ingress is not None:
+        scheme = "https" if spec.ingress.tls_secret_name else "http"
+        return f"{scheme}://{spec.ingress.host}"
+    meta = body["metadata"]
+    return f"http://{meta['name']}.{meta['namespace']}.svc.cluster.local:{HTTP_PORT}"

@@ -1,0 +1,260 @@
+"""Read an InferenceService's spec into frozen dataclasses, validating it once.
+
+The CRD schema already rejects most bad input; this repeats the checks the operator
+depends on, because objects can slip past it (a CRD applied without its schema, an old
+stored version). A bad spec becomes a SpecError naming the field, which the reconciler
+turns into a Degraded condition instead of a crash loop.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+URI_SCHEMES = ("hf://", "pvc://", "file://", "builtin://")
+BUILTIN_MODELS = ("builtin://smollm2-135m",)
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+_PVC_URI = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/.*)?$")
+_KV_CACHE_MEMORY = re.compile(r"^[0-9]+(\.[0-9]+)?([KMGT]i?B)?$")
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot satisfy; the message names the field and what is allowed."""
+
+    def __init__(self, field_path: str, problem: str):
+        super().__init__(f"spec.{field_path}: {problem}")
+        self.field_path = field_path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    uri: str
+    served_name: str
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    image: str
+    image_pull_policy: str | None
+    # Engine settings, by their `pagefleet serve` flag name; None leaves the engine default.
+    settings: Mapping[str, Any]
+    shutdown_timeout_seconds: int
+    api_key_secret_ref: Mapping[str, str] | None
+    extra_args: tuple[str, ...]
+    env: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_kv_cache_utilization: float = 0.8
+    target_queue_depth: int = 4
+    scale_up_stabilization_seconds: int = 0
+    scale_down_stabilization_seconds: int = 300
+    interval_seconds: int = 15
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    host: str
+    class_name: str | None
+    tls_secret_name: str | None
+    annotations: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    model: ModelSpec
+    engine: EngineSpec
+    replicas: int
+    resources: Mapping[str, Any]
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Mapping[str, Any], ...]
+    model_cache_pvc: str | None
+    model_cache_size_limit: str | None
+    ingress: IngressSpec | None
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+
+    @property
+    def pvc_claim(self) -> str | None:
+        """The claim a pvc:// model lives on, if any."""
+        match = _PVC_URI.match(self.model.uri)
+        return match["claim"] if match else None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _get(section: Mapping[str, Any], key: str, path: str, kind: type | tuple, default: Any = None):
+    value = section.get(key, default)
+    if value is None:
+        return default
+    # bool is an int in Python; an integer field must not accept true/false.
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise SpecError(_join(path, key), f"must be a number, got {value!r}")
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise SpecError(_join(path, key), f"must be {names}, got {value!r}")
+    return value
+
+
+def _get_int(section, key, path, default=None, minimum=0):
+    value = _get(section, key, path, int, default)
+    if value is not None and value < minimum:
+        raise SpecError(_join(path, key), f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _get_section(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    return _get(spec, key, "", dict, {}) if key in spec else {}
+
+
+def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
+    model = _get(spec, "model", "", dict, None)
+    if model is None or not model.get("uri"):
+        raise SpecError("model.uri", "is required (hf://, pvc://, file:// or builtin://)")
+    uri = _get(model, "uri", "model", str)
+    if not uri.startswith(URI_SCHEMES):
+        raise SpecError("model.uri", f"{uri!r} has no supported scheme {', '.join(URI_SCHEMES)}")
+    if uri.startswith("builtin://") and uri not in BUILTIN_MODELS:
+        raise SpecError("model.uri", f"{uri!r} is not a built-in model; have {BUILTIN_MODELS}")
+    if uri.startswith("pvc://") and not _PVC_URI.match(uri):
+        raise SpecError("model.uri", f"{uri!r} must look like pvc://claim-name/path")
+    served_name = _get(model, "servedName", "model", str) or uri.rstrip("/").rsplit("/", 1)[-1]
+    return ModelSpec(uri=uri, served_name=served_name)
+
+
+def _parse_engine(spec: Mapping[str, Any], default_image: str) -> EngineSpec:
+    engine = _get_section(spec, "engine")
+    path = "engine"
+    dtype = _get(engine, "dtype", path, str)
+    if dtype is not None and dtype not in DTYPES:
+        raise SpecError("engine.dtype", f"{dtype!r} is not one of {DTYPES}")
+    kv_dtype = _get(engine, "kvCacheDtype", path, str)
+    if kv_dtype is not None and kv_dtype not in KV_CACHE_DTYPES:
+        raise SpecError("engine.kvCacheDtype", f"{kv_dtype!r} is not one of {KV_CACHE_DTYPES}")
+    utilization = _get(engine, "gpuMemoryUtilization", path, (int, float))
+    if utilization is not None and not 0 < utilization <= 1:
+        raise SpecError("engine.gpuMemoryUtilization", f"must be in (0, 1], got {utilization}")
+    kv_memory = _get(engine, "kvCacheMemory", path, str)
+    if kv_memory is not None and not _KV_CACHE_MEMORY.match(kv_memory):
+        raise SpecError("engine.kvCacheMemory", f"{kv_memory!r} must be bytes or e.g. 2GiB")
+    pull_policy = _get(engine, "imagePullPolicy", path, str)
+    if pull_policy is not None and pull_policy not in PULL_POLICIES:
+        raise SpecError("engine.imagePullPolicy", f"{pull_policy!r} is not one of {PULL_POLICIES}")
+    prefix_caching = _get(engine, "enablePrefixCaching", path, bool)
+    settings = {
+        "max-num-seqs": _get_int(engine, "maxNumSeqs", path, minimum=1),
+        "max-num-batched-tokens": _get_int(engine, "maxNumBatchedTokens", path, minimum=1),
+        "max-model-len": _get_int(engine, "maxModelLen", path, minimum=1),
+        "block-size": _get_int(engine, "blockSize", path, minimum=1),
+        "max-num-queued-requests": _get_int(engine, "maxNumQueuedRequests", path, minimum=0),
+        "dtype": dtype,
+        "kv-cache-dtype": kv_dtype,
+        "gpu-memory-utilization": utilization,
+        "kv-cache-memory": kv_memory,
+        "enable-prefix-caching": prefix_caching,
+    }
+    secret_ref = _get(engine, "apiKeySecretRef", path, dict)
+    if secret_ref is not None and not (secret_ref.get("name") and secret_ref.get("key")):
+        raise SpecError("engine.apiKeySecretRef", "needs both name and key")
+    extra_args = _get(engine, "extraArgs", path, list, [])
+    if not all(isinstance(arg, str) for arg in extra_args):
+        raise SpecError("engine.extraArgs", "must be a list of strings")
+    env = _get(engine, "env", path, list, [])
+    if not all(isinstance(item, dict) and item.get("name") for item in env):
+        raise SpecError("engine.env", "every entry needs a name")
+    return EngineSpec(
+        image=_get(engine, "image", path, str) or default_image,
+        image_pull_policy=pull_policy,
+        settings={flag: value for flag, value in settings.items() if value is not None},
+        shutdown_timeout_seconds=_get_int(engine, "shutdownTimeoutSeconds", path, 30),
+        api_key_secret_ref=secret_ref,
+        extra_args=tuple(extra_args),
+        env=tuple(env),
+    )
+
+
+def _parse_autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
+    section = _get_section(spec, "autoscaling")
+    path = "autoscaling"
+    defaults = AutoscalingSpec()
+    target_kv = _get(
+        section,
+        "targetKVCacheUtilization",
+        path,
+        (int, float),
+        defaults.target_kv_cache_utilization,
+    )
+    if not 0 < target_kv <= 1:
+        raise SpecError(
+            _join(path, "targetKVCacheUtilization"), f"must be in (0, 1], got {target_kv}"
+        )
+    parsed = AutoscalingSpec(
+        enabled=_get(section, "enabled", path, bool, False),
+        min_replicas=_get_int(section, "minReplicas", path, defaults.min_replicas, 1),
+        max_replicas=_get_int(section, "maxReplicas", path, defaults.max_replicas, 1),
+        target_kv_cache_utilization=float(target_kv),
+        target_queue_depth=_get_int(
+            section, "targetQueueDepth", path, defaults.target_queue_depth, 1
+        ),
+        scale_up_stabilization_seconds=_get_int(
+            section, "scaleUpStabilizationSeconds", path, defaults.scale_up_stabilization_seconds
+        ),
+        scale_down_stabilization_seconds=_get_int(
+            section,
+            "scaleDownStabilizationSeconds",
+            path,
+            defaults.scale_down_stabilization_seconds,
+        ),
+        interval_seconds=_get_int(section, "intervalSeconds", path, defaults.interval_seconds, 5),
+    )
+    if parsed.min_replicas > parsed.max_replicas:
+        raise SpecError(
+            _join(path, "minReplicas"),
+            f"{parsed.min_replicas} exceeds maxReplicas {parsed.max_replicas}",
+        )
+    return parsed
+
+
+def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
+    section = _get(spec, "ingress", "", dict)
+    if section is None:
+        return None
+    host = _get(section, "host", "ingress", str)
+    if not host:
+        raise SpecError("ingress.host", "is required when ingress is set")
+    return IngressSpec(
+        host=host,
+        class_name=_get(section, "className", "ingress", str),
+        tls_secret_name=_get(section, "tlsSecretName", "ingress", str),
+        annotations=_get(section, "annotations", "ingress", dict, {}),
+    )
+
+
+def parse_spec(spec: Mapping[str, Any], *, default_image: str) -> InferenceServiceSpec:
+    """Validate a raw spec and fill the defaults the CRD would have filled."""
+    cache = _get_section(spec, "modelCache")
+    pvc_name = _get(cache, "pvcName", "modelCache", str)
+    size_limit = _get(cache, "sizeLimit", "modelCache", str)
+    if pvc_name and size_limit:
+        raise SpecError("modelCache", "set either pvcName or sizeLimit, not both")
+    return InferenceServiceSpec(
+        model=_parse_model(spec),
+        engine=_parse_engine(spec, default_image),
+        replicas=_get_int(spec, "replicas", "", 1),
+        resources=_get(spec, "resources", "", dict, {}),
+        node_selector=_get(spec, "nodeSelector", "", dict, {}),
+        tolerations=tuple(_get(spec, "tolerations", "", list, [])),
+        model_cache_pvc=pvc_name,
+        model_cache_size_limit=size_limit,
+        ingress=_parse_ingress(spec),
+        autoscaling=_parse_autoscaling(spec),
+    )

@@ -1,0 +1,125 @@
+"""The resource's status, computed from what the operator observed: pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .names import get_selector_string
+from .plan import contains
+from .service import get_url
+from .spec import InferenceServiceSpec
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the operator cannot make the spec real; shown as the Degraded condition."""
+
+    reason: str
+    message: str
+
+
+def _condition(kind: str, status: bool, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "status": "True" if status else "False",
+        "reason": reason,
+        "message": message,
+    }
+
+
+def merge_conditions(
+    old: Sequence[Mapping[str, Any]], new: Sequence[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """Keep lastTransitionTime while a condition's status stays the same, so an unchanged
+    resource produces an unchanged status and therefore no write."""
+    previous = {c.get("type"): c for c in old}
+    merged = []
+    for condition in new:
+        before = previous.get(condition["type"], {})
+        same = before.get("status") == condition["status"] and before.get("lastTransitionTime")
+        merged.append(
+            {**condition, "lastTransitionTime": before["lastTransitionTime"] if same else now}
+        )
+    return merged
+
+
+def _rollout(spec: InferenceServiceSpec | None, deployment: Mapping[str, Any] | None):
+    """(ready, desired, progressing condition, deadline problem) of the serving Deployment."""
+    if deployment is None:
+        desired = spec.replicas if spec else 0
+        return (
+            0,
+            desired,
+            _condition("Progressing", True, "Creating", "creating the Deployment"),
+            None,
+        )
+    status = deployment.get("status", {})
+    desired = spec.replicas if spec else deployment.get("spec", {}).get("replicas", 0)
+    ready = status.get("readyReplicas", 0)
+    updated = status.get("updatedReplicas", 0)
+    total = status.get("replicas", 0)
+    stale = deployment.get("metadata", {}).get("generation", 0) > status.get(
+        "observedGeneration", 0
+    )
+    deadline = next(
+        (
+            c
+            for c in status.get("conditions", [])
+            if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+        ),
+        None,
+    )
+    problem = Problem("ProgressDeadlineExceeded", deadline.get("message", "")) if deadline else None
+    message = f"{ready}/{desired} ready, {updated} updated, {total} total"
+    if stale or updated < desired or ready < desired or total > desired:
+        return ready, desired, _condition("Progressing", True, "RollingOut", message), problem
+    return ready, desired, _condition("Progressing", False, "Complete", message), problem
+
+
+def get_status(
+    body: Mapping[str, Any],
+    spec: InferenceServiceSpec | None,
+    deployment: Mapping[str, Any] | None,
+    problem: Problem | None,
+    now: str,
+) -> dict[str, Any]:
+    meta = body["metadata"]
+    ready, desired, progressing, deadline_problem = _rollout(spec, deployment)
+    problem = problem or deadline_problem
+    url = get_url(body, spec) if spec else None
+    if ready:
+        ready_condition = _condition(
+            "Ready", True, "Serving", f"{ready}/{desired} replicas ready at {url}"
+        )
+    elif desired == 0:
+        ready_condition = _condition("Ready", False, "ScaledToZero", "spec.replicas is 0")
+    else:
+        ready_condition = _condition(
+            "Ready", False, "NoReadyReplicas", f"0/{desired} replicas ready"
+        )
+    degraded = (
+        _condition("Degraded", True, problem.reason, problem.message)
+        if problem
+        else _condition("Degraded", False, "AsExpected", "")
+    )
+    status: dict[str, Any] = {
+        "observedGeneration": meta.get("generation", 0),
+        "replicas": (deployment or {}).get("status", {}).get("replicas", 0),
+        "readyReplicas": ready,
+        "ready": f"{ready}/{desired}",
+        "selector": get_selector_string(meta["name"]),
+        "conditions": merge_conditions(
+            body.get("status", {}).get("conditions", []),
+            [ready_condition, progressing, degraded],
+            now,
+        ),
+    }
+    if url:
+        status["url"] = url
+    return status
+
+
+def is_status_current(body: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    return contains(body.get("status") or {}, status)

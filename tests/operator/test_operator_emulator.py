@@ -1,0 +1,383 @@
+"""The operator as a process (`python -m pagefleet_operator`) against kmock's
+KubernetesEmulator, an in-memory Kubernetes API server on loopback: a test double of
+the API server, not of our code. Assertions are about what a real API server would hold.
+
+Emulator gaps, adapted once in ApiServerEmulator and declare_resources below: it
+assigns no uid, resourceVersion, generation or creationTimestamp (kopf needs them) and
+ignores generateName (kopf's Events); a stale resourceVersion in a JSON patch is a 500,
+not a 409; server-side apply to a missing object does not
+create it; its discovery lacks Namespaces and CRDs, which kopf waits to see; and it
+has no garbage collector, so deletion is checked through owner references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import sys
+import time
+import uuid
+
+import pytest
+from operator_samples import REPO
+from test_operator_metrics import BODY, MetricsServer
+
+kmock = pytest.importorskip("kmock")
+aiohttp = pytest.importorskip("aiohttp")
+pytest_asyncio = pytest.importorskip("pytest_asyncio")
+
+ISVC = "pagefleet.dev/v1alpha1/inferenceservices"
+_versions = itertools.count(1)
+
+
+def _fill_new_object_metadata(data: dict, namespace: str | None) -> None:
+    meta = data.setdefault("metadata", {})
+    meta.setdefault("uid", str(uuid.uuid4()))
+    meta.setdefault("generation", 1)
+    meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    meta["resourceVersion"] = str(next(_versions))
+    if namespace:
+        meta.setdefault("namespace", namespace)
+
+
+class ApiServerEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus the bookkeeping a real API server does on every write."""
+
+    async def _handle(self, request):
+        data = request.data
+        if request.resource is not None and request.action == kmock.action.CREATE:
+            if isinstance(data, dict):
+                meta = data.setdefault("metadata", {})
+                if not meta.get("name") and meta.get("generateName"):  # e.g. Events
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
+                _fill_new_object_metadata(data, request.namespace)
+        elif request.resource is not None and request.action == kmock.action.UPDATE:
+            key = (request.resource, request.namespace, request.name)
+            exists = key in self.objects and not self.objects[key].deleted
+            is_apply = "apply-patch" in request.headers.get("Content-Type", "")
+            if not exists and is_apply and not request.subresource:
+                # Server-side apply creates a missing object: start from an empty one and
+                # let the emulator's patch fill it (its watchers see MODIFIED, not ADDED).
+                _fill_new_object_metadata(data, request.namespace)
+                self.objects[key] = {}
+            elif exists and isinstance(data, list):
+                # A stale resourceVersion guard is a 409 Conflict on a real server (the
+                # emulator would answer 500, and kopf would retry the stale patch forever).
+                current = self.objects[key]["metadata"].get("resourceVersion")
+                for op in data:
+                    stale = op.get("value") != current
+                    if (
+                        op.get("op") == "test"
+                        and op.get("path") == "/metadata/resourceVersion"
+                        and stale
+                    ):
+                        raise kmock.KubernetesError(409, "Conflict", "the object has been modified")
+            elif exists and isinstance(data, dict):
+                meta = data.setdefault("metadata", {})
+                meta["resourceVersion"] = str(next(_versions))
+                if "spec" in data and not request.subresource:
+                    meta["generation"] = self.objects[key]["metadata"].get("generation", 1) + 1
+        return await super()._handle(request)
+
+
+pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]
+
+
+def declare_resources(server) -> None:
+    info = kmock.ResourceInfo
+    server.resources[ISVC] = info(
+        kind="InferenceService",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+        subresources={"status", "scale"},
+    )
+    for key, kind in [
+        ("apps/v1/deployments", "Deployment"),
+        ("v1/services", "Service"),
+        ("v1/pods", "Pod"),
+        ("v1/events", "Event"),
+        ("v1/persistentvolumeclaims", "PersistentVolumeClaim"),
+        ("networking.k8s.io/v1/ingresses", "Ingress"),
+        ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
+    ]:
+        server.resources[key] = info(
+            kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}
+        )
+    # Present in every real cluster's discovery; kopf waits to see them (never reads them).
+    server.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list"})
+    server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list"}
+    )
+
+
+class Client:
+    """Plays kubectl: real HTTP requests to the emulator."""
+
+    def __init__(self, session: aiohttp.ClientSession):
+        self.session = session
+
+    async def call(self, method: str, path: str, body=None, patch: str = "merge") -> dict:
+        headers = {"Content-Type": f"application/{patch}-patch+json"} if method == "PATCH" else {}
+        async with self.session.request(method, path, json=body, headers=headers) as response:
+            assert response.status < 300, await response.text()
+            return await response.json()
+
+
+def isvc_path(name: str = "", sub: str = "") -> str:
+    base = "/apis/pagefleet.dev/v1alpha1/namespaces/ml/inferenceservices"
+    return "/".join(p for p in (base, name, sub) if p)
+
+
+def make_isvc(name: str, spec: dict) -> dict:
+    return {
+        "apiVersion": "pagefleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": "ml"},
+        "spec": spec,
+    }
+
+
+def stored(server, key: str, name: str) -> dict | None:
+    for (resource, namespace, obj_name), obj in list(server.objects.items()):
+        if f"{resource.group}/{resource.version}/{resource.plural}".lstrip("/") == key.lstrip("/"):
+            if namespace == "ml" and obj_name == name and not obj.deleted:
+                return obj.raw
+    return None
+
+
+async def eventually(check, timeout: float = 20.0, what: str = ""):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if asyncio.get_running_loop().time() > deadline:
+            requests = [
+                (r.method, str(r.url.path)[-20:], r.data, r.headers.get("Content-Type"))
+                for r in list(_server)
+                if r.method != "GET"
+            ][:6]
+            keys = [k for k in _server.objects]
+            raise AssertionError(f"timed out waiting for {what or check}: {requests} {keys}")
+        await asyncio.sleep(0.2)
+
+
+def condition(obj: dict | None, kind: str) -> dict:
+    for item in ((obj or {}).get("status") or {}).get("conditions", []):
+        if item["type"] == kind:
+            return item
+    return {}
+
+
+def writes(server, plural: str) -> int:
+    return sum(
+        1
+        for r in list(server)
+        if r.resource is not None and r.resource.plural == plural and r.method in ("PATCH", "POST")
+    )
+
+
+@pytest_asyncio.fixture
+async def operator(kmock, tmp_path):
+    declare_resources(kmock)
+    global _server
+    _server = kmock
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "emu", "cluster": {"server": str(kmock.url).rstrip("/")}}],
+                "users": [{"name": "emu", "user": {"token": "test"}}],
+                "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}],
+                "current-context": "emu",
+            }
+        )
+    )
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+    log = open(tmp_path / "operator.log", "wb")  # noqa: SIM115 (closed below)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "pagefleet_operator",
+        "--liveness",
+        "",
+        "--default-image",
+        "img:test",
+        env=env,
+        cwd=REPO,
+        stdout=log,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
+        yield Client(session)
+    process.terminate()
+    try:
+        await asyncio.wait_for(process.wait(), 10)
+    except asyncio.TimeoutError:
+        process.kill()
+    log.close()
+    print((tmp_path / "operator.log").read_text()[-20000:])
+
+
+async def test_lifecycle_against_the_api_emulator(kmock, operator):
+    builtin = {"model": {"uri": "builtin://smollm2-135m"}, "replicas": 1}
+    created = await operator.call("POST", isvc_path(), make_isvc("chat", builtin))
+    uid = created["metadata"]["uid"]
+
+    deployment = await eventually(
+        lambda: stored(kmock, "apps/v1/deployments", "chat"), what="deployment"
+    )
+    service = await eventually(lambda: stored(kmock, "v1/services", "chat"), what="service")
+    for child in (deployment, service):
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["uid"], ref["kind"], ref["controller"]) == (uid, "InferenceService", True)
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "img:test"
+    await eventually(
+        lambda: condition(stored(kmock, ISVC, "chat"), "Progressing").get("status") == "True",
+        what="Progressing",
+    )
+
+    # The kubelet and the Deployment controller would do this: the pod became ready.
+    ready_status = {
+        "observedGeneration": 1,
+        "replicas": 1,
+        "updatedReplicas": 1,
+        "readyReplicas": 1,
+    }
+    await operator.call(
+        "PATCH", "/apis/apps/v1/namespaces/ml/deployments/chat/status", {"status": ready_status}
+    )
+    isvc = await eventually(
+        lambda: (
+            condition(stored(kmock, ISVC, "chat"), "Ready").get("status") == "True"
+            and stored(kmock, ISVC, "chat")
+        ),
+        what="Ready",
+    )
+    assert isvc["status"]["url"] == "http://chat.ml.svc.cluster.local:8000"
+    assert isvc["status"]["ready"] == "1/1"
+
+    # A spec change updates the Deployment and writes nothing to the Service.
+    service_writes = writes(kmock, "services")
+    await operator.call("PATCH", isvc_path("chat"), {"spec": {"engine": {"maxNumSeqs": 8}}})
+
+    def env_updated():
+        dep = stored(kmock, "apps/v1/deployments", "chat")
+        env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        return {"name": "PAGEFLEET_MAX_NUM_SEQS", "value": "8"} in env
+
+    await eventually(env_updated, what="deployment update")
+    await asyncio.sleep(1.0)  # let any stray write land before counting
+    assert writes(kmock, "services") == service_writes
+
+    # An invalid spec that slipped past the schema: Degraded and an Event, no crash.
+    bad = {
+        "model": {"uri": "builtin://smollm2-135m"},
+        "autoscaling": {"minReplicas": 3, "maxReplicas": 1},
+    }
+    await operator.call("POST", isvc_path(), make_isvc("broken", bad))
+    degraded = await eventually(
+        lambda: condition(stored(kmock, ISVC, "broken"), "Degraded"), what="Degraded"
+    )
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+    assert "minReplicas" in degraded["message"]
+    await eventually(
+        lambda: any(
+            r.resource is not None
+            and r.resource.plural == "events"
+            and r.method == "POST"
+            and (r.data or {}).get("reason") == "InvalidSpec"
+            for r in list(kmock)
+        ),
+        what="InvalidSpec Event",
+    )
+    assert stored(kmock, "apps/v1/deployments", "broken") is None
+
+    # The operator kept serving other resources: the first one is still reconciled.
+    await operator.call("PATCH", isvc_path("chat"), {"spec": {"replicas": 2}})
+    await eventually(
+        lambda: stored(kmock, "policy/v1/poddisruptionbudgets", "chat"), what="PDB for 2 replicas"
+    )
+
+    # Delete: the finalizer is released; the children are owner-referenced for the GC.
+    await operator.call("DELETE", isvc_path("chat"))
+    # kopf releases its finalizer with a resourceVersion-guarded JSON patch; a race with a
+    # status write costs it a 409 and a retry, hence the longer wait.
+    await eventually(lambda: stored(kmock, ISVC, "chat") is None, timeout=40, what="deletion")
+
+
+async def test_autoscaler_against_loopback_pods(kmock, operator):
+    busy = BODY.replace(" 0.5", " 0.95").replace(" 3.0", " 12")
+    idle = BODY.replace(" 0.5", " 0.05").replace(" 3.0", " 0")
+    servers = [MetricsServer(busy) for _ in range(4)]
+
+    async def add_pod(i: int) -> None:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"scaled-{i}",
+                "namespace": "ml",
+                "labels": {"pagefleet.dev/inferenceservice": "scaled"},
+            },
+            "spec": {
+                "containers": [
+                    {
+                        "name": "server",
+                        "ports": [{"name": "http", "containerPort": servers[i].port}],
+                    }
+                ]
+            },
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        await operator.call("POST", "/api/v1/namespaces/ml/pods", pod)
+
+    try:
+        await add_pod(0)
+        await add_pod(1)
+        spec = {
+            "model": {"uri": "builtin://smollm2-135m"},
+            "replicas": 2,
+            "autoscaling": {
+                "enabled": True,
+                "minReplicas": 1,
+                "maxReplicas": 4,
+                "intervalSeconds": 5,
+                "scaleDownStabilizationSeconds": 10,
+            },
+        }
+        created_at = time.monotonic()
+        await operator.call("POST", isvc_path(), make_isvc("scaled", spec))
+
+        def replicas():
+            return (stored(kmock, ISVC, "scaled") or {}).get("spec", {}).get("replicas")
+
+        # 2 pods, 95% KV and 24 waiting: ceil(24 / 4) = 6, at most doubling -> 4.
+        await eventually(lambda: replicas() == 4, what="scale up to 4")
+        isvc = stored(kmock, ISVC, "scaled")
+        assert isvc["status"]["autoscaler"]["kvCacheUsagePercent"] == 95
+        assert isvc["status"]["autoscaler"]["lastScaleReason"].startswith("scale up 2 -> 4")
+        # The scale subresource was used, as `kubectl scale` would.
+        assert any(r.subresource == "scale" for r in list(kmock))
+
+        # The load goes away and all four pods report idle.
+        for server in servers:
+            server.text = idle
+        await add_pod(2)
+        await add_pod(3)
+        await eventually(lambda: replicas() == 1, timeout=40, what="scale down to 1")
+        # The scale-up round came after creation; the scale-down only a full window later.
+        assert time.monotonic() - created_at >= 10
+        assert any(
+            r.resource is not None
+            and r.resource.plural == "events"
+            and (r.data or {}).get("reason") == "Scaled"
+            for r in list(kmock)
+        )
+    finally:
+        for server in servers:
+            server.close()
