@@ -2,7 +2,7 @@
 strings, logprobs, finish reasons, timestamps. The core never sees text; this is where
 text happens."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagefleet_serve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagefleet_serve.engine.sampler import SampledToken
@@ -107,8 +107,9 @@ class OutputProcessor:
         if finished:
             request.metrics.finished_time = now
             del self.requests[request_id]
+        # A copy: the caller reads this step's timestamps while later steps update them.
         return RequestOutput(request_id, request.prompt_token_ids, samples, finished,
-                             request.num_cached_tokens, request.metrics)
+                             request.num_cached_tokens, replace(request.metrics))
 
     def _new_sample(self, request: _Request, seq: Sequence) -> _Sample:
         detokenizer = None

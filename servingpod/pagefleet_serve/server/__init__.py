@@ -1,0 +1,1 @@
+"""The serving pod's OpenAI-compatible HTTP server (FastAPI under uvicorn)."""

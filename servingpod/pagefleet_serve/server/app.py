@@ -1,0 +1,111 @@
+"""The FastAPI app of a serving pod: the OpenAI routes (behind the API key when one is
+set), health, readiness, metrics, and OpenAI-shaped errors for everything."""
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagefleet_serve.server.errors import APIError, server_error, unavailable
+from pagefleet_serve.server.metrics import CONTENT_TYPE
+from pagefleet_serve.server.openai_api import (
+    ChatCompletionsEndpoint,
+    CompletionsEndpoint,
+    list_models,
+)
+from pagefleet_serve.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        state.engine.shutdown()
+
+    app = FastAPI(title="PageFleet serving pod", lifespan=lifespan)
+    app.state.server = state
+    started = int(time.time())
+
+    async def require_api_key(request: Request) -> None:
+        key = state.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+            raise APIError(
+                401,
+                "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    completions = CompletionsEndpoint(state)
+    chat = ChatCompletionsEndpoint(state)
+
+    @api.get("/models")
+    def models() -> dict:
+        return list_models(state, started)
+
+    @api.post("/completions")
+    async def create_completion(raw: Request) -> Response:
+        return await completions(raw)
+
+    @api.post("/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        return await chat(raw)
+
+    app.include_router(api)
+
+    @app.get("/health")
+    def health() -> Response:
+        if state.engine.is_healthy:
+            return Response(status_code=200)
+        reason = state.engine.dead_reason or "an engine step has not returned in time"
+        return unavailable(
+            f"the engine is not healthy: {reason}", code="engine_unhealthy"
+        ).response()
+
+    @app.get("/ready")
+    def ready() -> Response:
+        if state.draining:
+            return unavailable(
+                "the server is shutting down", code="server_shutting_down"
+            ).response()
+        if not state.engine.is_healthy:
+            return unavailable("the engine is not healthy", code="engine_unhealthy").response()
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return APIError(400, f"{where}: {first['msg']}", param=where).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return server_error("internal server error").response()
+
+    return app

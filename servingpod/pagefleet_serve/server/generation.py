@@ -1,0 +1,183 @@
+"""One API request's run through the engine, as one stream of choice deltas.
+
+A request becomes one engine request per prompt (a completions prompt may be a batch); each
+yields `n` samples. Their outputs are merged into choice indices (prompt * n + sample),
+coalesced after the first token when asked to, and interleaved with keep-alive ticks while
+nothing arrives. Leaving the stream, or `close()`, aborts every engine request still
+running; `cancel()` (graceful drain) ends the stream with `RequestCancelled`.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagefleet_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from pagefleet_serve.outputs import TokenLogprob
+from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.server.metrics import RequestTracker
+
+if TYPE_CHECKING:
+    from pagefleet_serve.server.state import ServerState
+
+
+class RequestFailed(Exception):
+    """The engine failed this request (HTTP 500)."""
+
+
+class RequestCancelled(Exception):
+    """The server ended this request before it finished (graceful drain ran out of time)."""
+
+
+@dataclass
+class ChoiceDelta:
+    """What is new for one choice; also used to accumulate a whole choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+    def merge(self, other: "ChoiceDelta") -> None:
+        self.text += other.text
+        self.token_ids.extend(other.token_ids)
+        if other.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + other.logprobs
+        self.finish_reason = other.finish_reason or self.finish_reason
+
+
+@dataclass
+class _EngineRequest:
+    request_id: str
+    prompt_index: int
+    prompt_token_ids: list[int]
+    tracker: RequestTracker
+    queued: bool = True  # accepted, no output yet (counts against the queue limit)
+    done: bool = False
+
+
+_CANCEL = object()
+
+
+class Generation:
+    def __init__(
+        self,
+        state: "ServerState",
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+    ) -> None:
+        """Validates every prompt (ValueError, before anything runs), then takes queue
+        slots from `state` (APIError 429/503)."""
+        self.state = state
+        self.engine: AsyncEngine = state.engine
+        self.params = params
+        self.requests = [
+            _EngineRequest(f"{request_id}-{i}", i, ids, state.metrics.track())
+            for i, ids in enumerate(prompts)
+        ]
+        for request in self.requests:
+            self.engine.make_request(request.request_id, request.prompt_token_ids, params)
+        state.admit(self)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._cancel_reason: str | None = None
+        self._closed = False
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests) * self.params.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    async def stream(
+        self, keepalive_s: float | None, coalesce_s: float
+    ) -> AsyncIterator[list[ChoiceDelta]]:
+        """Batches of choice deltas; an empty batch is a keep-alive tick (after `keepalive_s`
+        of silence). The first token goes out at once; later deltas that arrive within
+        `coalesce_s` of the last batch are merged into the next one."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [asyncio.create_task(self._pump(r)) for r in self.requests]
+        last_sent: float | None = None
+        try:
+            while not all(r.done for r in self.requests):
+                try:
+                    items = [await asyncio.wait_for(self._queue.get(), keepalive_s)]
+                except asyncio.TimeoutError:
+                    yield []
+                    continue
+                if last_sent is not None and coalesce_s > 0:
+                    while (wait := last_sent + coalesce_s - loop.time()) > 0:
+                        try:
+                            items.append(await asyncio.wait_for(self._queue.get(), wait))
+                        except asyncio.TimeoutError:
+                            break
+                while not self._queue.empty():
+                    items.append(self._queue.get_nowait())
+                deltas = self._absorb(items)
+                if deltas:
+                    yield deltas
+                    last_sent = loop.time()
+        finally:
+            self.close()
+
+    def cancel(self, reason: str) -> None:
+        """End the stream with RequestCancelled (and abort what still runs)."""
+        self._cancel_reason = reason
+        self._queue.put_nowait((None, _CANCEL))
+
+    def close(self) -> None:
+        """Abort every engine request still running and give back queue slots; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()  # leaving AsyncEngine.generate aborts the engine request
+        for request in self.requests:
+            if not request.done:
+                request.tracker.abort()
+            if request.queued:
+                request.queued = False
+                self.state.release_queued()
+        self.state.forget(self)
+
+    async def _pump(self, request: _EngineRequest) -> None:
+        try:
+            async for output in self.engine.generate(
+                request.request_id, request.prompt_token_ids, self.params
+            ):
+                self._queue.put_nowait((request, output))
+        except (ValueError, EngineDeadError) as exc:
+            self._queue.put_nowait((request, exc))
+
+    def _absorb(self, items: list[tuple]) -> list[ChoiceDelta]:
+        merged: dict[int, ChoiceDelta] = {}
+        for request, item in items:
+            if item is _CANCEL:
+                raise RequestCancelled(self._cancel_reason)
+            if isinstance(item, Exception):
+                raise RequestFailed(f"the engine could not run this request: {item}")
+            if request.queued:
+                request.queued = False
+                self.state.release_queued()
+            request.tracker.observe(item)
+            request.done = item.finished
+            if item.error:
+                raise RequestFailed(f"the engine failed while running this request: {item.error}")
+            for sample in item.outputs:
+                index = request.prompt_index * self.params.n + sample.index
+                delta = ChoiceDelta(
+                    index,
+                    sample.text,
+                    list(sample.token_ids),
+                    sample.logprobs,
+                    sample.finish_reason,
+                )
+                if index in merged:
+                    merged[index].merge(delta)
+                else:
+                    merged[index] = delta
+        return sorted(merged.values(), key=lambda d: d.index)

@@ -1,0 +1,291 @@
+"""Prometheus series of one serving pod, under vLLM's names wherever vLLM measures the same
+thing (dashboards, KEDA/HPA rules and the Gateway API Inference Extension read them
+unchanged); ours alone carry the `pagefleet:` prefix.
+
+Two sources: the engine's stats snapshot, read at scrape time (gauges and the engine's
+own counters), and each request's timestamped outputs, observed as they stream by
+(`RequestTracker`). This module is the only place that touches prometheus_client.
+"""
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagefleet_serve.engine.llm_engine import EngineStats
+from pagefleet_serve.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets, so histograms from both can be aggregated.
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats],
+        server_gauges: Callable[[], dict[str, tuple[str, float]]],
+    ) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels + list(extra), registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.request_success = counter(
+            "vllm:request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self.rejected = counter(
+            "pagefleet:requests_rejected",
+            "Requests turned away before reaching the engine.",
+            ("reason",),
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between a request's successive engine outputs.",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Arrival to the last token of finished requests.",
+            _LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "First scheduled to last token.",
+            _LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt length of finished requests.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens of finished requests.",
+            _TOKEN_BUCKETS,
+        )
+        self.registry.register(_EngineCollector(model_name, engine_stats, server_gauges))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def track(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Observes one engine request's outputs as they arrive."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.started = False
+        self.finished = False
+        self.num_generated = 0
+        self.last_token_time: float | None = None
+
+    def observe(self, output: RequestOutput) -> None:
+        m = self.metrics
+        label = m.model_name
+        timing = output.metrics
+        num_new = output.num_generated_tokens
+        if num_new:
+            if not self.started:
+                self.started = True
+                m.prompt_tokens.labels(label).inc(len(output.prompt_token_ids))
+                if timing and timing.first_token_time is not None:
+                    m.ttft.labels(label).observe(timing.first_token_time - timing.arrival_time)
+            elif timing and timing.last_token_time is not None and self.last_token_time is not None:
+                m.itl.labels(label).observe(timing.last_token_time - self.last_token_time)
+            self.num_generated += num_new
+            m.generation_tokens.labels(label).inc(num_new)
+            if timing:
+                self.last_token_time = timing.last_token_time
+        if output.finished:
+            self._finish(output)
+
+    def abort(self) -> None:
+        """The request ended on our side (client gone, drain) before the engine finished it."""
+        if not self.finished:
+            self.finished = True
+            self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
+
+    def _finish(self, output: RequestOutput) -> None:
+        self.finished = True
+        m = self.metrics
+        label = m.model_name
+        reasons = {o.finish_reason for o in output.outputs}
+        reason = (
+            output.error
+            and "error"
+            or next((r for r in ("error", "abort", "length", "stop") if r in reasons), "stop")
+        )
+        m.request_success.labels(label, reason).inc()
+        t = output.metrics
+        if t is None or t.finished_time is None or not self.started:
+            return
+        m.e2e.labels(label).observe(t.finished_time - t.arrival_time)
+        m.request_prompt_tokens.labels(label).observe(len(output.prompt_token_ids))
+        m.request_generation_tokens.labels(label).observe(self.num_generated)
+        if t.first_scheduled_time is not None:
+            m.queue_time.labels(label).observe(t.first_scheduled_time - t.arrival_time)
+            m.inference_time.labels(label).observe(t.finished_time - t.first_scheduled_time)
+            if t.first_token_time is not None:
+                m.prefill_time.labels(label).observe(t.first_token_time - t.first_scheduled_time)
+        if t.first_token_time is not None:
+            m.decode_time.labels(label).observe(t.finished_time - t.first_token_time)
+
+
+class _EngineCollector:
+    """Gauges and engine-side counters, read from the latest stats snapshot at scrape time."""
+
+    def __init__(
+        self,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats],
+        server_gauges: Callable[[], dict[str, tuple[str, float]]],
+    ) -> None:
+        self.model_name = model_name
+        self.engine_stats = engine_stats
+        self.server_gauges = server_gauges
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+    def collect(self):
+        stats = self.engine_stats()
+        label = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_running", "Sequences in the running batch.", stats.num_running
+        )
+        yield gauge(
+            "vllm:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0-1).",
+            stats.kv_cache_usage,
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            stats.prefix_cache_hits,
+        )
+        yield counter(
+            "vllm:num_preemptions",
+            "Sequences preempted for lack of KV blocks.",
+            stats.num_preemptions,
+        )
+        yield gauge("pagefleet:kv_cache_blocks", "KV cache blocks in the pool.", stats.num_blocks)
+        yield gauge(
+            "pagefleet:kv_cache_used_blocks",
+            "KV cache blocks held by live sequences.",
+            stats.num_used_blocks,
+        )
+        for name, (doc, value) in self.server_gauges().items():
+            yield gauge(name, doc, value)

@@ -1,0 +1,410 @@
+"""The OpenAI endpoints: /v1/models, /v1/completions and /v1/chat/completions.
+
+Both generation endpoints share one path (`_Endpoint`): parse and validate the body,
+tokenize (chat: through the model's chat template), admit, then either stream SSE chunks
+or collect a JSON response. They differ only in how a prompt is read and how a choice is
+written.
+"""
+
+import abc
+import asyncio
+import functools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagefleet_serve.engine.llm_engine import ContextLengthError
+from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.server.errors import APIError, bad_request, server_error, unavailable
+from pagefleet_serve.server.generation import (
+    ChoiceDelta,
+    Generation,
+    RequestCancelled,
+    RequestFailed,
+)
+from pagefleet_serve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _GenerationRequest,
+    parse,
+    value_error,
+)
+from pagefleet_serve.server.state import ServerState
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+KEEPALIVE = ": keep-alive\n\n"
+DONE = "data: [DONE]\n\n"
+_MIN_LOGPROB = -9999.0  # -inf is not JSON
+
+
+def sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream that closes its generation however the response ends, even when
+    the client leaves before the body starts."""
+
+    def __init__(self, generation: Generation, body: AsyncIterator[str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
+@dataclass
+class _Run:
+    id: str
+    created: int
+    model: str
+    request: _GenerationRequest
+    generation: Generation
+    text_offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs
+
+    def usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = self.generation.num_prompt_tokens
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+
+class _Endpoint(abc.ABC):
+    request_model: type[_GenerationRequest]
+    id_prefix: str
+    object_name: str
+    chunk_object: str
+    prompt_param: str
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.tokenizer = state.engine.engine.tokenizer
+        self.max_model_len = state.engine.engine.max_model_len
+
+    async def __call__(self, raw: Request) -> Response:
+        request = parse(self.request_model, await raw.body())
+        self.state.check_model(request.model)
+        prompts, params = self.prepare(request)
+        request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        try:
+            generation = Generation(self.state, request_id, prompts, params)
+        except ContextLengthError as exc:
+            raise self._context_error(exc) from None
+        except ValueError as exc:
+            raise value_error(exc, self.request_model) from None
+        run = _Run(
+            request_id,
+            int(time.time()),
+            request.model or self.state.settings.model_name,
+            request,
+            generation,
+        )
+        if request.stream:
+            return SSEResponse(generation, self._stream(run))
+        return await self._respond(run, raw)
+
+    # -- what each endpoint defines ---------------------------------------------------------
+    @abc.abstractmethod
+    def prepare(self, request) -> tuple[list[list[int]], SamplingParams]:
+        """Prompts as token ids (one engine request each) and the sampling settings."""
+
+    def opening_chunks(self, run: _Run) -> list[dict]:
+        return []
+
+    @abc.abstractmethod
+    def choice_chunk(self, run: _Run, delta: ChoiceDelta) -> dict:
+        """One choice's entry in a stream chunk."""
+
+    @abc.abstractmethod
+    def final_choice(self, run: _Run, choice: ChoiceDelta) -> dict:
+        """One choice's entry in a whole response."""
+
+    # -- shared ---------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request(
+                f"{self.prompt_param}: this model has no tokenizer; send token ids",
+                param=self.prompt_param,
+            )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @functools.cached_property
+    def token_text(self):
+        @functools.lru_cache(maxsize=65536)
+        def token_text(token_id: int) -> str:
+            if self.tokenizer is None:
+                return f"<{token_id}>"
+            return self.tokenizer.decode([token_id])
+
+        return token_text
+
+    def envelope(self, run: _Run, chunk: bool) -> dict:
+        return {
+            "id": run.id,
+            "object": self.chunk_object if chunk else self.object_name,
+            "created": run.created,
+            "model": run.model,
+        }
+
+    async def _stream(self, run: _Run) -> AsyncIterator[str]:
+        settings = self.state.settings
+        usage_field = {"usage": None} if run.request.include_usage else {}
+        completion_tokens = 0
+        try:
+            for chunk in self.opening_chunks(run):
+                yield sse_event(self.envelope(run, chunk=True) | {"choices": [chunk]} | usage_field)
+            async for deltas in run.generation.stream(
+                settings.sse_keepalive_interval, settings.stream_coalesce_interval
+            ):
+                if not deltas:
+                    yield KEEPALIVE
+                    continue
+                for delta in deltas:
+                    completion_tokens += len(delta.token_ids)
+                    if delta.text or delta.finish_reason or delta.logprobs:
+                        yield sse_event(
+                            self.envelope(run, chunk=True)
+                            | {"choices": [self.choice_chunk(run, delta)]}
+                            | usage_field
+                        )
+            if run.request.include_usage:
+                yield sse_event(
+                    self.envelope(run, chunk=True)
+                    | {"choices": [], "usage": run.usage(completion_tokens)}
+                )
+        except RequestFailed as exc:
+            yield sse_event(server_error(str(exc)).body())
+        except RequestCancelled as exc:
+            yield sse_event(unavailable(str(exc), code="server_shutting_down").body())
+        yield DONE
+
+    async def _respond(self, run: _Run, raw: Request) -> Response:
+        choices = [ChoiceDelta(i) for i in range(run.generation.num_choices)]
+
+        async def collect() -> None:
+            async for deltas in run.generation.stream(None, 0.0):
+                for delta in deltas:
+                    choices[delta.index].merge(delta)
+
+        try:
+            completed = await _unless_disconnected(raw, collect())
+        except RequestFailed as exc:
+            raise server_error(str(exc)) from None
+        except RequestCancelled as exc:
+            raise unavailable(str(exc), code="server_shutting_down") from None
+        finally:
+            run.generation.close()
+        if not completed:
+            return Response(status_code=499)  # the client has gone; nobody reads this
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return JSONResponse(
+            self.envelope(run, chunk=False)
+            | {
+                "choices": [self.final_choice(run, c) for c in choices],
+                "usage": run.usage(completion_tokens),
+            }
+        )
+
+    def _context_error(self, exc: ContextLengthError) -> APIError:
+        where = "messages" if self.prompt_param == "messages" else "prompt"
+        return bad_request(
+            f"This model's maximum context length is {exc.max_model_len} tokens. However, you "
+            f"requested {exc.num_prompt_tokens + exc.max_tokens} tokens "
+            f"({exc.num_prompt_tokens} in the {where}, {exc.max_tokens} in the completion). "
+            f"Please reduce the length of the {where} or completion.",
+            param=self.prompt_param,
+            code="context_length_exceeded",
+        )
+
+
+class CompletionsEndpoint(_Endpoint):
+    request_model = CompletionRequest
+    id_prefix = "cmpl"
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+    prompt_param = "prompt"
+
+    def prepare(self, request: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            prompts = [self.encode(prompt)]
+        elif not prompt:
+            raise bad_request("prompt: must not be empty", param="prompt")
+        elif isinstance(prompt[0], int):
+            prompts = [list(prompt)]
+        elif isinstance(prompt[0], str):
+            prompts = [self.encode(p) for p in prompt]
+        else:
+            prompts = [list(p) for p in prompt]
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        return prompts, request.sampling_params(max_tokens, request.logprobs)
+
+    def choice_chunk(self, run: _Run, delta: ChoiceDelta) -> dict:
+        return self.final_choice(run, delta)
+
+    def final_choice(self, run: _Run, choice: ChoiceDelta) -> dict:
+        return {
+            "index": choice.index,
+            "text": choice.text,
+            "logprobs": self._logprobs(run, choice),
+            "finish_reason": choice.finish_reason,
+        }
+
+    def _logprobs(self, run: _Run, choice: ChoiceDelta) -> dict | None:
+        if choice.logprobs is None:
+            return None
+        offset = run.text_offsets.get(choice.index, 0)
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for entry in choice.logprobs:
+            text = self.token_text(entry.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(max(entry.logprob, _MIN_LOGPROB))
+            out["top_logprobs"].append(
+                {self.token_text(t): max(lp, _MIN_LOGPROB) for t, lp in entry.top_logprobs}
+            )
+            out["text_offset"].append(offset)
+            offset += len(text)
+        run.text_offsets[choice.index] = offset
+        return out
+
+
+class ChatCompletionsEndpoint(_Endpoint):
+    request_model = ChatCompletionRequest
+    id_prefix = "chatcmpl"
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    prompt_param = "messages"
+
+    def prepare(self, request: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        if not request.messages:
+            raise bad_request("messages: must not be empty", param="messages")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
+        if self.tokenizer is None:
+            raise bad_request(
+                "messages: this model has no tokenizer or chat template", param="messages"
+            )
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            | ({"name": m.name} if m.name else {})
+            for m in request.messages
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # noqa: BLE001 - a template raises whatever jinja raises
+            raise bad_request(
+                f"messages: the model's chat template rejected them: {exc}", param="messages"
+            ) from None
+        prompt = self.encode(text)
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        if max_tokens is None:  # OpenAI's default: whatever the context has left
+            max_tokens = max(1, self.max_model_len - len(prompt))
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return [prompt], request.sampling_params(max_tokens, logprobs)
+
+    def opening_chunks(self, run: _Run) -> list[dict]:
+        return [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(run.generation.num_choices)
+        ]
+
+    def choice_chunk(self, run: _Run, delta: ChoiceDelta) -> dict:
+        return {
+            "index": delta.index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self._logprobs(delta),
+            "finish_reason": delta.finish_reason,
+        }
+
+    def final_choice(self, run: _Run, choice: ChoiceDelta) -> dict:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": self._logprobs(choice),
+            "finish_reason": choice.finish_reason,
+        }
+
+    def _logprobs(self, choice: ChoiceDelta) -> dict | None:
+        if choice.logprobs is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {
+                "token": text,
+                "logprob": max(logprob, _MIN_LOGPROB),
+                "bytes": list(text.encode("utf-8")),
+            }
+
+        return {
+            "content": [
+                item(e.token_id, e.logprob)
+                | {"top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]}
+                for e in choice.logprobs
+            ]
+        }
+
+
+def list_models(state: ServerState, created: int) -> dict:
+    engine = state.engine.engine
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagefleet",
+                "root": engine.config.model,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in state.settings.served_model_names
+        ],
+    }
+
+
+async def _unless_disconnected(raw: Request, work: Coroutine) -> bool:
+    """Run `work` unless the client disconnects first (then cancel it): True if it ran."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        await asyncio.wait({task})  # let its cleanup (the engine abort) run
+        return False
+    task.result()
+    return True
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,220 @@
+"""`pagefleet serve`: the command line (vLLM's flag names; every flag also read from
+`PAGEFLEET_<FLAG>`), start-up, and uvicorn with a graceful drain on SIGTERM."""
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import threading
+import time
+
+from pagefleet_serve.config import EngineConfig, parse_bytes
+from pagefleet_serve.server.settings import ServerSettings
+
+logger = logging.getLogger("pagefleet_serve.serve")
+
+ENV_PREFIX = "PAGEFLEET_"
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _default(cls, name: str):
+    return {f.name: f.default for f in dataclasses.fields(cls)}[name]
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+class _Flags:
+    """Adds flags whose default comes from PAGEFLEET_<FLAG> when that is set, so the
+    command line wins over the environment, which wins over the built-in default."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def __call__(self, flag: str, help: str, **kwargs) -> None:
+        env = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+        text = os.environ.get(env)
+        if text is not None:
+            kwargs["default"] = self._from_env(env, text, kwargs)
+        self.parser.add_argument(flag, help=f"{help} [env: {env}]", **kwargs)
+
+    def _from_env(self, env: str, text: str, kwargs: dict):
+        try:
+            if kwargs.get("action") is argparse.BooleanOptionalAction:
+                return _parse_bool(text)
+            if kwargs.get("nargs") == "+":
+                return text.replace(",", " ").split()
+            value = kwargs.get("type", str)(text)
+        except ValueError as exc:
+            self.parser.error(f"{env}={text!r}: {exc}")
+        if "choices" in kwargs and value not in kwargs["choices"]:
+            self.parser.error(f"{env}={text!r}: choose from {', '.join(kwargs['choices'])}")
+        return value
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (FastAPI under uvicorn).",
+    )
+    flag = _Flags(parser)
+    engine = functools.partial(_default, EngineConfig)
+    server = functools.partial(_default, ServerSettings)
+    flag(
+        "--model",
+        "a GGUF file, a Hugging Face model directory, or builtin://smollm2-135m",
+        default=engine("model"),
+    )
+    flag(
+        "--served-model-name",
+        "name(s) clients use for the model (default: the model's name)",
+        nargs="+",
+        default=None,
+    )
+    flag("--host", "address to listen on", default=server("host"))
+    flag("--port", "port to listen on", type=int, default=server("port"))
+    flag("--block-size", "tokens per KV cache block", type=int, default=engine("block_size"))
+    flag("--max-num-seqs", "most sequences in one batch", type=int, default=engine("max_num_seqs"))
+    flag(
+        "--max-num-batched-tokens",
+        "most tokens computed in one engine step",
+        type=int,
+        default=engine("max_num_batched_tokens"),
+    )
+    flag(
+        "--max-model-len",
+        "context length (default: the model's, capped by the KV pool)",
+        type=int,
+        default=engine("max_model_len"),
+    )
+    flag(
+        "--kv-cache-memory",
+        "KV cache pool size in bytes, e.g. 2GiB (default: 1GiB on CPU, "
+        "--gpu-memory-utilization on CUDA)",
+        type=parse_bytes,
+        default=None,
+    )
+    flag(
+        "--gpu-memory-utilization",
+        "fraction of GPU memory the engine may use",
+        type=float,
+        default=engine("gpu_memory_utilization"),
+    )
+    flag(
+        "--enable-prefix-caching",
+        "reuse KV blocks of shared prompt prefixes",
+        action=argparse.BooleanOptionalAction,
+        default=engine("enable_prefix_caching"),
+    )
+    flag("--kv-cache-dtype", "element type of the KV cache", default=engine("kv_cache_dtype"))
+    flag("--attention-backend", "attention implementation", default=engine("attention_backend"))
+    flag("--dtype", "model dtype: auto, float32, float16 or bfloat16", default=engine("dtype"))
+    flag("--device", "auto, cpu or cuda[:N]", default=engine("device"))
+    flag("--seed", "engine seed", type=int, default=engine("seed"))
+    flag("--api-key", "require 'Authorization: Bearer <key>' on /v1/*", default=None)
+    flag(
+        "--max-num-queued-requests",
+        "requests waiting for the engine beyond which new ones get 429 (default: no limit)",
+        type=int,
+        default=None,
+    )
+    flag(
+        "--shutdown-timeout",
+        "seconds in-flight requests may run after SIGTERM",
+        type=float,
+        default=server("shutdown_timeout"),
+    )
+    flag(
+        "--stream-coalesce-interval",
+        "seconds within which later stream tokens are merged into one chunk (0: none)",
+        type=float,
+        default=server("stream_coalesce_interval"),
+    )
+    flag(
+        "--sse-keepalive-interval",
+        "seconds of stream silence before an SSE comment is sent",
+        type=float,
+        default=server("sse_keepalive_interval"),
+    )
+    flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
+            attention_backend=args.attention_backend,
+            seed=args.seed,
+        )
+        settings = ServerSettings(
+            served_model_names=tuple(args.served_model_name or [args.model]),
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            max_num_queued_requests=args.max_num_queued_requests,
+            shutdown_timeout=args.shutdown_timeout,
+            stream_coalesce_interval=args.stream_coalesce_interval,
+            sse_keepalive_interval=args.sse_keepalive_interval,
+        )
+    except ValueError as exc:
+        logger.error("invalid configuration: %s", exc)
+        return 2
+
+    from pagefleet_serve.engine.async_engine import AsyncEngine
+    from pagefleet_serve.engine.llm_engine import LLMEngine
+    from pagefleet_serve.server.uvicorn_server import create_server
+
+    try:
+        with _progress(f"loading model {config.model}"):
+            engine = LLMEngine(config)
+    except (ValueError, OSError) as exc:
+        logger.error("cannot load model %s: %s", config.model, exc)
+        return 1
+    if not args.served_model_name:
+        settings = dataclasses.replace(settings, served_model_names=(engine.model_name,))
+    server = create_server(settings, AsyncEngine(engine), args.log_level)
+    server.run()
+    return 1 if server.force_exit else 0
+
+
+@contextlib.contextmanager
+def _progress(what: str, every_s: float = 5.0):
+    """Log `what`, then how long it has been running every few seconds until done."""
+    logger.info("%s", what)
+    done = threading.Event()
+    started = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            logger.info("%s: %.0fs", what, time.monotonic() - started)
+
+    thread = threading.Thread(target=tick, name="load-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

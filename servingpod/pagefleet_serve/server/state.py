@@ -1,0 +1,105 @@
+"""What the server knows beyond the engine: admission (queue limit, draining) and the
+requests in flight, which a graceful drain waits for and finally cancels."""
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from pagefleet_serve.engine.async_engine import AsyncEngine
+from pagefleet_serve.server.errors import APIError, unavailable
+from pagefleet_serve.server.metrics import ServerMetrics
+from pagefleet_serve.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from pagefleet_serve.server.generation import Generation
+
+logger = logging.getLogger(__name__)
+
+# After the drain deadline, how long cancelled requests get to send their final event.
+_CANCEL_GRACE_S = 5.0
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings, engine: AsyncEngine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.draining = False
+        self.num_queued = 0
+        self.generations: set[Generation] = set()
+        self.metrics = ServerMetrics(settings.model_name, lambda: engine.stats, self._gauges)
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and self.engine.is_healthy
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.settings.served_model_names:
+            raise APIError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
+
+    def admit(self, generation: "Generation") -> None:
+        """Take queue slots for a validated request, or refuse it (503 draining or engine
+        down, 429 queue full)."""
+        if self.draining:
+            self.metrics.reject("draining")
+            raise unavailable(
+                "the server is shutting down; retry on another replica", code="server_shutting_down"
+            )
+        if not self.engine.is_healthy:
+            self.metrics.reject("engine_unhealthy")
+            reason = self.engine.dead_reason or "an engine step has not returned in time"
+            raise unavailable(f"the engine is not healthy: {reason}", code="engine_unhealthy")
+        limit = self.settings.max_num_queued_requests
+        wanted = len(generation.requests)
+        if limit is not None and self.num_queued + wanted > limit:
+            self.metrics.reject("queue_full")
+            raise APIError(
+                429,
+                f"the request queue is full ({self.num_queued} requests waiting, limit "
+                f"{limit}); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        self.num_queued += wanted
+        self.generations.add(generation)
+
+    def release_queued(self) -> None:
+        self.num_queued -= 1
+
+    def forget(self, generation: "Generation") -> None:
+        self.generations.discard(generation)
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, let those in flight finish for up to `timeout` seconds,
+        then cancel the rest (they end with an error event) and wait for them to go."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        logger.info(
+            "draining: %d requests in flight, waiting up to %.0fs", len(self.generations), timeout
+        )
+        deadline = loop.time() + timeout
+        while self.generations and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.generations:
+            logger.warning("drain timeout: cancelling %d requests", len(self.generations))
+            for generation in list(self.generations):
+                generation.cancel("the server shut down before this request finished")
+            deadline = loop.time() + _CANCEL_GRACE_S
+            while self.generations and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        logger.info("drain complete")
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        return {
+            "pagefleet:num_requests_queued": (
+                "Requests accepted by the server that have not produced a token yet.",
+                self.num_queued,
+            ),
+            "pagefleet:engine_healthy": (
+                "1 while the engine loop is alive and stepping.",
+                float(self.engine.is_healthy),
+            ),
+            "pagefleet:draining": ("1 once a graceful shutdown has begun.", float(self.draining)),
+        }

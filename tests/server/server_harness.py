@@ -1,0 +1,168 @@
+"""Real servers for the server tests: a `pagefleet serve` subprocess, or a uvicorn server
+in a thread of the test process (so a test can reach into its engine), both on a free
+loopback port with the built-in model; plus helpers to read /metrics and to poll."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "builtin://smollm2-135m"
+START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
+    """Poll until `predicate()` is truthy; return its value, or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _is_ready(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+class ServerProcess:
+    """`python -m pagefleet_serve.cli serve ...` with its log in a temporary file."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(tempfile.mkstemp(prefix="pagefleet-serve-", suffix=".log")[1])
+        command = [
+            sys.executable,
+            "-m",
+            "pagefleet_serve.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            *flags,
+        ]
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
+
+    def wait_ready(self) -> ServerProcess:
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"server exited with {self.process.returncode}:\n{self.log_text()}"
+                )
+            return _is_ready(self.base_url)
+
+        wait_until(ready, START_TIMEOUT_S, "the server to become ready", interval=0.2)
+        return self
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        self.log.unlink(missing_ok=True)
+
+
+class ThreadServer:
+    """The same app under uvicorn in a thread of this process; `.engine` is its AsyncEngine."""
+
+    def __init__(self, settings: dict, **engine_config) -> None:
+        from pagefleet_serve.config import EngineConfig
+        from pagefleet_serve.engine.async_engine import AsyncEngine
+        from pagefleet_serve.engine.llm_engine import LLMEngine
+        from pagefleet_serve.server.settings import ServerSettings
+        from pagefleet_serve.server.uvicorn_server import create_server
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        engine = LLMEngine(EngineConfig(model=MODEL, **engine_config))
+        self.engine = AsyncEngine(engine)
+        self.server = create_server(
+            ServerSettings(served_model_names=(engine.model_name,), port=self.port, **settings),
+            self.engine,
+            log_level="warning",
+        )
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.thread.start()
+        wait_until(lambda: _is_ready(self.base_url), START_TIMEOUT_S, "the server to start")
+
+    @property
+    def state(self):
+        return self.server.state
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def read_metrics(base_url: str) -> dict[str, float]:
+    """/metrics as {'name{label="value",...}': value}, labels sorted, model_name left out."""
+    response = httpx.get(f"{base_url}/metrics", timeout=10)
+    response.raise_for_status()
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sorted(sample.labels.items()) if k != "model_name"}
+            inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            samples[f"{sample.name}{{{inner}}}" if inner else sample.name] = sample.value
+    return samples
+
+
+def sse_events(lines) -> list:
+    """Parse SSE lines into a list of JSON payloads, ':' comments (as str) and 'DONE'."""
+    events = []
+    for line in lines:
+        if line.startswith(":"):
+            events.append(line)
+        elif line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append("DONE" if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(
+    response: httpx.Response, status: int, code: str | None = None, param: str | None = None
+) -> dict:
+    """An OpenAI error body with this status; returns its "error" object."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert "Traceback" not in response.text
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error

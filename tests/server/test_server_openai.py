@@ -1,0 +1,338 @@
+"""The OpenAI API through the official `openai` SDK (sync and async) against a
+`pagefleet serve` subprocess: streamed text equals the non-streamed greedy result, usage
+is right, n=2, logprobs, stop strings, 32 concurrent streams with metrics read under load,
+and UTF-8 that streams without replacement characters."""
+
+import asyncio
+import threading
+
+import httpx
+import openai
+import pytest
+from pagefleet_serve.model.loader import load_tokenizer
+from server_harness import ServerProcess, read_metrics, sse_events, wait_until
+
+MODEL_NAME = "smol"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def server():
+    # Engine settings come from the environment, as the operator sets them.
+    env = {
+        "PAGEFLEET_MAX_MODEL_LEN": "1024",
+        "PAGEFLEET_KV_CACHE_MEMORY": "256MiB",
+        "PAGEFLEET_MAX_NUM_SEQS": "8",
+        "PAGEFLEET_SERVED_MODEL_NAME": MODEL_NAME,
+    }
+    process = ServerProcess("--host", "127.0.0.1", env=env)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin://smollm2-135m")
+
+
+def chat_prompt_tokens(tokenizer, question: str) -> int:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_startup_log_names_model_device_pool_and_address(server):
+    log = server.log_text()
+    for expected in (
+        "model smollm2-135m",
+        "device cpu",
+        "KV cache pool:",
+        f"serving {MODEL_NAME} on http://127.0.0.1:{server.port}",
+    ):
+        assert expected in log, log
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+def test_completions_stream_equals_non_stream_sync(client, tokenizer):
+    prompt = "The three primary colors are"
+    whole = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text and text
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    num_prompt = len(tokenizer.encode(prompt, add_special_tokens=False))
+    for usage in (whole.usage, chunks[-1].usage):
+        assert usage.prompt_tokens == num_prompt
+        assert usage.completion_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [whole.choices[0].finish_reason]
+
+
+def test_chat_stream_equals_non_stream_async(server, tokenizer):
+    async def both():
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0
+        ) as aclient:
+            whole = await aclient.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": QUESTION}],
+                max_tokens=16,
+                temperature=0,
+            )
+            stream = await aclient.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": QUESTION}],
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            return whole, [chunk async for chunk in stream]
+
+    whole, chunks = asyncio.run(both())
+    assert whole.choices[0].message.role == "assistant"
+    assert "Paris" in whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert (
+        usage.prompt_tokens == whole.usage.prompt_tokens == chat_prompt_tokens(tokenizer, QUESTION)
+    )
+    assert usage.completion_tokens == whole.usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert whole.choices[0].finish_reason == "stop"
+
+
+def test_chat_stream_equals_non_stream_sync(client):
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Name a primary color."},
+    ]
+    whole = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks)
+        == whole.choices[0].message.content
+    )
+
+
+def test_completions_async_stream_equals_non_stream(server):
+    async def both():
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0
+        ) as aclient:
+            whole = await aclient.completions.create(
+                model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0
+            )
+            stream = await aclient.completions.create(
+                model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stream=True
+            )
+            return whole, "".join([c.choices[0].text async for c in stream])
+
+    whole, text = asyncio.run(both())
+    assert text == whole.choices[0].text
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+
+
+def test_n2_gives_two_choices(client):
+    whole = client.completions.create(
+        model=MODEL_NAME,
+        prompt="My favourite animal is",
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        n=2,
+    )
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    assert whole.usage.completion_tokens == 12  # ignore_eos is off, but 6 tokens rarely end
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=6,
+            temperature=1.0,
+            seed=7,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role]
+    assert sorted(roles) == [0, 1]
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] and texts[1]
+    assert chunks[-1].usage.completion_tokens >= 2
+
+
+def test_logprobs(client):
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="The sky is", max_tokens=3, temperature=0, logprobs=2
+    )
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 3
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].logprob <= 0 and content[0].bytes == list(content[0].token.encode())
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    whole = client.completions.create(
+        model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"]
+    )
+    assert whole.choices[0].finish_reason == "stop"
+    assert " 7" not in whole.choices[0].text and whole.choices[0].text.startswith(" 5")
+
+
+def test_utf8_streams_without_replacement_characters(server, client):
+    messages = [{"role": "user", "content": "用一句话介绍一下长城。"}]
+    whole = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0
+    )
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "max_tokens": 16,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=60
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.headers["x-accel-buffering"] == "no"
+        raw = b"".join(response.iter_bytes())
+    events = sse_events(raw.decode("utf-8").splitlines())
+    assert events[-1] == "DONE"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert "\ufffd" not in text and any(ord(ch) > 127 for ch in text)
+    assert text == whole.choices[0].message.content
+
+
+# -- 32 concurrent streams, with /metrics read while they run ---------------------------------
+NUM_CONCURRENT = 32
+
+
+@pytest.fixture(scope="module")
+def burst(server, client):
+    """32 streaming completions at once on a server with max_num_seqs=8, /metrics polled
+    throughout; also the same prompts' non-streamed greedy results, as one batch request."""
+    prompts = [f"Count upwards: {i}, {i + 1}, {i + 2}," for i in range(NUM_CONCURRENT)]
+    expected = client.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0
+    )
+    before = read_metrics(server.base_url)
+    waiting_seen = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            waiting_seen.append(read_metrics(server.base_url)["vllm:num_requests_waiting"])
+
+    async def one(aclient, prompt: str) -> str:
+        stream = await aclient.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_streams() -> list[str]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+        ) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        texts = asyncio.run(all_streams())
+    finally:
+        stop.set()
+        poller.join()
+    after = read_metrics(server.base_url)
+    return {
+        "expected": [c.text for c in sorted(expected.choices, key=lambda c: c.index)],
+        "texts": texts,
+        "waiting_seen": waiting_seen,
+        "before": before,
+        "after": after,
+    }
+
+
+def test_32_concurrent_streams_complete_uninterleaved(burst):
+    assert len(burst["texts"]) == NUM_CONCURRENT
+    assert burst["texts"] == burst["expected"]
+    assert len(set(burst["texts"])) > NUM_CONCURRENT // 2  # distinct prompts, distinct texts
+
+
+def test_metrics_under_load(server, burst):
+    assert max(burst["waiting_seen"]) > 0, burst["waiting_seen"]
+    before, after = burst["before"], burst["after"]
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    finished = sum(
+        delta(f'vllm:request_success_total{{finished_reason="{r}"}}') for r in ("stop", "length")
+    )
+    assert finished == NUM_CONCURRENT
+    assert delta("vllm:time_to_first_token_seconds_count") == NUM_CONCURRENT
+    assert delta("vllm:e2e_request_latency_seconds_count") == NUM_CONCURRENT
+    assert delta("vllm:request_queue_time_seconds_count") == NUM_CONCURRENT
+    assert delta("vllm:generation_tokens_total") == NUM_CONCURRENT * 6
+    assert delta("vllm:inter_token_latency_seconds_count") == NUM_CONCURRENT * 5
+    assert delta("vllm:prompt_tokens_total") > 0
+    assert delta("vllm:prefix_cache_queries_total") > 0
+    idle = wait_until(
+        lambda: (m := read_metrics(server.base_url))["vllm:num_requests_running"] == 0 and m,
+        30,
+        "the engine to go idle",
+    )
+    assert idle["vllm:kv_cache_usage_perc"] == 0.0
+    assert idle["vllm:num_requests_waiting"] == 0.0
