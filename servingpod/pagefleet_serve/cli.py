@@ -11,10 +11,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagefleet", description="PageFleet LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(commands)
+    # Listed for --help; main() hands its arguments to the operator's own parser.
+    commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
     return parser
 
 
+def _run_operator(argv: list[str]) -> int:
+    # The operator is its own package with its own flags; imported only when asked for.
+    from pagefleet_operator.__main__ import main as operator_main
+
+    return operator_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["operator"]:
+        return _run_operator(argv[1:])
     args = build_parser().parse_args(argv)
     return args.handler(args)
 
