@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint format bench bench-offline
+.PHONY: install serve test lint format bench bench-offline bench-kvquant bench-kernels \
+	test-kernels test-kernels-gpu
 
 install: $(STAMP)
 
@@ -24,6 +25,14 @@ serve: install
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
 
+# The full kernel sweep (slow under TRITON_INTERPRET on a CPU), and the same tests at full
+# size on a CUDA device.
+test-kernels: install
+	$(PY) -m pytest -q -m "not gpu" tests/kernels
+
+test-kernels-gpu: install
+	$(PY) -m pytest -q -m gpu tests/kernels
+
 lint: install
 	$(VENV)/bin/ruff check servingpod kernels operator tests
 	$(VENV)/bin/ruff format --check servingpod kernels operator tests
@@ -36,3 +45,11 @@ bench: bench-offline
 
 bench-offline: install
 	$(PY) benchmarks/bench_offline.py --output bench-offline.json
+
+# Perplexity of the built-in model over GPL-3 with auto/fp8/int8 KV caches (~12 min).
+bench-kvquant: install
+	$(PY) benchmarks/bench_kvquant.py --output bench-kvquant.json
+
+# Decode attention time and bandwidth at a Llama-3-8B shape; needs CUDA.
+bench-kernels: install
+	$(PY) benchmarks/bench_kernels.py --output bench-kernels.json

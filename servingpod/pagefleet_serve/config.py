@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 BUILTIN_MODEL = "builtin://smollm2-135m"
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype; fp8 is float8 e4m3
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -54,9 +56,12 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.kv_cache_dtype not in ("auto",):
-            raise ValueError(f"kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}")
-        if self.attention_backend not in ("auto", "torch"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}"
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
             )

@@ -85,7 +85,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(loaded, self.device, self.dtype, config.block_size,
-                                  config.attention_backend)
+                                  config.attention_backend, config.kv_cache_dtype)
         del loaded
         logger.info("model %s: %d layers, %d heads (%d kv), loaded in %.1fs", self.model_name,
                     self.model_config.num_layers, self.model_config.num_heads,
@@ -102,8 +102,9 @@ class LLMEngine:
                 f"kv_cache_memory_bytes or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
-        logger.info("KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks,
-                    config.block_size, pool_tokens, num_blocks * self.runner.bytes_per_block / 2**20)
+        logger.info("KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB, %s", num_blocks,
+                    config.block_size, pool_tokens, num_blocks * self.runner.bytes_per_block / 2**20,
+                    str(self.runner.kv_cache_dtype).removeprefix("torch."))
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -2,6 +2,13 @@
 cache, samples the next tokens."""
 
 import torch
+from pagefleet_kernels.kv_cache import (
+    SCALE_DTYPE,
+    LayerKVCache,
+    bytes_per_token_head,
+    is_quantized,
+    kv_cache_torch_dtype,
+)
 
 from pagefleet_serve.attention import get_attention_backend
 from pagefleet_serve.engine.sampler import SampledToken, SampleRow, sample
@@ -14,38 +21,49 @@ from pagefleet_serve.model.loader import LoadedModel
 class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
-        block_size: int, attention_backend: str,
+        block_size: int, attention_backend: str, kv_cache_dtype: str,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.config = loaded.config
         self.model = LlamaForCausalLM(loaded.config, get_attention_backend(attention_backend, device))
         self.model.load_hf_state_dict(loaded.weights)
         self.model.to(device=device, dtype=dtype).eval()
         self.kv_cache: torch.Tensor | None = None  # (layers, 2, blocks, block_size, kv_heads, head_dim)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_scales: torch.Tensor | None = None  # (layers, 2, blocks, block_size, kv_heads), int8/fp8
+        self.kv_caches: list[LayerKVCache] = []
 
     @property
     def bytes_per_block(self) -> int:
         c = self.config
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
+        per_token_head = bytes_per_token_head(self.kv_cache_dtype, c.head_dim)
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_token_head
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.config
+        shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads)
         self.kv_cache = torch.zeros(
-            c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
-            dtype=self.dtype, device=self.device,
+            *shape, c.head_dim, dtype=self.kv_cache_dtype, device=self.device
         )
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        if is_quantized(self.kv_cache_dtype):
+            self.kv_scales = torch.zeros(shape, dtype=SCALE_DTYPE, device=self.device)
+            self.kv_caches = [
+                LayerKVCache(layer[0], layer[1], scales[0], scales[1])
+                for layer, scales in zip(self.kv_cache, self.kv_scales, strict=True)
+            ]
+        else:
+            self.kv_caches = [LayerKVCache(layer[0], layer[1]) for layer in self.kv_cache]
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[Sequence, list[SampledToken]]:
         copies = step.block_copies
         if copies:
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies, strict=True))
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            for pool in (self.kv_cache, self.kv_scales):
+                if pool is not None:
+                    pool[:, :, dst] = pool[:, :, src]
 
         input_ids: list[int] = []
         query_lens, seq_lens, starts, tables = [], [], [], []

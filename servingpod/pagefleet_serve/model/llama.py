@@ -105,11 +105,13 @@ class LlamaAttention(nn.Module):
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        key_cache, value_cache = kv_cache
-        self.backend.write_kv_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+        cache = kv_cache  # LayerKVCache: key, value (+ their scales when int8/fp8)
+        self.backend.write_kv_cache(
+            k, v, cache.key, cache.value, attn.slot_mapping, cache.key_scale, cache.value_scale
+        )
         out = self.backend.paged_attention(
-            q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
-            attn.query_start_loc, self.scale, attn.query_lens,
+            q, cache.key, cache.value, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+            self.scale, attn.query_lens, cache.key_scale, cache.value_scale,
         )
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -156,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list,  # one pagefleet_kernels.kv_cache.LayerKVCache per layer
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

@@ -1,0 +1,302 @@
+"""Paged attention: the Triton kernel against the PyTorch reference, the reference against
+a naive per-sequence loop over the raw K/V.
+
+On the CPU the kernel runs in the Triton interpreter on small shapes (the fast set runs in
+every `make test`; the full sweep is `slow`); `pytest -m gpu tests/kernels` runs the same
+checks compiled, at Llama-3-8B size, on a CUDA device.
+"""
+
+import itertools
+
+import pytest
+import torch
+from conftest import requires_cuda
+from kernel_batches import KERNEL_TOLERANCE, QUANTIZATION_TOLERANCE, PagedBatch, make_batch
+from pagefleet_kernels import reference, triton_attention
+
+CONTEXT_LENS = [1, 15, 16, 17, 100, 300]
+GQA = [(4, 4), (6, 2), (8, 1)]  # (query heads, KV heads): ratios 1, 3, 8
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CACHES = ["auto", "int8", "fp8"]
+
+
+def naive_attention(batch: PagedBatch) -> torch.Tensor:
+    """A loop per sequence over the raw (never cached) K/V, in float32."""
+    out = torch.empty(batch.query.shape, dtype=torch.float32)
+    group = batch.query.shape[1] // batch.key.shape[1]
+    kv_start = 0
+    for i, q_len in enumerate(batch.query_lens):
+        ctx = int(batch.seq_lens[i])
+        q0 = int(batch.query_start_loc[i])
+        q = batch.query[q0 : q0 + q_len].float().cpu()  # (L, Hq, D)
+        k = batch.key[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
+        v = batch.value[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
+        scores = torch.einsum("lhd,shd->hls", q, k) * batch.scale  # (Hq, L, S)
+        q_pos = torch.arange(ctx - q_len, ctx)
+        scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos[:, None], float("-inf"))
+        out[q0 : q0 + q_len] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+        kv_start += ctx
+    return out
+
+
+def check(batch: PagedBatch, cache: str, **kernel_kwargs) -> None:
+    """Kernel vs reference on the same cache; reference vs the naive loop on raw K/V."""
+    expected = batch.attention(reference)
+    actual = batch.attention(triton_attention, **kernel_kwargs)
+    atol, rtol = KERNEL_TOLERANCE[batch.query.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    if cache != "auto":
+        atol, rtol = QUANTIZATION_TOLERANCE[cache]
+        atol += KERNEL_TOLERANCE[batch.query.dtype][0]
+    torch.testing.assert_close(expected.float().cpu(), naive_attention(batch), atol=atol, rtol=rtol)
+
+
+# -- every CI run (interpreter on the CPU, a second or two each) ------------------------
+# Every dtype with every cache once, the GQA ratio rotating; the slow sweep crosses all.
+FAST_CASES = [
+    pytest.param(
+        GQA[i % 3], dtype, cache, id=f"gqa{GQA[i % 3][0] // GQA[i % 3][1]}-{str(dtype)[6:]}-{cache}"
+    )
+    for i, (dtype, cache) in enumerate(itertools.product(DTYPES, CACHES))
+]
+
+
+@pytest.mark.parametrize(("heads", "dtype", "cache"), FAST_CASES)
+def test_decode_only(heads, dtype, cache, device):
+    batch = make_batch(
+        [1] * len(CONTEXT_LENS), CONTEXT_LENS, *heads, dtype=dtype, cache=cache, device=device
+    )
+    check(batch, cache)
+
+
+@pytest.mark.parametrize(("heads", "dtype", "cache"), FAST_CASES)
+def test_prefill_only(heads, dtype, cache, device):
+    # Whole prompts and chunks continuing a cached context.
+    query_lens = [15, 16, 17, 100, 2, 40]
+    context_lens = [15, 16, 17, 100, 17, 300]
+    batch = make_batch(query_lens, context_lens, *heads, dtype=dtype, cache=cache, device=device)
+    check(batch, cache)
+
+
+@pytest.mark.parametrize(("heads", "dtype", "cache"), FAST_CASES)
+def test_mixed_decodes_and_prefill_chunks(heads, dtype, cache, device):
+    query_lens = [1, 17, 1, 5, 1, 33, 1, 1]
+    context_lens = [300, 17, 16, 100, 1, 300, 15, 17]
+    batch = make_batch(query_lens, context_lens, *heads, dtype=dtype, cache=cache, device=device)
+    check(batch, cache)
+
+
+@pytest.mark.parametrize("batch_size", range(1, 9))
+def test_decode_batch_sizes(batch_size, device):
+    contexts = list(itertools.islice(itertools.cycle(CONTEXT_LENS[::-1]), batch_size))
+    batch = make_batch(
+        [1] * batch_size,
+        contexts,
+        6,
+        2,
+        dtype=torch.float16,
+        cache="int8",
+        device=device,
+        seed=batch_size,
+    )
+    check(batch, "int8")
+
+
+@pytest.mark.parametrize("num_segments", [1, 2, 4, 16])
+@pytest.mark.parametrize("cache", ["auto", "fp8"])
+def test_decode_split_over_context_segments(num_segments, cache, device):
+    # 16 segments of a 17-token context leave most segments empty.
+    batch = make_batch(
+        [1, 1, 1, 1], [300, 17, 1, 100], 8, 2, dtype=torch.float32, cache=cache, device=device
+    )
+    check(batch, cache, num_segments=num_segments)
+
+
+@pytest.mark.parametrize(("block_size", "head_dim"), [(16, 128), (32, 64), (32, 128)])
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+def test_block_sizes_and_head_dims(block_size, head_dim, cache, device):
+    batch = make_batch(
+        [1, 20, 1],
+        [100, 40, 33],
+        6,
+        2,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        cache=cache,
+        device=device,
+    )
+    check(batch, cache)
+
+
+def test_head_dim_that_is_not_a_power_of_two(device):
+    batch = make_batch([1, 9], [40, 30], 4, 2, head_dim=80, dtype=torch.float16, device=device)
+    check(batch, "auto")
+
+
+def test_launcher_rejects_mismatched_shapes(device):
+    batch = make_batch([1, 3], [20, 20], 4, 2, cache="int8", device=device)
+    with pytest.raises(ValueError, match="key_scale"):
+        triton_attention.paged_attention(
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.scale,
+            batch.query_lens,
+        )
+    with pytest.raises(ValueError, match="multiple"):
+        triton_attention.paged_attention(
+            batch.query[:, :3],
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.scale,
+            batch.query_lens,
+            batch.key_scale,
+            batch.value_scale,
+        )
+    with pytest.raises(ValueError, match="query_lens"):
+        triton_attention.paged_attention(
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.scale,
+            [2, 3],
+            batch.key_scale,
+            batch.value_scale,
+        )
+    with pytest.raises(ValueError, match="decode-only"):
+        batch.attention(triton_attention, num_segments=2)
+
+
+# -- the full sweep (`make test-kernels`) ------------------------------------------------
+def _sweep_cases():
+    shapes = [  # (query_lens, context_lens)
+        ([1] * 8, [1, 15, 16, 17, 100, 300, 300, 17]),
+        (CONTEXT_LENS, CONTEXT_LENS),
+        ([1, 15, 1, 100, 1, 17, 3], [1, 300, 16, 100, 300, 17, 17]),
+    ]
+    for (q, c), heads, dtype, cache, block_size, head_dim in itertools.product(
+        shapes, GQA, DTYPES, CACHES, (16, 32), (64, 128)
+    ):
+        yield pytest.param(
+            q,
+            c,
+            heads,
+            dtype,
+            cache,
+            block_size,
+            head_dim,
+            id=f"{'decode' if max(q) == 1 else 'mixed' if 1 in q else 'prefill'}"
+            f"-gqa{heads[0] // heads[1]}-{str(dtype)[6:]}-{cache}"
+            f"-bs{block_size}-d{head_dim}",
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "heads", "dtype", "cache", "block_size", "head_dim"),
+    list(_sweep_cases()),
+)
+def test_sweep(query_lens, context_lens, heads, dtype, cache, block_size, head_dim, device):
+    batch = make_batch(
+        query_lens,
+        context_lens,
+        *heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        cache=cache,
+        device=device,
+    )
+    check(batch, cache)
+
+
+# -- full size on a GPU (`pytest -m gpu tests/kernels`) ---------------------------------
+LLAMA3_8B = (32, 8)  # query heads, KV heads; head_dim 128
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [
+        ([1] * 64, [4096] * 64),
+        ([1] * 4, [32768, 17, 1000, 4097]),
+        ([1] * 16 + [512, 1000], [2000] * 16 + [512, 5000]),
+        ([2048], [8192]),
+    ],
+    ids=["decode64x4k", "decode-long", "mixed", "prefill-chunk"],
+)
+def test_gpu_full_size(query_lens, context_lens, dtype, cache, device):
+    batch = make_batch(
+        query_lens, context_lens, *LLAMA3_8B, head_dim=128, dtype=dtype, cache=cache, device=device
+    )
+    expected = batch.attention(reference)
+    actual = batch.attention(triton_attention)
+    atol, rtol = KERNEL_TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [
+        ([1] * len(CONTEXT_LENS), CONTEXT_LENS),
+        (CONTEXT_LENS, CONTEXT_LENS),
+    ],
+)
+def test_gpu_sweep_fp32(query_lens, context_lens, cache, device):
+    for heads in GQA:
+        check(
+            make_batch(
+                query_lens, context_lens, *heads, dtype=torch.float32, cache=cache, device=device
+            ),
+            cache,
+        )
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+def test_gpu_block_offsets_beyond_int32(cache, device):
+    """Blocks past 2**31 elements into the pool: every offset must be computed in 64 bits."""
+    small = make_batch(
+        [1, 7], [300, 40], *LLAMA3_8B, head_dim=128, dtype=torch.float16, cache=cache, device=device
+    )
+    per_block = small.key_cache[0].numel()  # elements
+    shift = 2**31 // per_block + 8
+    num_blocks = shift + small.key_cache.shape[0]
+
+    def moved(pool):
+        if pool is None:
+            return None
+        big = torch.zeros((num_blocks, *pool.shape[1:]), dtype=pool.dtype, device=device)
+        big[shift:] = pool
+        return big
+
+    big = PagedBatch(
+        **{
+            **small.__dict__,
+            "key_cache": moved(small.key_cache),
+            "value_cache": moved(small.value_cache),
+            "key_scale": moved(small.key_scale),
+            "value_scale": moved(small.value_scale),
+            "block_tables": small.block_tables + shift,
+        }
+    )
+    torch.testing.assert_close(
+        big.attention(triton_attention), small.attention(reference), atol=2e-3, rtol=2e-3
+    )
