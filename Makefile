@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve test lint format bench bench-offline bench-kvquant bench-kernels \
-	test-kernels test-kernels-gpu
+	test-kernels test-kernels-gpu e2e e2e-local
 
 install: $(STAMP)
 
@@ -22,8 +22,17 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/pagefleet serve
 
+# The unit and integration tests, then the user's walk with no cluster (the operator and
+# real serving pods against an API emulator and a simulated kubelet).
 test: install
-	$(PY) -m pytest -q -m "not slow and not gpu" tests
+	$(PY) -m pytest -q -m "not slow and not gpu" tests e2e/test_e2e_local.py
+
+# The walk on the cluster in the current kubeconfig (kind, k3d, real); skipped without one.
+e2e: install
+	$(PY) -m pytest -v -rs e2e/test_e2e_cluster.py
+
+e2e-local: install
+	$(PY) -m pytest -v e2e/test_e2e_local.py
 
 # The full kernel sweep (slow under TRITON_INTERPRET on a CPU), and the same tests at full
 # size on a CUDA device.
@@ -34,12 +43,12 @@ test-kernels-gpu: install
 	$(PY) -m pytest -q -m gpu tests/kernels
 
 lint: install
-	$(VENV)/bin/ruff check servingpod kernels operator tests
-	$(VENV)/bin/ruff format --check servingpod kernels operator tests
+	$(VENV)/bin/ruff check servingpod kernels operator tests e2e
+	$(VENV)/bin/ruff format --check servingpod kernels operator tests e2e
 
 format: install
-	$(VENV)/bin/ruff format servingpod kernels operator tests
-	$(VENV)/bin/ruff check --fix servingpod kernels operator tests
+	$(VENV)/bin/ruff format servingpod kernels operator tests e2e
+	$(VENV)/bin/ruff check --fix servingpod kernels operator tests e2e
 
 bench: bench-offline
 

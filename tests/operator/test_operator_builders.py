@@ -227,7 +227,7 @@ def test_pdb_only_with_more_than_one_replica(replicas, has_pdb):
 
 
 def test_desired_objects_cover_every_managed_kind():
-    body = example_body("smollm2.yaml")
+    body = example_body("smollm2-cpu.yaml")
     desired = get_desired_objects(body, parsed(body))
     assert desired["Deployment"]["kind"] == "Deployment"
     assert desired["Service"]["kind"] == "Service"

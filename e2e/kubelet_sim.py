@@ -1,0 +1,362 @@
+"""A SIMULATION OF THE KUBELET for `make e2e-local`. Not part of the product.
+
+With no cluster, three controllers a cluster would run are played here, against the
+API-server emulator, so that the operator runs unmodified:
+
+- the Deployment controller and the kubelet: for each replica of each serving
+  Deployment, a real `pagefleet serve` process with the pod template's command, args
+  and environment, on its own loopback address (127.0.0.2, 127.0.0.3, ... all on the
+  template's port). Once its /ready answers, a Pod with that `status.podIP` and a Ready
+  condition is written, and the Deployment's status counts it. On scale-down or
+  deletion the newest pod is terminated as the kubelet does: taken out of the Service
+  and the API first, then the template's preStop sleep, then SIGTERM (the server
+  drains), then SIGKILL after the grace period;
+- the garbage collector: objects whose owner is gone are deleted;
+- the Service: `Forwarder`, a round-robin TCP proxy over the ready pods.
+
+The template's emptyDir volumes become per-pod directories: environment values under a
+mount path are rewritten to the pod's directory. A template change is not rolled out
+(the walk changes replicas only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger("kubelet-sim")
+
+MANAGED_BY = "app.kubernetes.io/managed-by=pagefleet-operator"
+VENV_BIN = Path(sys.executable).parent
+POLL_SECONDS = 0.5
+
+
+def _address_is_free(address: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class SimPod:
+    name: str
+    address: str
+    port: int
+    labels: dict[str, str]
+    template_spec: dict[str, Any]
+    process: asyncio.subprocess.Process
+    log_path: Path
+    ready: bool = False
+    terminating: bool = False
+    # Filled when terminated: streams in flight through the forwarder at SIGTERM.
+    in_flight_at_sigterm: int | None = None
+    exit_code: int | None = None
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class KubeletSimulation:
+    def __init__(
+        self,
+        api: aiohttp.ClientSession,
+        namespace: str,
+        workdir: Path,
+        prestop_seconds: float | None = None,
+    ):
+        """`prestop_seconds`, when given, replaces the template's preStop sleep (a short
+        one lets a test SIGTERM pods while their streams are still in flight)."""
+        self.api = api
+        self.namespace = namespace
+        self.workdir = workdir
+        self.prestop_seconds = prestop_seconds
+        self.pods: dict[str, list[SimPod]] = {}  # Deployment name -> its pods, oldest first
+        self.terminated: list[SimPod] = []
+        # Pods whose process died before it was ready: a test fails fast on these.
+        self.failures: list[str] = []
+        self.forwarder: Forwarder | None = None
+        self._names = itertools.count(1)
+        self._addresses = (f"127.0.0.{i}" for i in range(2, 255))
+        self._task: asyncio.Task | None = None
+        self._terminations: set[asyncio.Task] = set()
+
+    # --- the API -------------------------------------------------------------------
+
+    def _path(self, api: str, plural: str, name: str = "", sub: str = "") -> str:
+        base = f"/{api}/namespaces/{self.namespace}/{plural}"
+        return "/".join(part for part in (base, name, sub) if part)
+
+    async def _call(self, method: str, path: str, body: Any = None, **params) -> dict:
+        headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
+        async with self.api.request(
+            method, path, json=body, headers=headers, params=params or None
+        ) as response:
+            if response.status == 404 and method in ("GET", "DELETE"):
+                return {}
+            if response.status >= 300:
+                raise RuntimeError(f"{method} {path}: {response.status} {await response.text()}")
+            return await response.json()
+
+    async def _list(self, api: str, plural: str) -> list[dict]:
+        return (await self._call("GET", self._path(api, plural))).get("items", [])
+
+    # --- the loop ------------------------------------------------------------------
+
+    async def __aenter__(self) -> KubeletSimulation:
+        self._task = asyncio.create_task(self._run(), name="kubelet-sim")
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        for pods in self.pods.values():
+            for pod in list(pods):
+                self._terminate(pods, pod, prestop=0)
+        if self._terminations:
+            await asyncio.gather(*self._terminations, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except (aiohttp.ClientError, RuntimeError) as exc:
+                logger.warning("sync failed, retrying: %s", exc)
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def sync(self) -> None:
+        await self._collect_garbage()
+        deployments = {
+            d["metadata"]["name"]: d
+            for d in await self._list("apis/apps/v1", "deployments")
+            if not d["metadata"].get("deletionTimestamp")
+        }
+        for name in list(self.pods):
+            if name not in deployments:  # deleted: every pod goes
+                for pod in list(self.pods[name]):
+                    self._terminate(self.pods[name], pod)
+        for name, deployment in deployments.items():
+            await self._sync_deployment(name, deployment)
+
+    async def _collect_garbage(self) -> None:
+        """Delete objects whose controlling owner no longer exists (kube-controller-manager)."""
+        owners = {
+            item["metadata"]["uid"]
+            for item in await self._list("apis/pagefleet.dev/v1alpha1", "inferenceservices")
+        }
+        for api, plural in (
+            ("apis/apps/v1", "deployments"),
+            ("api/v1", "services"),
+            ("apis/policy/v1", "poddisruptionbudgets"),
+            ("apis/networking.k8s.io/v1", "ingresses"),
+        ):
+            for item in await self._list(api, plural):
+                refs = item["metadata"].get("ownerReferences") or []
+                if refs and not any(ref["uid"] in owners for ref in refs):
+                    await self._call("DELETE", self._path(api, plural, item["metadata"]["name"]))
+
+    async def _sync_deployment(self, name: str, deployment: dict) -> None:
+        pods = self.pods.setdefault(name, [])
+        desired = deployment["spec"].get("replicas", 1)
+        live = [pod for pod in pods if not pod.terminating]
+        for _ in range(desired - len(live)):
+            pods.append(await self._start(deployment))
+        for pod in live[desired:][::-1]:  # newest first, as the ReplicaSet controller does
+            self._terminate(pods, pod)
+        for pod in pods:
+            if not pod.ready and not pod.terminating and await self._answers_ready(pod):
+                pod.ready = True
+                await self._post_pod(pod)
+        ready = sum(1 for pod in pods if pod.ready and not pod.terminating)
+        status = {
+            "observedGeneration": deployment["metadata"].get("generation", 1),
+            "replicas": len(pods),
+            "updatedReplicas": len(pods),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+        }
+        if deployment.get("status") != {**deployment.get("status", {}), **status}:
+            await self._call(
+                "PATCH",
+                self._path("apis/apps/v1", "deployments", name, "status"),
+                {"status": status},
+            )
+
+    # --- pods ----------------------------------------------------------------------
+
+    async def _start(self, deployment: dict) -> SimPod:
+        template = deployment["spec"]["template"]
+        spec = template["spec"]
+        (container,) = spec["containers"]
+        port = next(p["containerPort"] for p in container["ports"] if p.get("name") == "http")
+        address = next(a for a in self._addresses if _address_is_free(a, port))
+        name = f"{deployment['metadata']['name']}-sim-{next(self._names)}"
+        pod_dir = self.workdir / name
+        mounts = {}
+        for mount in container.get("volumeMounts", []):
+            mounts[mount["mountPath"]] = pod_dir / mount["name"]
+            mounts[mount["mountPath"]].mkdir(parents=True, exist_ok=True)
+        env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        for item in container.get("env", []):
+            if "value" in item:  # valueFrom (Secrets) has nothing to resolve here
+                env[item["name"]] = self._in_volumes(item["value"], mounts)
+        env["PAGEFLEET_HOST"] = address  # the pod's own IP
+        command = [*container["command"], *container.get("args", [])]
+        log_path = self.workdir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                str(VENV_BIN / command[0]),
+                *command[1:],
+                env=env,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+        logger.info("started %s on %s:%d (pid %d)", name, address, port, process.pid)
+        return SimPod(
+            name, address, port, dict(template["metadata"]["labels"]), spec, process, log_path
+        )
+
+    @staticmethod
+    def _in_volumes(value: str, mounts: dict[str, Path]) -> str:
+        for mount_path, directory in mounts.items():
+            if value == mount_path or value.startswith(mount_path + "/"):
+                return str(directory) + value[len(mount_path) :]
+        return value
+
+    async def _answers_ready(self, pod: SimPod) -> bool:
+        if pod.process.returncode is not None:
+            failure = f"{pod.name} exited with {pod.process.returncode}: see {pod.log_path}"
+            if failure not in self.failures:
+                self.failures.append(failure)
+            return False
+        try:
+            async with aiohttp.ClientSession() as session:
+                url = f"http://{pod.address}:{pod.port}/ready"
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as response:
+                    return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def _post_pod(self, pod: SimPod) -> None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": self.namespace, "labels": pod.labels},
+            "spec": pod.template_spec,
+            "status": {
+                "phase": "Running",
+                "podIP": pod.address,
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+        await self._call("POST", self._path("api/v1", "pods"), body)
+
+    def _terminate(self, pods: list[SimPod], pod: SimPod, prestop: float | None = None) -> None:
+        if pod.terminating:
+            return
+        pod.terminating = True  # out of the Service at once, as endpoints are
+        task = asyncio.create_task(self._kill(pods, pod, prestop), name=f"terminate-{pod.name}")
+        self._terminations.add(task)
+        task.add_done_callback(self._terminations.discard)
+
+    async def _kill(self, pods: list[SimPod], pod: SimPod, prestop: float | None) -> None:
+        if pod.ready:
+            await self._call("DELETE", self._path("api/v1", "pods", pod.name))
+        (container,) = pod.template_spec["containers"]
+        if prestop is None:
+            prestop = self.prestop_seconds
+        if prestop is None:
+            prestop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {})
+            prestop = prestop.get("seconds", 0)
+        await asyncio.sleep(prestop)
+        if self.forwarder is not None:
+            pod.in_flight_at_sigterm = self.forwarder.active.get((pod.address, pod.port), 0)
+        logger.info("SIGTERM %s (%s streams in flight)", pod.name, pod.in_flight_at_sigterm)
+        if pod.process.returncode is None:
+            pod.process.send_signal(signal.SIGTERM)
+        grace = pod.template_spec.get("terminationGracePeriodSeconds", 30)
+        try:
+            await asyncio.wait_for(pod.process.wait(), grace)
+        except asyncio.TimeoutError:
+            pod.process.kill()
+            await pod.process.wait()
+        pod.exit_code = pod.process.returncode
+        pods.remove(pod)
+        self.terminated.append(pod)
+        pod.stopped.set()
+        logger.info("%s exited with %s", pod.name, pod.exit_code)
+
+    def ready_backends(self) -> list[tuple[str, int]]:
+        return [
+            (pod.address, pod.port)
+            for pods in self.pods.values()
+            for pod in pods
+            if pod.ready and not pod.terminating
+        ]
+
+
+class Forwarder:
+    """Stands in for the Service: each new TCP connection goes to the next ready pod
+    (round-robin, as kube-proxy balances connections, not requests). A connection to a
+    pod that starts terminating is left to finish, as in a cluster."""
+
+    def __init__(self, simulation: KubeletSimulation):
+        self.simulation = simulation
+        simulation.forwarder = self
+        self.active: dict[tuple[str, int], int] = {}
+        self._turn = itertools.count()
+        self._server: asyncio.Server | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> Forwarder:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        backends = self.simulation.ready_backends()
+        if not backends:  # a Service without endpoints refuses
+            writer.close()
+            return
+        backend = backends[next(self._turn) % len(backends)]
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(*backend)
+        except OSError:
+            writer.close()
+            return
+        self.active[backend] = self.active.get(backend, 0) + 1
+        try:
+            await asyncio.gather(
+                self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer)
+            )
+        finally:
+            self.active[backend] -= 1
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()

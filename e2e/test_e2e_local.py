@@ -1,0 +1,157 @@
+"""`make e2e-local`: the new user's walk with no cluster, for CI.
+
+- The API server is the operator tests' emulator (kmock's KubernetesEmulator plus the
+  bookkeeping adapter in tests/operator/test_operator_emulator.py): a test double.
+- The operator is the real one, unmodified, as a process (`python -m pagefleet_operator`).
+- The serving pods are real `pagefleet serve` processes on 127.0.0.2, 127.0.0.3, ...,
+  started and stopped by e2e/kubelet_sim.py, a SIMULATION OF THE KUBELET (and of the
+  Deployment controller, the garbage collector and the Service), not part of the product.
+- The client is the `openai` SDK through the simulation's round-robin forwarder.
+
+The walk: apply the CPU example -> Ready -> stream a chat completion -> load it until the
+autoscaler adds a replica -> stop the load -> after the (short) stabilization window it
+scales back down while streams are in flight, and none is cut -> delete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import walk
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "operator"))
+
+kmock = pytest.importorskip("kmock")
+aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("pytest_asyncio")
+
+# The emulator adapter and the operator-process fixture, written once for the operator tests.
+from kubelet_sim import Forwarder, KubeletSimulation  # noqa: E402
+from test_operator_emulator import ApiServerEmulator, operator  # noqa: E402, F401 (fixture)
+
+pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]
+
+NAMESPACE = "e2e"
+MODEL = "smollm2"
+ISVC_PATH = f"/apis/pagefleet.dev/v1alpha1/namespaces/{NAMESPACE}/inferenceservices"
+# Model loading on a busy 2-core machine; the second pod loads while the first serves.
+START_TIMEOUT_S = 300
+
+
+def read(url: str) -> dict:
+    """A blocking GET: call it from a worker thread only, never on the event loop, which
+    the emulator itself runs on."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return {}
+        raise
+
+
+def condition(isvc: dict, kind: str) -> dict:
+    return next((c for c in isvc.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+async def until(predicate, timeout: float, what: str, simulation: KubeletSimulation):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        assert not simulation.failures, simulation.failures
+        value = await asyncio.to_thread(predicate)
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.5)
+
+
+async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fixture)
+    api_url = str(kmock.url).rstrip("/")
+
+    def isvc() -> dict:
+        return read(f"{api_url}{ISVC_PATH}/{MODEL}")
+
+    def spec_replicas() -> int:
+        return isvc().get("spec", {}).get("replicas", 0)
+
+    def events(reason: str) -> list[str]:
+        items = read(f"{api_url}/api/v1/namespaces/{NAMESPACE}/events").get("items", [])
+        return [e.get("message", "") for e in items if e.get("reason") == reason]
+
+    async def scaled(direction: str) -> list[str]:
+        messages = await asyncio.to_thread(events, "Scaled")
+        return [m for m in messages if m.startswith(direction)]
+
+    async with (
+        aiohttp.ClientSession(base_url=api_url) as api,
+        # The forwarder drops a terminating pod at once, so the preStop delay that covers
+        # endpoint propagation in a cluster is not needed: SIGTERM comes while the pod's
+        # streams are in flight, and the drain is what keeps them whole.
+        KubeletSimulation(api, NAMESPACE, tmp_path, prestop_seconds=0) as simulation,
+        Forwarder(simulation) as service,
+    ):
+        # kubectl apply -f examples/smollm2-cpu.yaml (autoscaling on, short windows)
+        resource = walk.load_cpu_example()
+        resource["metadata"]["namespace"] = NAMESPACE
+        await operator.call("POST", ISVC_PATH, resource)
+
+        # kubectl wait --for=condition=Ready
+        ready = await until(
+            lambda: condition(isvc(), "Ready").get("status") == "True" and isvc(),
+            START_TIMEOUT_S,
+            "Ready",
+            simulation,
+        )
+        assert ready["status"]["url"] == f"http://{MODEL}.{NAMESPACE}.svc.cluster.local:8000"
+        assert ready["status"]["ready"] == "1/1"
+
+        # A streamed chat completion with the openai SDK, through the Service.
+        result = await asyncio.to_thread(walk.stream_chat, service.url, MODEL, 24)
+        assert result.error is None and result.text and result.chunks > 1, result
+
+        # Load until the autoscaler adds a replica and that replica is ready.
+        def two_ready() -> bool:
+            assert not simulation.failures, simulation.failures
+            return isvc().get("status", {}).get("readyReplicas") == 2
+
+        await asyncio.to_thread(walk.load_until, service.url, MODEL, two_ready, START_TIMEOUT_S)
+        assert await scaled("scale up 1 -> 2")
+        # No check of spec.replicas from here on: with the load gone the autoscaler may
+        # already be counting down its window while the last streams finish.
+
+        # Light load: below every target, so it scales down after the window, while
+        # streams run on both pods; the pod that goes drains its streams (those of the
+        # load above, if the scale-down came while they finished: checked all the same).
+        def settled() -> bool:
+            return spec_replicas() == 1 and len(simulation.terminated) == 1
+
+        await asyncio.to_thread(walk.stream_through_scale_down, service.url, MODEL, settled, 300)
+        assert await scaled("scale down 2 -> 1")
+        (gone,) = simulation.terminated
+        assert gone.exit_code == 0, gone.log_path.read_text()[-3000:]
+        assert gone.in_flight_at_sigterm, "no stream was in flight when the pod got SIGTERM"
+        assert "drain" in gone.log_path.read_text().lower()
+        autoscaler = (await asyncio.to_thread(isvc))["status"]["autoscaler"]
+        assert autoscaler["lastScaleReason"].startswith("scale down 2 -> 1")
+
+        # kubectl delete: the operator releases its finalizer, the children are collected.
+        await operator.call("DELETE", f"{ISVC_PATH}/{MODEL}")
+        await until(lambda: not isvc(), 60, "the InferenceService to be deleted", simulation)
+        await until(
+            lambda: not simulation.pods.get(MODEL) and len(simulation.terminated) == 2,
+            60,
+            "the last serving pod to stop",
+            simulation,
+        )
+        assert [pod.exit_code for pod in simulation.terminated] == [0, 0]
+        deployments = await asyncio.to_thread(
+            read, f"{api_url}/apis/apps/v1/namespaces/{NAMESPACE}/deployments"
+        )
+        assert deployments.get("items", []) == []

