@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from pagefleet_serve import LLM, SamplingParams
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -72,13 +71,13 @@ def run_pagefleet(llm: LLM, requests) -> dict:
 
 
 def run_transformers(requests, batch_size: int) -> dict:
+    from pagefleet_serve.model.loader import builtin_gguf_path
     from transformers import AutoModelForCausalLM
 
-    from pagefleet_serve.model.loader import builtin_gguf_path
-
     path = builtin_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     pad = 2
     started = time.perf_counter()
     output_tokens = 0
@@ -89,12 +88,22 @@ def run_transformers(requests, batch_size: int) -> dict:
             ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
             longest = max(n for _, n in batch)
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest,
-                           min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+            )
             output_tokens += sum(n for _, n in batch)  # the tokens the requests asked for
     elapsed = time.perf_counter() - started
-    return {"seconds": elapsed, "output_tokens": output_tokens,
-            "output_tokens_per_s": output_tokens / elapsed, "batch_size": batch_size}
+    return {
+        "seconds": elapsed,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "batch_size": batch_size,
+    }
 
 
 def main() -> None:
@@ -111,32 +120,46 @@ def main() -> None:
 
     from pagefleet_serve.config import parse_bytes
 
-    llm = LLM("builtin://smollm2-135m", max_model_len=1024, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory))
+    llm = LLM(
+        "builtin://smollm2-135m",
+        max_model_len=1024,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
+    )
     requests = make_workload(llm.tokenizer, args.num_requests, args.seed)
     result = {
-        "workload": {"num_requests": len(requests), "prompt_tokens": sum(len(p) for p, _ in requests),
-                     "output_tokens": sum(n for _, n in requests), "seed": args.seed,
-                     "torch_threads": torch.get_num_threads()},
+        "workload": {
+            "num_requests": len(requests),
+            "prompt_tokens": sum(len(p) for p, _ in requests),
+            "output_tokens": sum(n for _, n in requests),
+            "seed": args.seed,
+            "torch_threads": torch.get_num_threads(),
+        },
         "pagefleet": run_pagefleet(llm, requests),
     }
     print(json.dumps(result["pagefleet"], indent=2))
     del llm
     if not args.skip_transformers:
         result["transformers"] = run_transformers(requests, args.hf_batch_size)
-        result["speedup"] = (result["pagefleet"]["output_tokens_per_s"]
-                             / result["transformers"]["output_tokens_per_s"])
+        result["speedup"] = (
+            result["pagefleet"]["output_tokens_per_s"]
+            / result["transformers"]["output_tokens_per_s"]
+        )
     pf = result["pagefleet"]
     print(f"pagefleet:    {pf['output_tokens_per_s']:8.1f} output tokens/s ({pf['seconds']:.1f}s)")
     if "transformers" in result:
         hf = result["transformers"]
-        print(f"transformers: {hf['output_tokens_per_s']:8.1f} output tokens/s ({hf['seconds']:.1f}s)")
+        print(
+            f"transformers: {hf['output_tokens_per_s']:8.1f} output tokens/s ({hf['seconds']:.1f}s)"
+        )
         print(f"speedup:      {result['speedup']:.2f}x")
-    print(f"KV: peak {pf['peak_blocks_in_use']} blocks in use for {pf['peak_running_requests']} "
-          f"requests; slot fill {pf['slot_fill_at_peak']:.3f} at peak, {pf['slot_fill_mean']:.3f} "
-          f"mean; contiguous max_model_len reservation would need "
-          f"{pf['contiguous_reservation_tokens_at_peak']} tokens vs {pf['paged_tokens_at_peak']} paged")
+    print(
+        f"KV: peak {pf['peak_blocks_in_use']} blocks in use for {pf['peak_running_requests']} "
+        f"requests; slot fill {pf['slot_fill_at_peak']:.3f} at peak, {pf['slot_fill_mean']:.3f} "
+        f"mean; contiguous max_model_len reservation would need "
+        f"{pf['contiguous_reservation_tokens_at_peak']} tokens vs {pf['paged_tokens_at_peak']} paged"
+    )
     Path(args.output).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.output}")
 

@@ -97,10 +97,7 @@ def paged_attention(
     The query tokens of sequence i sit at the last `q_len_i` positions of its context
     (`seq_lens[i]` tokens, written to the cache before this call).
     """
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
-    group = num_q_heads // num_kv_heads
     _check_scales(key_cache, key_scale, "key_scale")
     _check_scales(value_cache, value_scale, "value_scale")
     if query_lens is None:

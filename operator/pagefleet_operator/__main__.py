@@ -12,8 +12,9 @@ import sys
 import kopf
 import yaml
 
-from .config import DEFAULT_IMAGE_ENV, OperatorConfig
+from .config import DEFAULT_IMAGE_ENV, DEFAULT_PULL_POLICY_ENV, OperatorConfig
 from .rbac import get_cluster_role
+from .spec import PULL_POLICIES
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -39,6 +40,13 @@ def get_parser() -> argparse.ArgumentParser:
             default=OperatorConfig.from_env().default_image,
             help=f"serving-pod image when spec.engine.image is empty (env {DEFAULT_IMAGE_ENV})",
         )
+        target.add_argument(
+            "--default-image-pull-policy",
+            default=OperatorConfig.from_env().default_image_pull_policy,
+            choices=PULL_POLICIES,
+            help="serving-pod imagePullPolicy when spec.engine.imagePullPolicy is empty "
+            f"(env {DEFAULT_PULL_POLICY_ENV}; unset: Kubernetes' default)",
+        )
         target.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -56,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(config=OperatorConfig(default_image=args.default_image)),
+        memo=kopf.Memo(
+            config=OperatorConfig(
+                default_image=args.default_image,
+                default_image_pull_policy=args.default_image_pull_policy,
+            )
+        ),
     )
     return 0
 

@@ -43,7 +43,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger) -> None:
     try:
-        outcome = reconcile(memo["kube"], body, default_image=memo["config"].default_image)
+        config = memo["config"]
+        outcome = reconcile(
+            memo["kube"],
+            body,
+            default_image=config.default_image,
+            default_image_pull_policy=config.default_image_pull_policy,
+        )
     except KubeError as exc:
         kopf.warn(body, reason="ReconcileFailed", message=str(exc))
         raise kopf.TemporaryError(

@@ -70,6 +70,7 @@ def reconcile(
     body: Mapping[str, Any],
     *,
     default_image: str,
+    default_image_pull_policy: str | None = None,
     now: Callable[[], str] = utc_now,
 ) -> Outcome:
     meta = body["metadata"]
@@ -77,7 +78,11 @@ def reconcile(
     spec: InferenceServiceSpec | None
     the_plan = Plan()
     try:
-        spec = parse_spec(body.get("spec") or {}, default_image=default_image)
+        spec = parse_spec(
+            body.get("spec") or {},
+            default_image=default_image,
+            default_image_pull_policy=default_image_pull_policy,
+        )
     except SpecError as exc:
         spec, problem = None, Problem("InvalidSpec", str(exc))
     else:

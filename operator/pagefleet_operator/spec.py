@@ -131,7 +131,9 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     return ModelSpec(uri=uri, served_name=served_name)
 
 
-def _parse_engine(spec: Mapping[str, Any], default_image: str) -> EngineSpec:
+def _parse_engine(
+    spec: Mapping[str, Any], default_image: str, default_pull_policy: str | None
+) -> EngineSpec:
     engine = _get_section(spec, "engine")
     path = "engine"
     dtype = _get(engine, "dtype", path, str)
@@ -173,7 +175,7 @@ def _parse_engine(spec: Mapping[str, Any], default_image: str) -> EngineSpec:
         raise SpecError("engine.env", "every entry needs a name")
     return EngineSpec(
         image=_get(engine, "image", path, str) or default_image,
-        image_pull_policy=pull_policy,
+        image_pull_policy=pull_policy or default_pull_policy,
         settings={flag: value for flag, value in settings.items() if value is not None},
         shutdown_timeout_seconds=_get_int(engine, "shutdownTimeoutSeconds", path, 30),
         api_key_secret_ref=secret_ref,
@@ -239,7 +241,9 @@ def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
     )
 
 
-def parse_spec(spec: Mapping[str, Any], *, default_image: str) -> InferenceServiceSpec:
+def parse_spec(
+    spec: Mapping[str, Any], *, default_image: str, default_image_pull_policy: str | None = None
+) -> InferenceServiceSpec:
     """Validate a raw spec and fill the defaults the CRD would have filled."""
     cache = _get_section(spec, "modelCache")
     pvc_name = _get(cache, "pvcName", "modelCache", str)
@@ -248,7 +252,7 @@ def parse_spec(spec: Mapping[str, Any], *, default_image: str) -> InferenceServi
         raise SpecError("modelCache", "set either pvcName or sizeLimit, not both")
     return InferenceServiceSpec(
         model=_parse_model(spec),
-        engine=_parse_engine(spec, default_image),
+        engine=_parse_engine(spec, default_image, default_image_pull_policy),
         replicas=_get_int(spec, "replicas", "", 1),
         resources=_get(spec, "resources", "", dict, {}),
         node_selector=_get(spec, "nodeSelector", "", dict, {}),

@@ -22,7 +22,9 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         decode = self.tokenizer.decode
         skip = self.skip_special_tokens
-        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        prefix = decode(
+            self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip
+        )
         full = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""

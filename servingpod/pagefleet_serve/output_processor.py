@@ -38,8 +38,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _Request] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
         self.requests[request_id] = _Request(
             request_id, prompt_token_ids, params, RequestMetrics(arrival_time)
         )
@@ -77,13 +82,17 @@ class OutputProcessor:
             delta.finish_reason = finish_reason
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
-            request.metrics.num_preemptions = max(request.metrics.num_preemptions,
-                                                  seq.num_preemptions)
-        outputs = [self._output(rid, list(samples.values()), now) for rid, samples in deltas.items()]
+            request.metrics.num_preemptions = max(
+                request.metrics.num_preemptions, seq.num_preemptions
+            )
+        outputs = [
+            self._output(rid, list(samples.values()), now) for rid, samples in deltas.items()
+        ]
         return outputs, stopped
 
-    def finish(self, request_id: str, reason: str, now: float, error: str | None = None
-               ) -> RequestOutput | None:
+    def finish(
+        self, request_id: str, reason: str, now: float, error: str | None = None
+    ) -> RequestOutput | None:
         """End every unfinished sample of a request (abort or engine error)."""
         request = self.requests.get(request_id)
         if request is None:
@@ -101,15 +110,23 @@ class OutputProcessor:
         output.error = error
         return output
 
-    def _output(self, request_id: str, samples: list[CompletionOutput], now: float) -> RequestOutput:
+    def _output(
+        self, request_id: str, samples: list[CompletionOutput], now: float
+    ) -> RequestOutput:
         request = self.requests[request_id]
         finished = request.finished
         if finished:
             request.metrics.finished_time = now
             del self.requests[request_id]
         # A copy: the caller reads this step's timestamps while later steps update them.
-        return RequestOutput(request_id, request.prompt_token_ids, samples, finished,
-                             request.num_cached_tokens, replace(request.metrics))
+        return RequestOutput(
+            request_id,
+            request.prompt_token_ids,
+            samples,
+            finished,
+            request.num_cached_tokens,
+            replace(request.metrics),
+        )
 
     def _new_sample(self, request: _Request, seq: Sequence) -> _Sample:
         detokenizer = None

@@ -57,7 +57,9 @@ OVERRIDES = {
             "priorityClassName": "system-cluster-critical",
         },
         "serviceAccount": {"annotations": {"iam.example.com/role": "pagefleet"}},
-        "servingPod": {"image": {"repository": "registry.local/pf-serving", "tag": "dev"}},
+        "servingPod": {
+            "image": {"repository": "registry.local/pf-serving", "tag": "dev", "pullPolicy": "Always"}
+        },
     },
     "external-account": {
         "serviceAccount": {"create": False, "name": "ops"},
@@ -104,6 +106,7 @@ def test_operator_flags_follow_the_values():
     default = get_parser().parse_args(operator_container(render())["args"])
     assert default.default_image == DEFAULT_IMAGE  # chart and operator agree on the default
     assert default.namespace == [] and not default.verbose
+    assert default.default_image_pull_policy is None  # Kubernetes' own default
 
     values = OVERRIDES["custom"] | {
         "operator": OVERRIDES["custom"]["operator"] | {"watchNamespaces": ["team-a", "team-b"]}
@@ -113,6 +116,7 @@ def test_operator_flags_follow_the_values():
     assert args.namespace == ["team-a", "team-b"]
     assert args.verbose
     assert args.default_image == "registry.local/pf-serving:dev"
+    assert args.default_image_pull_policy == "Always"
     assert args.liveness == "http://0.0.0.0:9090/healthz"
     assert container["image"] == "registry.local/pf-operator:dev"
     assert container["imagePullPolicy"] == "Never"

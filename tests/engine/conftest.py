@@ -2,7 +2,6 @@
 checks for leaked KV blocks after every test."""
 
 import pytest
-
 from pagefleet_serve import LLM
 from pagefleet_serve.model.loader import load_tokenizer
 
@@ -57,7 +56,8 @@ def chat_prompts():
     return [
         tokenizer.apply_chat_template(
             [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
-            tokenize=False, add_generation_prompt=True,
+            tokenize=False,
+            add_generation_prompt=True,
         )
         for q in QUESTIONS
     ]

@@ -4,7 +4,6 @@ failures that fail only the affected requests (then mark the engine dead)."""
 import asyncio
 
 import pytest
-
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.async_engine import AsyncEngine, EngineDeadError
@@ -15,9 +14,16 @@ PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def engine():
-    async_engine = AsyncEngine(LLMEngine(EngineConfig(
-        model="builtin://tiny-random", max_model_len=256, kv_cache_memory_bytes=4 << 20,
-        block_size=4)))
+    async_engine = AsyncEngine(
+        LLMEngine(
+            EngineConfig(
+                model="builtin://tiny-random",
+                max_model_len=256,
+                kv_cache_memory_bytes=4 << 20,
+                block_size=4,
+            )
+        )
+    )
     yield async_engine
     async_engine.shutdown()
 
@@ -60,7 +66,9 @@ def test_leaving_the_iterator_aborts_and_frees_blocks(engine):
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         outputs = await collect(engine, "quitter", list(range(10, 40)), long, stop_after=3)
         assert len(outputs) == 3
-        await wait_until(lambda: engine.stats.num_used_blocks == 0 and engine.stats.num_running == 0)
+        await wait_until(
+            lambda: engine.stats.num_used_blocks == 0 and engine.stats.num_running == 0
+        )
 
     asyncio.run(main())
     engine.engine.block_manager.check_no_leaks()

@@ -1,7 +1,6 @@
 """The block allocator on its own: exact block ids, free-queue order, ref counts."""
 
 import pytest
-
 from pagefleet_serve.engine.block_manager import BlockManager, hash_block
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.sampling_params import SamplingParams
@@ -10,9 +9,15 @@ BS = 4
 
 
 def make_seq(tokens, request_id="r"):
-    return Sequence(request_id=request_id, sample_index=0, token_ids=list(tokens),
-                    num_prompt_tokens=len(tokens), params=SamplingParams(), eos_token_id=None,
-                    arrival_time=0.0)
+    return Sequence(
+        request_id=request_id,
+        sample_index=0,
+        token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        params=SamplingParams(),
+        eos_token_id=None,
+        arrival_time=0.0,
+    )
 
 
 def compute(bm, seq, num_tokens, prefix=()):
@@ -136,5 +141,7 @@ def test_prefix_caching_off_caches_nothing():
 
 def test_hash_chain_covers_the_parent():
     first = hash_block(None, [1, 2, 3, 4])
-    assert hash_block(first, [5, 6, 7, 8]) != hash_block(hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block(first, [5, 6, 7, 8]) != hash_block(
+        hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8]
+    )
     assert hash_block(None, [1, 2, 3, 4]) == first

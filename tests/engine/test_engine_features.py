@@ -2,7 +2,6 @@
 stop strings, logprobs, UTF-8 streaming, aborts and bad input."""
 
 import pytest
-
 from pagefleet_serve import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -38,7 +37,9 @@ def test_prefix_cache_reuses_a_512_token_prefix(llm, make_llm):
     text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(80))
     prefix = tokenizer.encode(text, add_special_tokens=False)[:512]
     first = prefix + tokenizer.encode(" Which item number came first?", add_special_tokens=False)
-    second = prefix + tokenizer.encode(" Summarize the list in five words.", add_special_tokens=False)
+    second = prefix + tokenizer.encode(
+        " Summarize the list in five words.", add_special_tokens=False
+    )
     llm.generate(first, GREEDY)
     stats = llm.engine.stats()
     warm = llm.generate(second, GREEDY)[0]
@@ -47,7 +48,9 @@ def test_prefix_cache_reuses_a_512_token_prefix(llm, make_llm):
     assert after.prefix_cache_queries - stats.prefix_cache_queries == len(second)
     assert after.prefix_cache_hits - stats.prefix_cache_hits == 512
     assert warm.num_cached_tokens == 512
-    cold = make_llm(max_model_len=2048, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+    cold = make_llm(
+        max_model_len=2048, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False
+    )
     cold_out = cold.generate(second, GREEDY)[0]
     assert cold_out.num_cached_tokens == 0
     assert warm.outputs[0].token_ids == cold_out.outputs[0].token_ids
@@ -56,8 +59,11 @@ def test_prefix_cache_reuses_a_512_token_prefix(llm, make_llm):
 def test_chunked_prefill_never_starves_a_running_decode(make_llm):
     llm = make_llm(max_model_len=2048, kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=64)
     engine = llm.engine
-    engine.add_request("running", ask(llm, "Tell me a long story."),
-                       SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    engine.add_request(
+        "running",
+        ask(llm, "Tell me a long story."),
+        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+    )
     engine.step()  # its prefill
     long_prompt = list(range(1000, 2000))  # 1,000 tokens
     engine.add_request("long", long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
@@ -78,8 +84,9 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
     prompt = ask(llm, "Write a sentence about the ocean.")
     alone = llm.generate(prompt, seeded)[0].outputs[0].token_ids
     busy = [ask(llm, f"Give me fact number {i} about space.") for i in range(8)]
-    others = [SamplingParams(max_tokens=30, temperature=1.0, seed=i if i % 2 else None)
-              for i in range(8)]
+    others = [
+        SamplingParams(max_tokens=30, temperature=1.0, seed=i if i % 2 else None) for i in range(8)
+    ]
     results = llm.generate([*busy[:4], prompt, *busy[4:]], [*others[:4], seeded, *others[4:]])
     assert results[4].outputs[0].token_ids == alone
     other_seed = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=4321)
@@ -109,8 +116,11 @@ def test_stop_strings_are_cut_and_never_streamed(llm):
     full = llm.generate(prompt, GREEDY)[0].outputs[0]
     assert "is Paris" in full.text
     engine = llm.engine
-    engine.add_request("stop", prompt, SamplingParams(max_tokens=24, temperature=0.0,
-                                                      stop=["is Paris", "never appears"]))
+    engine.add_request(
+        "stop",
+        prompt,
+        SamplingParams(max_tokens=24, temperature=0.0, stop=["is Paris", "never appears"]),
+    )
     deltas = run_steps(engine)["stop"]
     streamed = "".join(o.text for d in deltas for o in d.outputs)
     assert streamed == full.text[: full.text.index("is Paris")]
@@ -121,16 +131,18 @@ def test_stop_token_ids_and_length(llm):
     prompt = ask(llm, "What is the capital of France?")
     full = llm.generate(prompt, GREEDY)[0].outputs[0]
     stop_id = full.token_ids[2]
-    out = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0,
-                                              stop_token_ids=[stop_id]))[0].outputs[0]
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id])
+    )[0].outputs[0]
     assert out.token_ids == full.token_ids[:3] and out.finish_reason == "stop"
     out = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0]
     assert out.token_ids == full.token_ids[:2] and out.finish_reason == "length"
 
 
 def test_logprobs_of_sampled_tokens_and_alternatives(llm):
-    out = llm.generate(ask(llm, "Say hello."),
-                       SamplingParams(max_tokens=8, temperature=0.0, logprobs=3))[0].outputs[0]
+    out = llm.generate(
+        ask(llm, "Say hello."), SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+    )[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids)
     for token, entry in zip(out.token_ids, out.logprobs, strict=True):
         assert entry.token_id == token and entry.logprob <= 0
@@ -142,15 +154,20 @@ def test_logprobs_of_sampled_tokens_and_alternatives(llm):
 
 def test_streamed_text_is_valid_utf8(llm):
     engine = llm.engine
-    engine.add_request("zh", ask(llm, "Translate to Chinese: I love my family."),
-                       SamplingParams(max_tokens=40, temperature=0.0))
+    engine.add_request(
+        "zh",
+        ask(llm, "Translate to Chinese: I love my family."),
+        SamplingParams(max_tokens=40, temperature=0.0),
+    )
     deltas = run_steps(engine)["zh"]
     pieces = [o.text for d in deltas for o in d.outputs]
     tokens = [t for d in deltas for o in d.outputs for t in o.token_ids]
     assert not any("\ufffd" in p for p in pieces)
     assert any(ord(c) > 0x2E80 for c in "".join(pieces))  # it did write CJK characters
     # The same text as decoding all tokens at once, less a character that max_tokens cut.
-    assert "".join(pieces) == llm.tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+    assert "".join(pieces) == llm.tokenizer.decode(tokens, skip_special_tokens=True).rstrip(
+        "\ufffd"
+    )
     # Some character spanned several tokens, so some step released no text.
     assert len([p for p in pieces if p]) < len(tokens)
 
@@ -178,7 +195,10 @@ def test_abort_running_and_waiting_frees_everything(make_llm):
     [
         ("prompt", lambda llm: llm.engine.make_request("x", "", SamplingParams())),
         ("prompt", lambda llm: llm.engine.make_request("x", [], SamplingParams())),
-        ("prompt", lambda llm: llm.engine.make_request("x", [1] * 2040, SamplingParams(max_tokens=16))),
+        (
+            "prompt",
+            lambda llm: llm.engine.make_request("x", [1] * 2040, SamplingParams(max_tokens=16)),
+        ),
         ("max_tokens", lambda llm: SamplingParams(max_tokens=0)),
         ("top_p", lambda llm: SamplingParams(top_p=0.0)),
         ("top_p", lambda llm: SamplingParams(top_p=1.5)),

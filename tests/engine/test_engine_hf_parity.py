@@ -8,7 +8,6 @@ and at least 90% of sequences must match to the end.
 
 import pytest
 import torch
-
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.model.loader import builtin_gguf_path
 
@@ -22,7 +21,9 @@ def hf_model():
     from transformers import AutoModelForCausalLM
 
     path = builtin_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -40,8 +41,11 @@ def reference(hf_model, prompt_ids):
     with torch.inference_mode():
         for ids in prompt_ids:
             generated = hf_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=2,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=2,
             )
             outputs.append(generated[0, len(ids) :].tolist())
     return outputs
@@ -54,7 +58,7 @@ def check_parity(hf_model, prompt_ids, reference, ours):
         if got == ref:
             full_matches += 1
             continue
-        pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+        pos = next((i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), None)
         assert pos is not None, f"lengths differ without a differing token: {ref} vs {got}"
         with torch.inference_mode():
             logits = hf_model(torch.tensor([ids + ref[:pos]])).logits[0, -1]
@@ -77,8 +81,12 @@ def test_greedy_parity_continuously_batched_with_prefix_cache_and_preemption(
     make_llm, hf_model, prompt_ids, reference, kv_bytes_for_blocks
 ):
     # 40 blocks (640 tokens) cannot hold 20 sequences of ~110 tokens: preemption must happen.
-    llm = make_llm(max_model_len=256, kv_cache_memory_bytes=kv_bytes_for_blocks(40),
-                   enable_prefix_caching=True, max_num_batched_tokens=512)
+    llm = make_llm(
+        max_model_len=256,
+        kv_cache_memory_bytes=kv_bytes_for_blocks(40),
+        enable_prefix_caching=True,
+        max_num_batched_tokens=512,
+    )
     results = llm.generate(prompt_ids, GREEDY)
     stats = llm.engine.stats()
     assert stats.num_preemptions >= 1

@@ -6,19 +6,33 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.model.loader import UnsupportedModelError, load_model
+from safetensors.torch import save_file
 
 HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
     "torch_dtype": "float32",
 }
 
@@ -30,12 +44,16 @@ def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     names = sorted(weights)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half],
-              "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     index = {"metadata": {}, "weight_map": {}}
     for file, keys in shards.items():
-        save_file({f"model.{k}" if k != "lm_head.weight" else k: weights[k].contiguous()
-                   for k in keys}, path / file)
+        save_file(
+            {f"model.{k}" if k != "lm_head.weight" else k: weights[k].contiguous() for k in keys},
+            path / file,
+        )
         index["weight_map"].update({k: file for k in keys})
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     (path / "config.json").write_text(json.dumps(HF_CONFIG))
@@ -52,8 +70,14 @@ def test_hf_directory_matches_transformers(hf_dir):
     ours = llm.generate(prompts, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, ours, strict=True):
         with torch.inference_mode():
-            ref = reference.generate(torch.tensor([prompt]), max_new_tokens=80, min_new_tokens=80,
-                                     do_sample=False, eos_token_id=None, pad_token_id=0)
+            ref = reference.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=80,
+                min_new_tokens=80,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         # Past position 64 the llama3 scaling of the low frequencies is in play.
         assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
     llm.engine.block_manager.check_no_leaks()
@@ -61,7 +85,9 @@ def test_hf_directory_matches_transformers(hf_dir):
 
 def test_non_llama_directory_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(UnsupportedModelError, match=r"'gpt2' is not Llama-family; supported: .*GGUF"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'gpt2' is not Llama-family; supported: .*GGUF"
+    ):
         load_model(str(tmp_path), torch.float32)
 
 
@@ -95,4 +121,6 @@ def test_missing_model_and_unknown_builtin(tmp_path):
 
 def test_pool_too_small_for_max_model_len_names_both_numbers():
     with pytest.raises(ValueError, match=r"max_model_len \(4096 tokens\).*\(64 tokens = 16 blocks"):
-        LLM("builtin://tiny-random", block_size=4, kv_cache_memory_bytes=16 * 4 * 2 * 2 * 2 * 16 * 4)
+        LLM(
+            "builtin://tiny-random", block_size=4, kv_cache_memory_bytes=16 * 4 * 2 * 2 * 2 * 16 * 4
+        )

@@ -17,9 +17,16 @@ def make_scheduler(num_blocks=64, **config):
 
 def make_seq(request_id, num_tokens, max_tokens=16, priority=0, first_token=0):
     tokens = list(range(first_token, first_token + num_tokens))
-    return Sequence(request_id=request_id, sample_index=0, token_ids=tokens,
-                    num_prompt_tokens=num_tokens, params=SamplingParams(max_tokens=max_tokens),
-                    eos_token_id=None, arrival_time=0.0, priority=priority)
+    return Sequence(
+        request_id=request_id,
+        sample_index=0,
+        token_ids=tokens,
+        num_prompt_tokens=num_tokens,
+        params=SamplingParams(max_tokens=max_tokens),
+        eos_token_id=None,
+        arrival_time=0.0,
+        priority=priority,
+    )
 
 
 def run_step(scheduler, token=7):
@@ -27,7 +34,8 @@ def run_step(scheduler, token=7):
     out = scheduler.schedule()
     sampled = {
         item.seq: [SampledToken(token)] * item.seq.num_samples
-        for item in out.scheduled if item.samples
+        for item in out.scheduled
+        if item.samples
     }
     scheduler.update(out, sampled)
     return {item.seq.request_id: item.num_new_tokens for item in out.scheduled}, out

@@ -268,3 +268,18 @@ def test_bad_specs_name_the_field(spec, field):
         parse_spec(spec, default_image=DEFAULT_IMAGE)
     assert info.value.field_path == field
     assert str(info.value).startswith(f"spec.{field}: ")
+
+
+@pytest.mark.parametrize(
+    ("engine", "default", "expected"),
+    [
+        ({}, None, None),  # Kubernetes' own default
+        ({}, "Always", "Always"),  # the operator's --default-image-pull-policy
+        ({"imagePullPolicy": "Never"}, "Always", "Never"),  # the resource wins
+    ],
+)
+def test_image_pull_policy_defaults_to_the_operators(engine, default, expected):
+    body = make_body(BUILTIN | {"engine": engine})
+    spec = parse_spec(body["spec"], default_image=DEFAULT_IMAGE, default_image_pull_policy=default)
+    container = get_deployment(body, spec)["spec"]["template"]["spec"]["containers"][0]
+    assert container.get("imagePullPolicy") == expected

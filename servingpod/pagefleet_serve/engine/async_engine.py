@@ -78,8 +78,9 @@ class AsyncEngine:
                 self.abort(request_id)
             self._mailboxes.pop(request_id, None)
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                     ) -> Request:
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Request:
         return self.engine.make_request(request_id, prompt, params)
 
     def abort(self, request_id: str) -> None:

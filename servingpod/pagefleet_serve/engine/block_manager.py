@@ -156,13 +156,11 @@ class BlockManager:
         bs = self.block_size
         table = seq.block_table
         num_computed = seq.num_computed_tokens + len(cached_prefix) * bs
-        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(
-            cached_prefix
+        num_new_blocks = (
+            self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(cached_prefix)
         )
         write_block = num_computed // bs
-        needs_copy = (
-            write_block < len(table) and self.blocks[table[write_block]].ref_count > 1
-        )
+        needs_copy = write_block < len(table) and self.blocks[table[write_block]].ref_count > 1
         num_revived = sum(1 for block in cached_prefix if block.ref_count == 0)
         if max(num_new_blocks, 0) + needs_copy + num_revived > self.num_free_blocks:
             return None

@@ -40,8 +40,10 @@ class LLM:
         for request in requests:
             self.engine.add(request)
             results[request.request_id] = RequestOutput(
-                request.request_id, request.prompt_token_ids,
-                [CompletionOutput(i) for i in range(request.params.n)], finished=False,
+                request.request_id,
+                request.prompt_token_ids,
+                [CompletionOutput(i) for i in range(request.params.n)],
+                finished=False,
             )
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
@@ -58,4 +60,3 @@ class LLM:
         return self.engine.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-

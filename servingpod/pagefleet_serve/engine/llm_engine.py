@@ -84,12 +84,23 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(loaded, self.device, self.dtype, config.block_size,
-                                  config.attention_backend, config.kv_cache_dtype)
+        self.runner = ModelRunner(
+            loaded,
+            self.device,
+            self.dtype,
+            config.block_size,
+            config.attention_backend,
+            config.kv_cache_dtype,
+        )
         del loaded
-        logger.info("model %s: %d layers, %d heads (%d kv), loaded in %.1fs", self.model_name,
-                    self.model_config.num_layers, self.model_config.num_heads,
-                    self.model_config.num_kv_heads, time.monotonic() - started)
+        logger.info(
+            "model %s: %d layers, %d heads (%d kv), loaded in %.1fs",
+            self.model_name,
+            self.model_config.num_layers,
+            self.model_config.num_heads,
+            self.model_config.num_kv_heads,
+            time.monotonic() - started,
+        )
         logger.info("device %s, dtype %s", self.device, str(self.dtype).removeprefix("torch."))
 
         num_blocks = self._kv_budget() // self.runner.bytes_per_block
@@ -102,10 +113,17 @@ class LLMEngine:
                 f"kv_cache_memory_bytes or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
-        logger.info("KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB, %s", num_blocks,
-                    config.block_size, pool_tokens, num_blocks * self.runner.bytes_per_block / 2**20,
-                    str(self.runner.kv_cache_dtype).removeprefix("torch."))
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        logger.info(
+            "KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB, %s",
+            num_blocks,
+            config.block_size,
+            pool_tokens,
+            num_blocks * self.runner.bytes_per_block / 2**20,
+            str(self.runner.kv_cache_dtype).removeprefix("torch."),
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # aborts, handed out by the next step
@@ -120,8 +138,13 @@ class LLMEngine:
         return _CPU_DEFAULT_KV_BYTES
 
     # -- requests ----------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     arrival_time: float | None = None) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Request:
         """Validate and tokenize; safe to call from any thread. Raises ValueError."""
         if isinstance(prompt, str):
             if not prompt:
@@ -154,21 +177,28 @@ class LLMEngine:
             return torch.Generator().manual_seed((params.seed + index) % 2**63)
 
         seq = Sequence(
-            request_id=request.request_id, sample_index=0,
+            request_id=request.request_id,
+            sample_index=0,
             token_ids=list(request.prompt_token_ids),
-            num_prompt_tokens=len(request.prompt_token_ids), params=params,
-            eos_token_id=self.model_config.eos_token_id, arrival_time=request.arrival_time,
-            priority=params.priority, generator=generator(0),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            params=params,
+            eos_token_id=self.model_config.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=params.priority,
+            generator=generator(0),
             sibling_generators=[generator(i) for i in range(1, params.n)],
         )
-        self.output_processor.add_request(request.request_id, request.prompt_token_ids, params,
-                                          request.arrival_time)
+        self.output_processor.add_request(
+            request.request_id, request.prompt_token_ids, params, request.arrival_time
+        )
         self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         self.add(self.make_request(request_id, prompt, params))
 
-    def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
+    def abort_request(
+        self, request_id: str, reason: str = "abort", error: str | None = None
+    ) -> None:
         for seq in self.scheduler.sequences_of(request_id):
             self.scheduler.finish(seq, reason)
         output = self.output_processor.finish(request_id, reason, time.time(), error)
@@ -202,9 +232,13 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_blocks=bm.num_blocks, num_used_blocks=bm.num_used_blocks,
-            kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
         )

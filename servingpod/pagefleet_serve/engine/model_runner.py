@@ -20,19 +20,30 @@ from pagefleet_serve.model.loader import LoadedModel
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
-        block_size: int, attention_backend: str, kv_cache_dtype: str,
+        self,
+        loaded: LoadedModel,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        attention_backend: str,
+        kv_cache_dtype: str,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.config = loaded.config
-        self.model = LlamaForCausalLM(loaded.config, get_attention_backend(attention_backend, device))
+        self.model = LlamaForCausalLM(
+            loaded.config, get_attention_backend(attention_backend, device)
+        )
         self.model.load_hf_state_dict(loaded.weights)
         self.model.to(device=device, dtype=dtype).eval()
-        self.kv_cache: torch.Tensor | None = None  # (layers, 2, blocks, block_size, kv_heads, head_dim)
-        self.kv_scales: torch.Tensor | None = None  # (layers, 2, blocks, block_size, kv_heads), int8/fp8
+        self.kv_cache: torch.Tensor | None = (
+            None  # (layers, 2, blocks, block_size, kv_heads, head_dim)
+        )
+        self.kv_scales: torch.Tensor | None = (
+            None  # (layers, 2, blocks, block_size, kv_heads), int8/fp8
+        )
         self.kv_caches: list[LayerKVCache] = []
 
     @property
@@ -82,7 +93,11 @@ class ModelRunner:
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
         # Token t of sequence i sits at position starts[i] + (t - query_start_loc[i]).
         seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        positions = torch.arange(len(input_ids)) - query_start_loc[seq_index] + torch.tensor(starts)[seq_index]
+        positions = (
+            torch.arange(len(input_ids))
+            - query_start_loc[seq_index]
+            + torch.tensor(starts)[seq_index]
+        )
         slot_mapping = (
             block_tables[seq_index, positions // self.block_size] * self.block_size
             + positions % self.block_size
@@ -95,8 +110,10 @@ class ModelRunner:
             query_lens=query_lens,
         )
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev), positions.to(dev),
-            self.kv_caches, attn,
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions.to(dev),
+            self.kv_caches,
+            attn,
         )
 
         sampling = [(i, item.seq) for i, item in enumerate(step.scheduled) if item.samples]
@@ -107,8 +124,14 @@ class ModelRunner:
         rows, row_logits = [], []
         for j, (_, seq) in enumerate(sampling):
             for generator in [seq.generator, *seq.sibling_generators]:
-                rows.append(SampleRow(seq.params, generator, seq.output_token_ids,
-                                      seq.token_ids[: seq.num_prompt_tokens]))
+                rows.append(
+                    SampleRow(
+                        seq.params,
+                        generator,
+                        seq.output_token_ids,
+                        seq.token_ids[: seq.num_prompt_tokens],
+                    )
+                )
                 row_logits.append(j)
         tokens = sample(logits[row_logits].cpu(), rows)
         result, k = {}, 0

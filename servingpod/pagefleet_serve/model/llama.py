@@ -50,7 +50,9 @@ class AttentionMetadata:
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = dict(config.rope_scaling or ())
     if scaling.get("rope_type") == "llama3":
         factor = scaling["factor"]
@@ -110,8 +112,16 @@ class LlamaAttention(nn.Module):
             k, v, cache.key, cache.value, attn.slot_mapping, cache.key_scale, cache.value_scale
         )
         out = self.backend.paged_attention(
-            q, cache.key, cache.value, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-            self.scale, attn.query_lens, cache.key_scale, cache.value_scale,
+            q,
+            cache.key,
+            cache.value,
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start_loc,
+            self.scale,
+            attn.query_lens,
+            cache.key_scale,
+            cache.value_scale,
         )
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 

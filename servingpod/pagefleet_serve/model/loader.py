@@ -28,8 +28,15 @@ SUPPORTED = (
 _BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _LLAMA_MODEL_TYPES = ("llama",)
 TINY_CONFIG = ModelConfig(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
     eos_token_id=None,
 )
 
@@ -80,7 +87,11 @@ def load_tokenizer(uri: str):
     None for builtin://tiny-random."""
     if uri == "builtin://tiny-random":
         return None
-    path = builtin_gguf_path() if uri == "builtin://smollm2-135m" else Path(uri.removeprefix("file://"))
+    path = (
+        builtin_gguf_path()
+        if uri == "builtin://smollm2-135m"
+        else Path(uri.removeprefix("file://"))
+    )
     if path.is_file():
         return _gguf_tokenizer(path)
     from transformers import AutoTokenizer
@@ -90,9 +101,14 @@ def load_tokenizer(uri: str):
 
 # -- GGUF ------------------------------------------------------------------------------
 _GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -238,7 +254,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
     tokenizer = None
-    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
         tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(path.name, config, weights, tokenizer)
 
@@ -253,21 +271,25 @@ def _tiny_random(dtype: torch.dtype) -> LoadedModel:
 
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     weights = {
-        "embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=generator).to(dtype),
+        "embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=generator).to(
+            dtype
+        ),
         "norm.weight": torch.ones(c.hidden_size, dtype=dtype),
         "lm_head.weight": linear(c.vocab_size, c.hidden_size),
     }
     for i in range(c.num_layers):
         p = f"layers.{i}."
-        weights.update({
-            p + "input_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype),
-            p + "self_attn.q_proj.weight": linear(q_size, c.hidden_size),
-            p + "self_attn.k_proj.weight": linear(kv_size, c.hidden_size),
-            p + "self_attn.v_proj.weight": linear(kv_size, c.hidden_size),
-            p + "self_attn.o_proj.weight": linear(c.hidden_size, q_size),
-            p + "mlp.gate_proj.weight": linear(c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": linear(c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": linear(c.hidden_size, c.intermediate_size),
-        })
+        weights.update(
+            {
+                p + "input_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype),
+                p + "post_attention_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype),
+                p + "self_attn.q_proj.weight": linear(q_size, c.hidden_size),
+                p + "self_attn.k_proj.weight": linear(kv_size, c.hidden_size),
+                p + "self_attn.v_proj.weight": linear(kv_size, c.hidden_size),
+                p + "self_attn.o_proj.weight": linear(c.hidden_size, q_size),
+                p + "mlp.gate_proj.weight": linear(c.intermediate_size, c.hidden_size),
+                p + "mlp.up_proj.weight": linear(c.intermediate_size, c.hidden_size),
+                p + "mlp.down_proj.weight": linear(c.hidden_size, c.intermediate_size),
+            }
+        )
     return LoadedModel("tiny-random", c, weights, None)

@@ -9,11 +9,11 @@ running; `cancel()` (graceful drain) ends the stream with `RequestCancelled`.
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagefleet_serve.engine.async_engine import AsyncEngine, EngineDeadError
-from pagefleet_serve.outputs import TokenLogprob
+from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.metrics import RequestTracker
 
@@ -27,24 +27,6 @@ class RequestFailed(Exception):
 
 class RequestCancelled(Exception):
     """The server ended this request before it finished (graceful drain ran out of time)."""
-
-
-@dataclass
-class ChoiceDelta:
-    """What is new for one choice; also used to accumulate a whole choice."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-
-    def merge(self, other: "ChoiceDelta") -> None:
-        self.text += other.text
-        self.token_ids.extend(other.token_ids)
-        if other.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + other.logprobs
-        self.finish_reason = other.finish_reason or self.finish_reason
 
 
 @dataclass
@@ -95,7 +77,7 @@ class Generation:
 
     async def stream(
         self, keepalive_s: float | None, coalesce_s: float
-    ) -> AsyncIterator[list[ChoiceDelta]]:
+    ) -> AsyncIterator[list[CompletionOutput]]:
         """Batches of choice deltas; an empty batch is a keep-alive tick (after `keepalive_s`
         of silence). The first token goes out at once; later deltas that arrive within
         `coalesce_s` of the last batch are merged into the next one."""
@@ -153,8 +135,8 @@ class Generation:
         except (ValueError, EngineDeadError) as exc:
             self._queue.put_nowait((request, exc))
 
-    def _absorb(self, items: list[tuple]) -> list[ChoiceDelta]:
-        merged: dict[int, ChoiceDelta] = {}
+    def _absorb(self, items: list[tuple]) -> list[CompletionOutput]:
+        merged: dict[int, CompletionOutput] = {}
         for request, item in items:
             if item is _CANCEL:
                 raise RequestCancelled(self._cancel_reason)
@@ -169,7 +151,7 @@ class Generation:
                 raise RequestFailed(f"the engine failed while running this request: {item.error}")
             for sample in item.outputs:
                 index = request.prompt_index * self.params.n + sample.index
-                delta = ChoiceDelta(
+                delta = CompletionOutput(
                     index,
                     sample.text,
                     list(sample.token_ids),
@@ -177,7 +159,7 @@ class Generation:
                     sample.finish_reason,
                 )
                 if index in merged:
-                    merged[index].merge(delta)
+                    merged[index].extend(delta)
                 else:
                     merged[index] = delta
         return sorted(merged.values(), key=lambda d: d.index)

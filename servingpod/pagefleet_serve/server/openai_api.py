@@ -19,10 +19,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagefleet_serve.engine.llm_engine import ContextLengthError
+from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import APIError, bad_request, server_error, unavailable
 from pagefleet_serve.server.generation import (
-    ChoiceDelta,
     Generation,
     RequestCancelled,
     RequestFailed,
@@ -122,11 +122,11 @@ class _Endpoint(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def choice_chunk(self, run: _Run, delta: ChoiceDelta) -> dict:
+    def choice_chunk(self, run: _Run, delta: CompletionOutput) -> dict:
         """One choice's entry in a stream chunk."""
 
     @abc.abstractmethod
-    def final_choice(self, run: _Run, choice: ChoiceDelta) -> dict:
+    def final_choice(self, run: _Run, choice: CompletionOutput) -> dict:
         """One choice's entry in a whole response."""
 
     # -- shared ---------------------------------------------------------------------------
@@ -189,12 +189,12 @@ class _Endpoint(abc.ABC):
         yield DONE
 
     async def _respond(self, run: _Run, raw: Request) -> Response:
-        choices = [ChoiceDelta(i) for i in range(run.generation.num_choices)]
+        choices = [CompletionOutput(i) for i in range(run.generation.num_choices)]
 
         async def collect() -> None:
             async for deltas in run.generation.stream(None, 0.0):
                 for delta in deltas:
-                    choices[delta.index].merge(delta)
+                    choices[delta.index].extend(delta)
 
         try:
             completed = await _unless_disconnected(raw, collect())
@@ -249,10 +249,10 @@ class CompletionsEndpoint(_Endpoint):
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         return prompts, request.sampling_params(max_tokens, request.logprobs)
 
-    def choice_chunk(self, run: _Run, delta: ChoiceDelta) -> dict:
+    def choice_chunk(self, run: _Run, delta: CompletionOutput) -> dict:
         return self.final_choice(run, delta)
 
-    def final_choice(self, run: _Run, choice: ChoiceDelta) -> dict:
+    def final_choice(self, run: _Run, choice: CompletionOutput) -> dict:
         return {
             "index": choice.index,
             "text": choice.text,
@@ -260,7 +260,7 @@ class CompletionsEndpoint(_Endpoint):
             "finish_reason": choice.finish_reason,
         }
 
-    def _logprobs(self, run: _Run, choice: ChoiceDelta) -> dict | None:
+    def _logprobs(self, run: _Run, choice: CompletionOutput) -> dict | None:
         if choice.logprobs is None:
             return None
         offset = run.text_offsets.get(choice.index, 0)
@@ -332,7 +332,7 @@ class ChatCompletionsEndpoint(_Endpoint):
             for i in range(run.generation.num_choices)
         ]
 
-    def choice_chunk(self, run: _Run, delta: ChoiceDelta) -> dict:
+    def choice_chunk(self, run: _Run, delta: CompletionOutput) -> dict:
         return {
             "index": delta.index,
             "delta": {"content": delta.text} if delta.text else {},
@@ -340,7 +340,7 @@ class ChatCompletionsEndpoint(_Endpoint):
             "finish_reason": delta.finish_reason,
         }
 
-    def final_choice(self, run: _Run, choice: ChoiceDelta) -> dict:
+    def final_choice(self, run: _Run, choice: CompletionOutput) -> dict:
         return {
             "index": choice.index,
             "message": {"role": "assistant", "content": choice.text},
@@ -348,7 +348,7 @@ class ChatCompletionsEndpoint(_Endpoint):
             "finish_reason": choice.finish_reason,
         }
 
-    def _logprobs(self, choice: ChoiceDelta) -> dict | None:
+    def _logprobs(self, choice: CompletionOutput) -> dict | None:
         if choice.logprobs is None:
             return None
 

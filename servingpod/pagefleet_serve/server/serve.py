@@ -115,10 +115,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=engine("enable_prefix_caching"),
     )
-    flag("--kv-cache-dtype", "element type of the KV cache (auto: the model's dtype)",
-         default=engine("kv_cache_dtype"), choices=KV_CACHE_DTYPES)
-    flag("--attention-backend", "attention implementation (auto: triton on CUDA, else torch)",
-         default=engine("attention_backend"), choices=ATTENTION_BACKENDS)
+    flag(
+        "--kv-cache-dtype",
+        "element type of the KV cache (auto: the model's dtype)",
+        default=engine("kv_cache_dtype"),
+        choices=KV_CACHE_DTYPES,
+    )
+    flag(
+        "--attention-backend",
+        "attention implementation (auto: triton on CUDA, else torch)",
+        default=engine("attention_backend"),
+        choices=ATTENTION_BACKENDS,
+    )
     flag("--dtype", "model dtype: auto, float32, float16 or bfloat16", default=engine("dtype"))
     flag("--device", "auto, cpu or cuda[:N]", default=engine("device"))
     flag("--seed", "engine seed", type=int, default=engine("seed"))
