@@ -50,7 +50,11 @@ format: install
 	$(VENV)/bin/ruff format servingpod kernels operator tests e2e
 	$(VENV)/bin/ruff check --fix servingpod kernels operator tests e2e
 
-bench: bench-offline
+# Side by side on loopback: PageFleet vs transformers serve and llama.cpp (built once into
+# bench/.peers/), writing bench/results/.
+bench: install
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/side_by_side.py
 
 bench-offline: install
 	$(PY) benchmarks/bench_offline.py --output bench-offline.json

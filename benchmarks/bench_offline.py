@@ -70,13 +70,13 @@ def run_pagefleet(llm: LLM, requests) -> dict:
     }
 
 
-def run_transformers(requests, batch_size: int) -> dict:
+def run_transformers(requests, batch_size: int, dtype: str) -> dict:
     from pagefleet_serve.model.loader import builtin_gguf_path
     from transformers import AutoModelForCausalLM
 
     path = builtin_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)
     ).eval()
     pad = 2
     started = time.perf_counter()
@@ -114,6 +114,12 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="4GiB")
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("float32", "bfloat16"),
+        help="weights and activations of both engines (bfloat16 runs on the CPU's AMX/AVX-512 units)",
+    )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--output", default="bench-offline.json")
     args = parser.parse_args()
@@ -126,6 +132,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
+        dtype=args.dtype,
     )
     requests = make_workload(llm.tokenizer, args.num_requests, args.seed)
     result = {
@@ -134,6 +141,7 @@ def main() -> None:
             "prompt_tokens": sum(len(p) for p, _ in requests),
             "output_tokens": sum(n for _, n in requests),
             "seed": args.seed,
+            "dtype": args.dtype,
             "torch_threads": torch.get_num_threads(),
         },
         "pagefleet": run_pagefleet(llm, requests),
@@ -141,7 +149,7 @@ def main() -> None:
     print(json.dumps(result["pagefleet"], indent=2))
     del llm
     if not args.skip_transformers:
-        result["transformers"] = run_transformers(requests, args.hf_batch_size)
+        result["transformers"] = run_transformers(requests, args.hf_batch_size, args.dtype)
         result["speedup"] = (
             result["pagefleet"]["output_tokens_per_s"]
             / result["transformers"]["output_tokens_per_s"]

@@ -77,7 +77,11 @@ def write_kv_cache(
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """(num_blocks, bs, H, ...) x (B, M) -> (B, M * bs, H, ...), the sequences' contexts."""
-    return cache[block_tables].flatten(1, 2)
+    # index_select over whole blocks (rows of a 2-D view) copies at memory speed; plain
+    # advanced indexing of the 4-D cache is several times slower on the CPU.
+    num_seqs, max_blocks = block_tables.shape
+    rows = torch.index_select(cache.view(cache.shape[0], -1), 0, block_tables.reshape(-1))
+    return rows.view(num_seqs, max_blocks * cache.shape[1], *cache.shape[2:])
 
 
 def paged_attention(

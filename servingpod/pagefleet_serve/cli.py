@@ -4,6 +4,7 @@ with `add_parser(commands)`, setting `handler`."""
 import argparse
 import sys
 
+from pagefleet_serve.bench import serve as bench
 from pagefleet_serve.server import serve
 
 
@@ -11,6 +12,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagefleet", description="PageFleet LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(commands)
+    bench.add_parser(commands)
     # Listed for --help; main() hands its arguments to the operator's own parser.
     commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
     return parser
