@@ -83,8 +83,13 @@ def perplexity(kv_cache_dtype: str, token_ids: list[int], window: int, chunk: in
 
 
 def greedy_outputs(kv_cache_dtype: str, max_tokens: int) -> list[list[int]]:
+    # float32 weights and activations, as in perplexity(): only the KV cache differs.
     llm = LLM(
-        MODEL, kv_cache_dtype=kv_cache_dtype, max_model_len=2048, kv_cache_memory_bytes=256 << 20
+        MODEL,
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=2048,
+        kv_cache_memory_bytes=256 << 20,
     )
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))

@@ -8,14 +8,19 @@ Quantized caches (int8, float8 e4m3) are written through `quantize_kv` and read 
 `dequantize_kv`; the Triton kernels reproduce both bit for bit (see `kv_cache`).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from pagefleet_kernels.kv_cache import QMAX, SCALE_DTYPE, is_quantized
 
-# Decode rows are attended in at most this many length buckets of at least this many rows.
+# Decode rows are attended in at most this many length buckets of at least this many rows;
+# neighbouring buckets merge when the padding that adds costs less than one more call,
+# which costs about as much as this many (row x context position) elements.
 DECODE_BUCKETS = 8
 DECODE_BUCKET_MIN_ROWS = 8
+DECODE_CALL_COST = 1024
 
 # A row of zeros still gets a finite scale (its codes are all 0).
 MIN_AMAX = 1e-6
@@ -84,6 +89,78 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return rows.view(num_seqs, max_blocks * cache.shape[1], *cache.shape[2:])
 
 
+def _decode_buckets(order: torch.Tensor, sorted_lens: list[int]) -> list[tuple[torch.Tensor, int]]:
+    """Cut rows sorted by context length into buckets: (row positions, longest context)."""
+    num = len(sorted_lens)
+    num_chunks = min(DECODE_BUCKETS, -(-num // DECODE_BUCKET_MIN_ROWS))
+    size = -(-num // num_chunks)
+    bounds = [(start, min(start + size, num)) for start in range(0, num, size)]
+    merged = [bounds[0]]
+    for start, end in bounds[1:]:
+        first, last = merged[-1]
+        apart = (last - first) * sorted_lens[last - 1] + (end - start) * sorted_lens[end - 1]
+        if (end - first) * sorted_lens[end - 1] <= apart + DECODE_CALL_COST:
+            merged[-1] = (first, end)
+        else:
+            merged.append((start, end))
+    return [(order[first:last], sorted_lens[last - 1]) for first, last in merged]
+
+
+@dataclass
+class _Plan:
+    """What attention needs of the batch layout alone, the same for every layer: built once
+    per forward pass (kept in `plan_cache`), not once per layer."""
+
+    # decode buckets: query token indices (b,), block tables (b, M), mask (b, 1, 1, M * bs)
+    decodes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # prefill chunks: first query token, query length, context length, block table (1, n),
+    # mask (q_len, ctx_len) or None for a whole prompt (plain causal)
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
+
+
+def _build_plan(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    query_lens: list[int],
+    block_size: int,
+) -> _Plan:
+    device = seq_lens.device
+    decodes = []
+    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode_rows:
+        rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        lens = seq_lens[rows].to(torch.long)
+        token_starts = query_start_loc[:-1].to(torch.long)
+        # Rows sorted by context length and cut into a few buckets, each padded only to its
+        # own longest context: a handful of batched calls, not one per sequence, and little
+        # padding when lengths vary.
+        order = torch.argsort(lens)
+        for bucket, max_len in _decode_buckets(order, lens[order].tolist()):
+            bucket_rows, bucket_lens = rows[bucket], lens[bucket]
+            max_blocks = (max_len + block_size - 1) // block_size
+            tables = block_tables[bucket_rows, :max_blocks].to(torch.long)
+            positions = torch.arange(max_blocks * block_size, device=device)
+            valid = positions[None, :] < bucket_lens[:, None]
+            decodes.append((token_starts[bucket_rows], tables, valid[:, None, None, :]))
+
+    prefills = []
+    starts = query_start_loc.tolist()
+    lens_host = seq_lens.tolist()
+    for i, q_len in enumerate(query_lens):
+        if q_len <= 1:
+            continue
+        ctx_len = lens_host[i]
+        n_blocks = (ctx_len + block_size - 1) // block_size
+        mask = None
+        if ctx_len != q_len:  # a chunk after cached context: query j sits at ctx_len - q_len + j
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+            mask = torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
+        tables = block_tables[i : i + 1, :n_blocks].to(torch.long)
+        prefills.append((starts[i], q_len, ctx_len, tables, mask))
+    return _Plan(decodes, prefills)
+
+
 def paged_attention(
     query: torch.Tensor,  # (T, Hq, D)
     key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
@@ -95,18 +172,28 @@ def paged_attention(
     query_lens: list[int] | None = None,  # host copy of the per-sequence query lengths
     key_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hkv) float32
     value_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hkv) float32
+    *,
+    plan_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context.
 
     The query tokens of sequence i sit at the last `q_len_i` positions of its context
-    (`seq_lens[i]` tokens, written to the cache before this call).
+    (`seq_lens[i]` tokens, written to the cache before this call). `plan_cache`: a dict
+    shared by the calls of one forward pass (every layer, the same batch), where the
+    layout-only work (buckets, block tables, masks) is kept after the first call.
     """
     block_size = key_cache.shape[1]
     _check_scales(key_cache, key_scale, "key_scale")
     _check_scales(value_cache, value_scale, "value_scale")
     if query_lens is None:
         query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    plan = None if plan_cache is None else plan_cache.get("reference")
+    if plan is None:
+        plan = _build_plan(block_tables, seq_lens, query_start_loc, query_lens, block_size)
+        if plan_cache is not None:
+            plan_cache["reference"] = plan
     out = torch.empty_like(query)
+    head_dim = query.shape[-1]
 
     def context(tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, M) block ids -> K, V: (B, M * block_size, Hkv, D) in the query's dtype."""
@@ -117,52 +204,34 @@ def paged_attention(
             dequantize_kv(_gather(value_cache, tables), v_scale, query.dtype),
         )
 
-    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
-    if decode_rows:
-        rows = torch.tensor(decode_rows, dtype=torch.long, device=query.device)
-        lens = seq_lens[rows].to(torch.long)
-        # Rows sorted by context length and cut into a few buckets, each padded only to its
-        # own longest context: a handful of batched calls, not one per sequence, and little
-        # padding when lengths vary.
-        order = torch.argsort(lens)
-        num_buckets = min(DECODE_BUCKETS, -(-len(decode_rows) // DECODE_BUCKET_MIN_ROWS))
-        for bucket in order.chunk(num_buckets):
-            bucket_rows, bucket_lens = rows[bucket], lens[bucket]
-            max_blocks = int((bucket_lens.max().item() + block_size - 1) // block_size)
-            k, v = context(block_tables[bucket_rows, :max_blocks].to(torch.long))  # (b, S, Hkv, D)
-            token_idx = query_start_loc[:-1].to(torch.long)[bucket_rows]
-            valid = torch.arange(k.shape[1], device=query.device)[None, :] < bucket_lens[:, None]
-            o = F.scaled_dot_product_attention(
-                query[token_idx][:, :, None, :],  # (b, Hq, 1, D)
-                k.transpose(1, 2),  # (b, Hkv, S, D)
-                v.transpose(1, 2),
-                attn_mask=valid[:, None, None, :],  # (b, 1, 1, S)
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[token_idx] = o[:, :, 0]
+    for token_idx, tables, mask in plan.decodes:
+        k, v = context(tables)  # (b, S, Hkv, D)
+        b, num_kv_heads = k.shape[0], k.shape[2]
+        # The query heads sharing a KV head become that head's query rows (one position,
+        # so one mask for all): no GQA expansion of K and V.
+        o = F.scaled_dot_product_attention(
+            query[token_idx].view(b, num_kv_heads, -1, head_dim),  # (b, Hkv, G, D)
+            k.transpose(1, 2),  # (b, Hkv, S, D)
+            v.transpose(1, 2),
+            attn_mask=mask,  # (b, 1, 1, S)
+            scale=scale,
+        )
+        out[token_idx] = o.reshape(b, -1, head_dim)
 
-    starts = query_start_loc.tolist()
-    lens_host = seq_lens.tolist()
-    for i, q_len in enumerate(query_lens):
-        if q_len <= 1:
-            continue
-        ctx_len = lens_host[i]
-        start = starts[i]
-        n_blocks = (ctx_len + block_size - 1) // block_size
-        k, v = context(block_tables[i : i + 1, :n_blocks].to(torch.long))
+    for start, q_len, ctx_len, tables, mask in plan.prefills:
+        k, v = context(tables)
         k, v = k[0, :ctx_len], v[0, :ctx_len]  # (S, Hkv, D)
         q = query[start : start + q_len]
-        # Query token j sits at context position ctx_len - q_len + j.
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-        mask = torch.arange(ctx_len, device=query.device)[None, :] <= q_pos[:, None]
+        # 4-D with a batch of one: the CPU takes its flash kernel for that shape (3-D falls
+        # back to the much slower unfused math). No mask: a whole prompt, plain causal.
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # (Hq, L, D)
-            k.transpose(0, 1),  # (Hkv, S, D)
-            v.transpose(0, 1),
+            q.transpose(0, 1)[None],  # (1, Hq, L, D)
+            k.transpose(0, 1)[None],  # (1, Hkv, S, D)
+            v.transpose(0, 1)[None],
             attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
-        out[start : start + q_len] = o.transpose(0, 1)
+        out[start : start + q_len] = o[0].transpose(0, 1)
     return out

@@ -468,6 +468,7 @@ def paged_attention(
     value_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hkv) float32
     *,
     num_segments: int | None = None,  # decode-only batches; None: chosen from the grid size
+    plan_cache: dict | None = None,  # the reference's per-pass cache; a launch needs none
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context."""
     num_tokens, num_q_heads, head_dim = query.shape

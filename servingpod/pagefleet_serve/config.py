@@ -38,7 +38,7 @@ def parse_bytes(text: str | int) -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = BUILTIN_MODEL
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
     max_num_seqs: int = 128

@@ -58,7 +58,11 @@ OVERRIDES = {
         },
         "serviceAccount": {"annotations": {"iam.example.com/role": "pagefleet"}},
         "servingPod": {
-            "image": {"repository": "registry.local/pf-serving", "tag": "dev", "pullPolicy": "Always"}
+            "image": {
+                "repository": "registry.local/pf-serving",
+                "tag": "dev",
+                "pullPolicy": "Always",
+            }
         },
     },
     "external-account": {

@@ -69,7 +69,8 @@ def make_llm():
     made = []
 
     def make(model="builtin://smollm2-135m", **config):
-        llm = LLM(model, **config)
+        # float32: token-exact comparisons with transformers and across batch compositions.
+        llm = LLM(model, **{"dtype": "float32"} | config)
         made.append(llm)
         return llm
 

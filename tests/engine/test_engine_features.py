@@ -9,7 +9,13 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def shared_llm():
-    return LLM("builtin://smollm2-135m", max_model_len=2048, kv_cache_memory_bytes=512 << 20)
+    # float32: a seeded or greedy request gives the same tokens in any batch.
+    return LLM(
+        "builtin://smollm2-135m",
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory_bytes=512 << 20,
+    )
 
 
 @pytest.fixture

@@ -64,7 +64,13 @@ def test_hf_directory_matches_transformers(hf_dir):
     from transformers import LlamaForCausalLM
 
     reference = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    llm = LLM(str(hf_dir), max_model_len=256, kv_cache_memory_bytes=8 << 20, block_size=4)
+    llm = LLM(
+        str(hf_dir),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=8 << 20,
+        block_size=4,
+    )
     assert llm.engine.model_config.rope_scaling is not None
     prompts = [[5, 17, 300, 42, 7, 99, 100, 3, 8], [400, 401, 402], list(range(60, 130))]
     ours = llm.generate(prompts, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
@@ -122,5 +128,28 @@ def test_missing_model_and_unknown_builtin(tmp_path):
 def test_pool_too_small_for_max_model_len_names_both_numbers():
     with pytest.raises(ValueError, match=r"max_model_len \(4096 tokens\).*\(64 tokens = 16 blocks"):
         LLM(
-            "builtin://tiny-random", block_size=4, kv_cache_memory_bytes=16 * 4 * 2 * 2 * 2 * 16 * 4
+            "builtin://tiny-random",
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory_bytes=16 * 4 * 2 * 2 * 2 * 16 * 4,
         )
+
+
+def test_auto_dtype_follows_the_cpu_bf16_flags():
+    from pagefleet_serve.engine import llm_engine
+
+    amx = "processor\t: 0\nflags\t\t: fpu sse avx512f amx_bf16 amx_tile\n"
+    avx512 = "flags\t\t: fpu avx512f avx512_bf16\n"
+    plain = "flags\t\t: fpu sse avx2 avx512f\n"
+    assert llm_engine.cpu_has_native_bf16(amx)
+    assert llm_engine.cpu_has_native_bf16(avx512)
+    assert not llm_engine.cpu_has_native_bf16(plain)
+    assert not llm_engine.cpu_has_native_bf16("")
+
+    cpu = torch.device("cpu")
+    native = llm_engine.cpu_has_native_bf16()
+    assert llm_engine.resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+    assert llm_engine.resolve_dtype("float32", cpu) == torch.float32
+    llm = LLM("builtin://tiny-random", max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    assert llm.engine.dtype == llm_engine.resolve_dtype("auto", cpu)
+    assert next(llm.engine.runner.model.parameters()).dtype == llm.engine.dtype

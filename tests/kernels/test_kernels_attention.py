@@ -6,6 +6,7 @@ every `make test`; the full sweep is `slow`); `pytest -m gpu tests/kernels` runs
 checks compiled, at Llama-3-8B size, on a CUDA device.
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -100,6 +101,53 @@ def test_decode_batch_sizes(batch_size, device):
         seed=batch_size,
     )
     check(batch, "int8")
+
+
+@pytest.mark.parametrize(
+    ("context_lens", "num_calls"),
+    [
+        ([7 + (i * 37) % 610 for i in range(70)], 4),  # spread: several length buckets
+        ([300 + i % 3 for i in range(70)], 1),  # alike: the buckets merge into one call
+        ([5] * 60 + [600] * 10, 2),  # two groups: two calls
+    ],
+    ids=["spread", "alike", "two-groups"],
+)
+def test_reference_decode_length_buckets(context_lens, num_calls):
+    buckets = reference._decode_buckets(
+        torch.argsort(torch.tensor(context_lens)), sorted(context_lens)
+    )
+    assert len(buckets) == num_calls
+    rows = torch.cat([rows for rows, _ in buckets])
+    assert sorted(rows.tolist()) == list(range(len(context_lens)))  # each row exactly once
+    for rows, longest in buckets:
+        assert longest == max(context_lens[i] for i in rows.tolist())
+    batch = make_batch([1] * len(context_lens), context_lens, 6, 2, dtype=torch.float32)
+    torch.testing.assert_close(
+        batch.attention(reference), naive_attention(batch), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_reference_plan_cache_is_reused_across_layers():
+    # Two "layers": the same batch layout, different queries and caches.
+    query_lens, context_lens = [1, 17, 1, 5, 1, 33], [300, 17, 16, 100, 1, 300]
+    first_layer = make_batch(query_lens, context_lens, 6, 2, seed=1)
+    layers = [
+        first_layer,
+        dataclasses.replace(
+            first_layer,
+            query=first_layer.query.flip(-1),
+            key_cache=-first_layer.key_cache,
+            value_cache=2 * first_layer.value_cache,
+        ),
+    ]
+    plan_cache: dict = {}
+    first = layers[0].attention(reference, plan_cache=plan_cache)
+    plan = plan_cache["reference"]
+    second = layers[1].attention(reference, plan_cache=plan_cache)
+    assert plan_cache["reference"] is plan  # built once
+    assert len(plan.decodes) == 1 and len(plan.prefills) == 3
+    torch.testing.assert_close(first, layers[0].attention(reference), atol=0, rtol=0)
+    torch.testing.assert_close(second, layers[1].attention(reference), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("num_segments", [1, 2, 4, 16])

@@ -3,6 +3,7 @@
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -68,9 +69,28 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX-BF16 or AVX512-BF16), read
+    from the Linux CPU flags; elsewhere bfloat16 is emulated and slower than float32."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA and on CPUs with native bfloat16 (as vLLM's CPU backend
+    does), float32 on other CPUs."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     return getattr(torch, name)
 
 

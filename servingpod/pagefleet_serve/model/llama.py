@@ -7,7 +7,7 @@ at load time (one matmul each).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # (B,) int32, context length including this step's tokens
     query_start_loc: torch.Tensor  # (B + 1,) int64
     query_lens: list[int]  # host copy
+    # Shared by every layer's attention call of this forward pass: the backend keeps work
+    # that depends on the batch layout alone here.
+    plan_cache: dict = field(default_factory=dict)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -69,6 +72,20 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
+class Linear(nn.Linear):
+    """A bias-free linear layer. On the CPU PyTorch multiplies a single bfloat16/float16
+    row by a matrix-vector routine that ignores AMX and runs several times slower than a
+    two-row product, so a one-token batch is computed as two rows (a broadcast, no copy)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.dtype != torch.float32 and x.device.type == "cpu":
+            return F.linear(x.expand(2, -1), self.weight)[:1]
+        return F.linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -76,10 +93,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Normalized in float32, then cast back before the weight, as Hugging Face does.
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -98,15 +114,17 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim**-0.5
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size)
+        self.o_proj = Linear(q_size, config.hidden_size)
         self.backend = backend
 
     def forward(self, x, cos, sin, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split
+        # q and k side by side in qkv: rotated in one pass, then split (views).
+        qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         cache = kv_cache  # LayerKVCache: key, value (+ their scales when int8/fp8)
         self.backend.write_kv_cache(
             k, v, cache.key, cache.value, attn.slot_mapping, cache.key_scale, cache.value_scale
@@ -122,6 +140,7 @@ class LlamaAttention(nn.Module):
             attn.query_lens,
             cache.key_scale,
             cache.value_scale,
+            plan_cache=attn.plan_cache,
         )
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -129,8 +148,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -159,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
             [LlamaDecoderLayer(config, backend) for _ in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
