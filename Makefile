@@ -52,9 +52,11 @@ format: install
 
 # Side by side on loopback: PageFleet vs transformers serve and llama.cpp (built once into
 # bench/.peers/), writing bench/results/.
+# Side by side with llama.cpp and transformers (~15 min once the peers are built; the
+# first run builds llama.cpp, ~15 min more). Larger runs: make bench BENCH_ARGS="--level-limit 240".
 bench: install
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) bench/side_by_side.py
+	$(PY) bench/side_by_side.py $(BENCH_ARGS)
 
 bench-offline: install
 	$(PY) benchmarks/bench_offline.py --output bench-offline.json

@@ -68,8 +68,13 @@ def send_times(num_requests: int, rate: float, burstiness: float, seed: int) -> 
 
 
 def client_session(max_concurrency: int | None) -> aiohttp.ClientSession:
+    # One connection per request: servers close idle keep-alive connections on their own
+    # schedules (llama.cpp's after a few seconds), and a request sent on a connection the
+    # server has just closed would fail through no fault of the server.
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_concurrency or 0, ttl_dns_cache=300),
+        connector=aiohttp.TCPConnector(
+            limit=max_concurrency or 0, ttl_dns_cache=300, force_close=True
+        ),
         timeout=aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S),
         read_bufsize=_READ_BUFFER_BYTES,
         trust_env=False,
