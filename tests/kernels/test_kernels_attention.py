@@ -185,42 +185,11 @@ def test_head_dim_that_is_not_a_power_of_two(device):
 def test_launcher_rejects_mismatched_shapes(device):
     batch = make_batch([1, 3], [20, 20], 4, 2, cache="int8", device=device)
     with pytest.raises(ValueError, match="key_scale"):
-        triton_attention.paged_attention(
-            batch.query,
-            batch.key_cache,
-            batch.value_cache,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            batch.scale,
-            batch.query_lens,
-        )
+        dataclasses.replace(batch, key_scale=None, value_scale=None).attention(triton_attention)
     with pytest.raises(ValueError, match="multiple"):
-        triton_attention.paged_attention(
-            batch.query[:, :3],
-            batch.key_cache,
-            batch.value_cache,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            batch.scale,
-            batch.query_lens,
-            batch.key_scale,
-            batch.value_scale,
-        )
+        dataclasses.replace(batch, query=batch.query[:, :3]).attention(triton_attention)
     with pytest.raises(ValueError, match="query_lens"):
-        triton_attention.paged_attention(
-            batch.query,
-            batch.key_cache,
-            batch.value_cache,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            batch.scale,
-            [2, 3],
-            batch.key_scale,
-            batch.value_scale,
-        )
+        dataclasses.replace(batch, query_lens=[2, 3]).attention(triton_attention)
     with pytest.raises(ValueError, match="decode-only"):
         batch.attention(triton_attention, num_segments=2)
 
