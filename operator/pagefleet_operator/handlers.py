@@ -5,12 +5,13 @@ Handlers are thin: they pick the right inputs and turn outcomes into Events and 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import kopf
 
-from . import GROUP, KIND, PLURAL, VERSION
+from . import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from .config import OperatorConfig
 from .kube import Kube, KubeError, load_api_client
 from .names import MANAGED_BY
@@ -21,6 +22,7 @@ RETRY_DELAY_SECONDS = 10
 # Periodic re-reconcile: puts back manual drift and notices e.g. a PVC created later.
 RESYNC_SECONDS = 60
 DEFAULT_INTERVAL_SECONDS = 15
+CRD_POLL_SECONDS = 5
 
 
 @kopf.on.startup()
@@ -41,7 +43,27 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo["kube"] = Kube(load_api_client())
 
 
-def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger) -> None:
+@kopf.on.startup()
+async def wait_for_crd(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Hold the start until the API serves InferenceServices.
+
+    With scanning off, kopf looks its resources up once, after the startup handlers: an
+    operator that came up before the CRD (a GitOps ordering race, a CRD reinstall)
+    would idle forever with a green probe. kopf serves its health endpoint only once
+    startup is done, so until the CRD is served the operator is not ready (and its
+    liveness probe restarts it, which retries the lookup too).
+    """
+    while not await asyncio.to_thread(memo["kube"].serves, API_VERSION, PLURAL):
+        logger.warning(
+            "the API server does not serve %s %s yet (is the CRD installed?); retrying in %ss",
+            API_VERSION,
+            PLURAL,
+            CRD_POLL_SECONDS,
+        )
+        await asyncio.sleep(CRD_POLL_SECONDS)
+
+
+def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, retry: int = 0) -> None:
     try:
         config = memo["config"]
         outcome = reconcile(
@@ -51,31 +73,32 @@ def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger) -> None:
             default_image_pull_policy=config.default_image_pull_policy,
         )
     except KubeError as exc:
-        kopf.warn(body, reason="ReconcileFailed", message=str(exc))
+        # One Warning per run of failures; kopf logs every retry anyway.
+        if retry == 0:
+            kopf.warn(body, reason="ReconcileFailed", message=str(exc))
         raise kopf.TemporaryError(
             f"API trouble, retrying: {exc}", delay=RETRY_DELAY_SECONDS
         ) from exc
     if outcome.problem is not None and outcome.new_problem:
         kopf.warn(body, reason=outcome.problem.reason, message=outcome.problem.message)
-    for verb, objects in (
-        ("created", outcome.plan.to_create),
-        ("updated", outcome.plan.to_patch),
-        ("deleted", outcome.plan.to_delete),
-    ):
-        for obj in objects:
-            logger.info("%s %s %s", verb, obj.get("kind"), obj["metadata"]["name"])
+    for change in outcome.changes:
+        logger.info("%s %s %s", change.verb, change.kind, change.name)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def reconcile_service(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    _reconcile(body, memo, logger)
+def reconcile_service(
+    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int = 0, **_: Any
+) -> None:
+    _reconcile(body, memo, logger, retry)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def resync_service(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    _reconcile(body, memo, logger)
+def resync_service(
+    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int = 0, **_: Any
+) -> None:
+    _reconcile(body, memo, logger, retry)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
@@ -100,21 +123,28 @@ def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
 
 # A daemon rather than a timer: each resource has its own intervalSeconds, and a kopf
 # timer's interval is fixed at registration. kopf stops it when autoscaling is disabled.
+# Async, with each round in a short-lived thread: a sync daemon holds one of kopf's
+# worker threads (min(32, CPUs + 4)) for its whole life, and from that many autoscaled
+# resources on, no reconcile handler would get a thread again.
 @kopf.daemon(GROUP, VERSION, PLURAL, when=_autoscaling_enabled, cancellation_timeout=5)
-def autoscaler(
+async def autoscaler(
     stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
+    last_failure = None
     while not stopped:
         try:
-            decision = autoscale_once(
-                memo["kube"], body, default_image=memo["config"].default_image
+            decision = await asyncio.to_thread(
+                autoscale_once, memo["kube"], body, default_image=memo["config"].default_image
             )
         except KubeError as exc:
             # Next round tries again; this resource's trouble must not stop the loop.
             logger.warning("autoscaler round failed: %s", exc)
-            kopf.warn(body, reason="AutoscaleFailed", message=str(exc))
+            if str(exc) != last_failure:  # one Warning per distinct failure, not per round
+                kopf.warn(body, reason="AutoscaleFailed", message=str(exc))
+            last_failure = str(exc)
         else:
+            last_failure = None
             if decision is not None and decision.scaled:
                 kopf.event(body, type="Normal", reason="Scaled", message=decision.reason)
         interval = (body.get("spec", {}).get("autoscaling") or {}).get("intervalSeconds")
-        stopped.wait(interval or DEFAULT_INTERVAL_SECONDS)
+        await stopped.wait(interval or DEFAULT_INTERVAL_SECONDS)

@@ -25,6 +25,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Service": ("v1", "services"),
     "Ingress": ("networking.k8s.io/v1", "ingresses"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+    "ReplicaSet": ("apps/v1", "replicasets"),
     "Pod": ("v1", "pods"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
 }
@@ -141,6 +142,8 @@ class Kube:
             "PATCH",
             get_path("InferenceService", namespace, name, "status"),
             {"status": dict(status)},
+            # Named, so managedFields say who wrote it (else it is the client's user agent).
+            query={"fieldManager": FIELD_MANAGER},
             content_type="application/merge-patch+json",
         )
 
@@ -150,5 +153,16 @@ class Kube:
             "PATCH",
             get_path("InferenceService", namespace, name, "scale"),
             {"spec": {"replicas": replicas}},
+            query={"fieldManager": FIELD_MANAGER},
             content_type="application/merge-patch+json",
         )
+
+    def serves(self, api_version: str, plural: str) -> bool:
+        """Whether discovery lists the resource (e.g. its CRD is installed and established)."""
+        try:
+            found = self.request("GET", f"/apis/{api_version}")
+        except KubeError as exc:
+            if exc.status == 404 or exc.transient:
+                return False
+            raise
+        return any(item.get("name") == plural for item in found.get("resources", []))

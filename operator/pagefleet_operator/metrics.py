@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +18,9 @@ from .names import HTTP_PORT, HTTP_PORT_NAME
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 SCRAPE_TIMEOUT_SECONDS = 2.0
+# A serving pod's whole /metrics is a few tens of KiB; anything far larger is not one.
+MAX_METRICS_BYTES = 2 * 1024 * 1024
+READ_CHUNK_BYTES = 64 * 1024
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +68,34 @@ def get_metrics_url(pod: Mapping[str, Any]) -> str:
     return f"http://{host}:{port}/metrics"
 
 
-def fetch_metrics(url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http only)
-        return response.read().decode("utf-8")
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, PLR0913
+        raise urllib.error.HTTPError(
+            req.full_url, code, f"redirect to {newurl} refused", headers, fp
+        )
+
+
+# The pod's image is the user's choice, so its answer is untrusted: no redirects (they
+# could point the operator's GETs anywhere), no proxies from the environment (pod IPs
+# are reached directly), a size cap and an overall deadline (a pod that sends forever,
+# or one byte a second, must not hold the operator's memory or its autoscaler round).
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _RefuseRedirects)
+
+
+def fetch_metrics(
+    url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS, max_bytes: int = MAX_METRICS_BYTES
+) -> str:
+    deadline = time.monotonic() + timeout
+    chunks, size = [], 0
+    with _OPENER.open(url, timeout=timeout) as response:
+        while chunk := response.read1(READ_CHUNK_BYTES):
+            size += len(chunk)
+            if size > max_bytes:
+                raise MetricsError(f"/metrics answer exceeds {max_bytes} bytes")
+            if time.monotonic() > deadline:
+                raise MetricsError(f"/metrics answer took longer than {timeout}s")
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8")
 
 
 def scrape_pod(pod: Mapping[str, Any]) -> PodSample:

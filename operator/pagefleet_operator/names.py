@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 INSTANCE_LABEL = "pagefleet.dev/inferenceservice"
@@ -12,6 +13,26 @@ MANAGED_BY = "pagefleet-operator"
 CONTAINER_NAME = "server"
 HTTP_PORT_NAME = "http"
 HTTP_PORT = 8000  # the serving pod's contract
+# Every child carries the resource's name: the Service needs a DNS-1035 label and label
+# values allow 63 characters. The CRD refuses other names; this repeats it for objects
+# that slipped past (see spec.py).
+MAX_NAME_LENGTH = 63
+_DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def check_name(name: str) -> str | None:
+    """Why the children of a resource with this name could not be created, or None."""
+    if len(name) > MAX_NAME_LENGTH:
+        return (
+            f"metadata.name {name[:20]!r}... has {len(name)} characters; at most "
+            f"{MAX_NAME_LENGTH} are allowed: it becomes the Service name and a label value"
+        )
+    if not _DNS_1035_LABEL.match(name):
+        return (
+            f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits and "
+            "'-', starting with a letter, no dots, e.g. llama-3-1-8b): it becomes the Service name"
+        )
+    return None
 
 
 def get_selector_labels(name: str) -> dict[str, str]:

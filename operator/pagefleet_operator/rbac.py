@@ -15,6 +15,9 @@ from . import GROUP, PLURAL
 RULES: list[dict[str, Any]] = [
     {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"]},
+    # Children carry blockOwnerDeletion: true; with the OwnerReferencesPermissionEnforcement
+    # admission plugin (on in OpenShift) setting it needs update on the owner's finalizers.
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
     # The autoscaler writes spec.replicas through the same door as `kubectl scale`.
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/scale"], "verbs": ["patch"]},
     # Server-side apply creates through PATCH, which needs both verbs.
@@ -34,7 +37,9 @@ RULES: list[dict[str, Any]] = [
         "resources": ["poddisruptionbudgets"],
         "verbs": ["get", "create", "patch", "delete"],
     },
-    # Ready pods' IPs for scraping /metrics; claims are checked before pods need them.
+    # Ready pods' IPs for scraping /metrics, found through their owners (the
+    # Deployment's ReplicaSets); claims are checked before pods need them.
+    {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

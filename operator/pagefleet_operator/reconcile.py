@@ -13,9 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .apply import apply_plan
+from .apply import Change, apply_plan
 from .desired import MANAGED_KINDS, get_desired_objects
 from .kube import Kube, KubeError
+from .names import check_name
 from .plan import Plan, plan
 from .spec import InferenceServiceSpec, SpecError, parse_spec
 from .status import Problem, get_status, is_status_current
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Outcome:
     plan: Plan
+    # What the API server actually wrote, for the log.
+    changes: tuple[Change, ...]
     problem: Problem | None
     # A problem that is new since the last status: worth an Event.
     new_problem: bool
@@ -65,6 +68,28 @@ def _current_degraded_message(body: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _parse(
+    body: Mapping[str, Any], **defaults: Any
+) -> tuple[InferenceServiceSpec | None, Problem | None]:
+    name_problem = check_name(body["metadata"]["name"])
+    if name_problem is not None:
+        return None, Problem("InvalidName", name_problem)
+    try:
+        return parse_spec(body.get("spec") or {}, **defaults), None
+    except SpecError as exc:
+        return None, Problem("InvalidSpec", str(exc))
+
+
+def _build(body: Mapping[str, Any], spec: InferenceServiceSpec):
+    """The desired objects, or the problem that stopped building them. A spec the
+    parser let through may still break a builder (e.g. an odd tolerations entry from an
+    old stored version); retrying would fail the same way forever, so it is reported."""
+    try:
+        return get_desired_objects(dict(body), spec), None
+    except Exception as exc:  # noqa: BLE001 (any builder failure is the spec's problem)
+        return None, Problem("InvalidSpec", f"cannot build objects from spec: {exc!r}")
+
+
 def reconcile(
     kube: Kube,
     body: Mapping[str, Any],
@@ -75,35 +100,31 @@ def reconcile(
 ) -> Outcome:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
-    spec: InferenceServiceSpec | None
-    the_plan = Plan()
-    try:
-        spec = parse_spec(
-            body.get("spec") or {},
-            default_image=default_image,
-            default_image_pull_policy=default_image_pull_policy,
-        )
-    except SpecError as exc:
-        spec, problem = None, Problem("InvalidSpec", str(exc))
-    else:
+    the_plan, changes = Plan(), []
+    spec, problem = _parse(
+        body, default_image=default_image, default_image_pull_policy=default_image_pull_policy
+    )
+    if spec is not None:
         problem = find_missing_claims(kube, namespace, spec)
+    desired = None
+    if spec is not None and problem is None:
+        desired, problem = _build(body, spec)
 
     observed_deployment = kube.get("Deployment", namespace, name)
-    if spec is not None and problem is None:
-        desired = get_desired_objects(dict(body), spec)
+    if desired is not None:
         observed: dict[str, Any] = {"Deployment": observed_deployment}
         for kind in MANAGED_KINDS[1:]:
             observed[kind] = kube.get(kind, namespace, name)
         the_plan = plan(desired, observed, meta["uid"])
         try:
-            apply_plan(kube, the_plan)
+            changes = apply_plan(kube, the_plan)
         except KubeError as exc:
             if exc.transient:
                 raise
             # E.g. 422: the API server refused what we built from this spec.
             problem = Problem("ApplyFailed", f"the API server refused an object: {exc.message}")
         problem = problem or _describe_conflicts(the_plan)
-        if the_plan.to_create or the_plan.to_patch:
+        if changes:
             observed_deployment = kube.get("Deployment", namespace, name)
 
     status = get_status(body, spec, observed_deployment, problem, now())
@@ -112,4 +133,4 @@ def reconcile(
     if not is_status_current(body, status):
         kube.patch_status(namespace, name, status)
         written = True
-    return Outcome(the_plan, problem, new_problem, written)
+    return Outcome(the_plan, tuple(changes), problem, new_problem, written)

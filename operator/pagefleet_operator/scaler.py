@@ -11,6 +11,7 @@ from .autoscale import Decision, PodSample, Recommendation, decide
 from .kube import Kube
 from .metrics import scrape_pods
 from .names import get_selector_labels
+from .plan import is_owned_by
 from .spec import SpecError, parse_spec
 
 
@@ -45,7 +46,8 @@ def get_autoscaler_status(decision: Decision, now: float) -> dict[str, Any]:
         "unscrapedPods": decision.unscraped_pods,
         "lastObservationTime": _iso(now),
         "recentRecommendations": [
-            {"time": _iso(h.time), "replicas": h.replicas} for h in decision.history
+            {"time": _iso(h.time), "replicas": h.replicas}
+            for h in compact_history(decision.history)
         ],
     }
     if decision.kv_cache_usage is not None:
@@ -56,6 +58,37 @@ def get_autoscaler_status(decision: Decision, now: float) -> dict[str, Any]:
         status["lastScaleTime"] = _iso(now)
         status["lastScaleReason"] = decision.reason
     return status
+
+
+def list_owned_pods(kube: Kube, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The resource's serving pods, found by ownership: pods of the ReplicaSets of the
+    Deployment this resource controls. Labels alone are not enough: any pod in the
+    namespace may carry them, and the operator would then scrape (and trust) it."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    deployment = kube.get("Deployment", namespace, name)
+    if deployment is None or not is_owned_by(deployment, meta["uid"]):
+        return []
+    labels = get_selector_labels(name)
+    replica_sets = {
+        rs["metadata"]["uid"]
+        for rs in kube.list("ReplicaSet", namespace, labels)
+        if is_owned_by(rs, deployment["metadata"]["uid"])
+    }
+    return [
+        pod
+        for pod in kube.list("Pod", namespace, labels)
+        if any(is_owned_by(pod, uid) for uid in replica_sets)
+    ]
+
+
+def compact_history(history: Iterable[Recommendation]) -> list[Recommendation]:
+    """The latest recommendation per replica count, oldest first. A stabilization
+    window is always the most recent stretch of history, so an older entry with the
+    same count as a later one never changes a window's min or max: this keeps the
+    status at most (maxReplicas - minReplicas + 1) entries at any interval."""
+    latest = {item.replicas: item for item in sorted(history, key=lambda h: h.time)}
+    return sorted(latest.values(), key=lambda h: h.time)
 
 
 def autoscale_once(
@@ -75,7 +108,7 @@ def autoscale_once(
         return None
     if not spec.autoscaling.enabled:
         return None
-    pods = kube.list("Pod", namespace, get_selector_labels(name))
+    pods = list_owned_pods(kube, body)
     now = clock()
     status = body.get("status") or {}
     decision = decide(spec.replicas, scrape(pods), spec.autoscaling, read_history(status), now)

@@ -19,7 +19,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 _PVC_URI = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/.*)?$")
-_KV_CACHE_MEMORY = re.compile(r"^[0-9]+(\.[0-9]+)?([KMGT]i?B)?$")
+# The byte-size grammar of the engine's --kv-cache-memory (pagefleet_serve.config
+# BYTE_SIZE_PATTERN) and of the CRD's kvCacheMemory pattern; the operator image has no
+# serving stack to import it from, so tests/operator checks the three are the same.
+BYTE_SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMGT]i?B)?$"
+_KV_CACHE_MEMORY = re.compile(BYTE_SIZE_PATTERN)
 
 
 class SpecError(ValueError):
@@ -127,6 +131,8 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
         raise SpecError("model.uri", f"{uri!r} is not a built-in model; have {BUILTIN_MODELS}")
     if uri.startswith("pvc://") and not _PVC_URI.match(uri):
         raise SpecError("model.uri", f"{uri!r} must look like pvc://claim-name/path")
+    if uri.startswith("pvc://") and ".." in uri.split("/"):
+        raise SpecError("model.uri", f"{uri!r}: a pvc:// path must not contain '..' segments")
     served_name = _get(model, "servedName", "model", str) or uri.rstrip("/").rsplit("/", 1)[-1]
     return ModelSpec(uri=uri, served_name=served_name)
 
@@ -241,6 +247,14 @@ def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
     )
 
 
+def _parse_tolerations(spec: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
+    tolerations = _get(spec, "tolerations", "", list, [])
+    for i, item in enumerate(tolerations):
+        if not isinstance(item, dict):
+            raise SpecError(f"tolerations[{i}]", f"must be an object, got {item!r}")
+    return tuple(tolerations)
+
+
 def parse_spec(
     spec: Mapping[str, Any], *, default_image: str, default_image_pull_policy: str | None = None
 ) -> InferenceServiceSpec:
@@ -256,7 +270,7 @@ def parse_spec(
         replicas=_get_int(spec, "replicas", "", 1),
         resources=_get(spec, "resources", "", dict, {}),
         node_selector=_get(spec, "nodeSelector", "", dict, {}),
-        tolerations=tuple(_get(spec, "tolerations", "", list, [])),
+        tolerations=_parse_tolerations(spec),
         model_cache_pvc=pvc_name,
         model_cache_size_limit=size_limit,
         ingress=_parse_ingress(spec),

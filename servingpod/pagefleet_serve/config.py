@@ -7,32 +7,36 @@ BUILTIN_MODEL = "builtin://smollm2-135m"
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype; fp8 is float8 e4m3
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
-_UNITS = {
+# The byte-size grammar of `--kv-cache-memory`, shared word for word with the CRD's
+# spec.engine.kvCacheMemory pattern and the operator's check (tests/operator ties the three
+# together), so that whatever the API server admits the pod can read.
+BYTE_SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMGT]i?B)?$"
+BYTE_UNITS = {
     "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "TiB": 1024**4,
 }
 
 
 def parse_bytes(text: str | int) -> int:
-    """'2GiB' / '512MiB' / '1000000' -> bytes."""
+    """'2GiB' / '512MB' / '1000000' -> bytes (decimal units: KB, MB, GB, TB; binary: KiB..TiB)."""
     if isinstance(text, int):
         return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
+    text = str(text).strip()
+    match = re.match(BYTE_SIZE_PATTERN, text)
+    if not match:
         raise ValueError(
-            f"cannot read {text!r} as a size in bytes (examples: 2GiB, 512MiB, 1000000)"
+            f"cannot read {text!r} as a size in bytes: a number with an optional unit "
+            f"({', '.join(unit for unit in BYTE_UNITS if unit)}), e.g. 2GiB, 512MB, 1000000"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    unit = match.group(2) or ""
+    return int(float(text[: len(text) - len(unit)]) * BYTE_UNITS[unit])
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,18 @@ the API server, not of our code. Assertions are about what a real API server wou
 
 Emulator gaps, adapted once in ApiServerEmulator and declare_resources below: it
 assigns no uid, resourceVersion, generation or creationTimestamp (kopf needs them) and
-ignores generateName (kopf's Events); a stale resourceVersion in a JSON patch is a 500,
-not a 409; server-side apply to a missing object does not
-create it; its discovery lacks Namespaces and CRDs, which kopf waits to see; and it
-has no garbage collector, so deletion is checked through owner references.
+ignores generateName (kopf's Events); a JSON patch whose `test` of resourceVersion fails
+is a 500, where kube-apiserver answers 422 (see ApiServerEmulator._handle); server-side
+apply merges like a merge patch, where the real one removes the fields the manager no
+longer applies and writes nothing when nothing changes (server_side_apply.py), and does
+not create a missing object; its discovery lacks Namespaces and CRDs, which kopf waits
+to see; and it has no garbage collector, so deletion is checked through owner references.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 import os
@@ -21,11 +24,13 @@ import time
 import uuid
 
 import pytest
+import server_side_apply
 from operator_samples import REPO
 from test_operator_metrics import BODY, MetricsServer
 
 kmock = pytest.importorskip("kmock")
 aiohttp = pytest.importorskip("aiohttp")
+aiohttp_web = pytest.importorskip("aiohttp.web")
 pytest_asyncio = pytest.importorskip("pytest_asyncio")
 
 ISVC = "pagefleet.dev/v1alpha1/inferenceservices"
@@ -45,6 +50,25 @@ def _fill_new_object_metadata(data: dict, namespace: str | None) -> None:
 class ApiServerEmulator(kmock.KubernetesEmulator):
     """kmock's emulator plus the bookkeeping a real API server does on every write."""
 
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        # The configuration last applied to each object by server-side apply: the fields
+        # its (single) field manager owns, as managedFields would record them.
+        self.applied: dict = {}
+
+    def _server_side_apply(self, key, data: dict):
+        """Turn an apply into the merge patch of what kube-apiserver would store, or
+        answer it directly (no write, no watch event) when nothing would change."""
+        live = self.objects[key].raw
+        result = server_side_apply.merge_applied(live, self.applied.get(key), data)
+        self.applied[key] = copy.deepcopy(data)
+        patch = server_side_apply.merge_patch(live, result)
+        if not patch:
+            return aiohttp_web.json_response(live)
+        data.clear()
+        data.update(patch)
+        return None
+
     async def _handle(self, request):
         data = request.data
         if request.resource is not None and request.action == kmock.action.CREATE:
@@ -60,11 +84,25 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             if not exists and is_apply and not request.subresource:
                 # Server-side apply creates a missing object: start from an empty one and
                 # let the emulator's patch fill it (its watchers see MODIFIED, not ADDED).
+                self.applied[key] = copy.deepcopy(data)
                 _fill_new_object_metadata(data, request.namespace)
                 self.objects[key] = {}
+            elif exists and is_apply and not request.subresource:
+                answer = self._server_side_apply(key, data)
+                if answer is not None:
+                    return answer
+                data.setdefault("metadata", {})["resourceVersion"] = str(next(_versions))
+                if "spec" in data:
+                    meta = self.objects[key]["metadata"]
+                    data["metadata"]["generation"] = meta.get("generation", 1) + 1
             elif exists and isinstance(data, list):
-                # A stale resourceVersion guard is a 409 Conflict on a real server (the
-                # emulator would answer 500, and kopf would retry the stale patch forever).
+                # A JSON patch whose operation fails, a `test` of a stale resourceVersion
+                # included, is 422 Unprocessable Entity on kube-apiserver: jsonPatcher.
+                # applyJSPatch in staging/src/k8s.io/apiserver/pkg/endpoints/handlers/
+                # patch.go wraps every jsonpatch Apply error so. kopf's patching expects
+                # exactly that (kopf/_cogs/clients/patching.py catches
+                # APIUnprocessableEntityError and retries on the next cycle); the emulator
+                # alone would answer 500.
                 current = self.objects[key]["metadata"].get("resourceVersion")
                 for op in data:
                     stale = op.get("value") != current
@@ -73,7 +111,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                         and op.get("path") == "/metadata/resourceVersion"
                         and stale
                     ):
-                        raise kmock.KubernetesError(409, "Conflict", "the object has been modified")
+                        raise kmock.KubernetesError(
+                            422, "Invalid", "testing value /metadata/resourceVersion failed"
+                        )
             elif exists and isinstance(data, dict):
                 meta = data.setdefault("metadata", {})
                 meta["resourceVersion"] = str(next(_versions))
@@ -95,6 +135,7 @@ def declare_resources(server) -> None:
     )
     for key, kind in [
         ("apps/v1/deployments", "Deployment"),
+        ("apps/v1/replicasets", "ReplicaSet"),
         ("v1/services", "Service"),
         ("v1/pods", "Pod"),
         ("v1/events", "Event"),
@@ -169,14 +210,6 @@ def condition(obj: dict | None, kind: str) -> dict:
         if item["type"] == kind:
             return item
     return {}
-
-
-def writes(server, plural: str) -> int:
-    return sum(
-        1
-        for r in list(server)
-        if r.resource is not None and r.resource.plural == plural and r.method in ("PATCH", "POST")
-    )
 
 
 @pytest_asyncio.fixture
@@ -261,8 +294,9 @@ async def test_lifecycle_against_the_api_emulator(kmock, operator):
     assert isvc["status"]["url"] == "http://chat.ml.svc.cluster.local:8000"
     assert isvc["status"]["ready"] == "1/1"
 
-    # A spec change updates the Deployment and writes nothing to the Service.
-    service_writes = writes(kmock, "services")
+    # A spec change updates the Deployment; the Service is applied too, unchanged, so
+    # the server writes nothing (its resourceVersion stays).
+    service_version = service["metadata"]["resourceVersion"]
     await operator.call("PATCH", isvc_path("chat"), {"spec": {"engine": {"maxNumSeqs": 8}}})
 
     def env_updated():
@@ -272,7 +306,7 @@ async def test_lifecycle_against_the_api_emulator(kmock, operator):
 
     await eventually(env_updated, what="deployment update")
     await asyncio.sleep(1.0)  # let any stray write land before counting
-    assert writes(kmock, "services") == service_writes
+    assert stored(kmock, "v1/services", "chat")["metadata"]["resourceVersion"] == service_version
 
     # An invalid spec that slipped past the schema: Degraded and an Event, no crash.
     bad = {
@@ -306,23 +340,28 @@ async def test_lifecycle_against_the_api_emulator(kmock, operator):
     # Delete: the finalizer is released; the children are owner-referenced for the GC.
     await operator.call("DELETE", isvc_path("chat"))
     # kopf releases its finalizer with a resourceVersion-guarded JSON patch; a race with a
-    # status write costs it a 409 and a retry, hence the longer wait.
+    # status write costs it a 422 and a retry, hence the longer wait.
     await eventually(lambda: stored(kmock, ISVC, "chat") is None, timeout=40, what="deletion")
 
 
 async def test_autoscaler_against_loopback_pods(kmock, operator):
     busy = BODY.replace(" 0.5", " 0.95").replace(" 3.0", " 12")
     idle = BODY.replace(" 0.5", " 0.05").replace(" 3.0", " 0")
-    servers = [MetricsServer(busy) for _ in range(4)]
+    servers = [MetricsServer(busy) for _ in range(5)]
 
-    async def add_pod(i: int) -> None:
+    replica_set_uid = None
+
+    async def add_pod(i: int, owned: bool = True) -> None:
+        """A pod as the Deployment controller makes it: owned by the Deployment's ReplicaSet."""
+        owner = {"kind": "ReplicaSet", "name": "scaled-rs", "uid": replica_set_uid}
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {
-                "name": f"scaled-{i}",
+                "name": f"scaled-{i}" if owned else f"impostor-{i}",
                 "namespace": "ml",
                 "labels": {"pagefleet.dev/inferenceservice": "scaled"},
+                "ownerReferences": [{**owner, "controller": True}] if owned else [],
             },
             "spec": {
                 "containers": [
@@ -337,8 +376,6 @@ async def test_autoscaler_against_loopback_pods(kmock, operator):
         await operator.call("POST", "/api/v1/namespaces/ml/pods", pod)
 
     try:
-        await add_pod(0)
-        await add_pod(1)
         spec = {
             "model": {"uri": "builtin://smollm2-135m"},
             "replicas": 2,
@@ -352,6 +389,32 @@ async def test_autoscaler_against_loopback_pods(kmock, operator):
         }
         created_at = time.monotonic()
         await operator.call("POST", isvc_path(), make_isvc("scaled", spec))
+        deployment = await eventually(
+            lambda: stored(kmock, "apps/v1/deployments", "scaled"), what="deployment"
+        )
+        replica_set = {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "metadata": {
+                "name": "scaled-rs",
+                "namespace": "ml",
+                "labels": {"pagefleet.dev/inferenceservice": "scaled"},
+                "ownerReferences": [
+                    {
+                        "kind": "Deployment",
+                        "name": "scaled",
+                        "uid": deployment["metadata"]["uid"],
+                        "controller": True,
+                    }
+                ],
+            },
+        }
+        created_rs = await operator.call(
+            "POST", "/apis/apps/v1/namespaces/ml/replicasets", replica_set
+        )
+        replica_set_uid = created_rs["metadata"]["uid"]
+        await add_pod(0)
+        await add_pod(1)
 
         def replicas():
             return (stored(kmock, ISVC, "scaled") or {}).get("spec", {}).get("replicas")
@@ -365,10 +428,13 @@ async def test_autoscaler_against_loopback_pods(kmock, operator):
         assert any(r.subresource == "scale" for r in list(kmock))
 
         # The load goes away and all four pods report idle.
-        for server in servers:
+        # A pod that merely carries the labels (any user may create one) still reports
+        # busy: it is not the Deployment's, so it is neither scraped nor counted.
+        for server in servers[:4]:
             server.text = idle
         await add_pod(2)
         await add_pod(3)
+        await add_pod(4, owned=False)
         await eventually(lambda: replicas() == 1, timeout=40, what="scale down to 1")
         # The scale-up round came after creation; the scale-down only a full window later.
         assert time.monotonic() - created_at >= 10

@@ -5,6 +5,7 @@ merges patches and counts writes the way the server would."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 from operator_samples import DEFAULT_IMAGE, make_body
@@ -12,6 +13,7 @@ from pagefleet_operator.autoscale import PodSample
 from pagefleet_operator.kube import KubeError
 from pagefleet_operator.reconcile import reconcile
 from pagefleet_operator.scaler import autoscale_once
+from server_side_apply import merge_applied
 
 BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
 
@@ -32,12 +34,16 @@ class FakeKube:
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.writes: list[tuple[str, str, str]] = []
         self.fail_apply: KubeError | None = None
+        # The last configuration the operator applied to each object (its managed fields).
+        self.applied: dict[tuple[str, str, str], dict] = {}
+        self.versions = itertools.count(1)
         self.put("InferenceService", body)
 
     def put(self, kind, obj):
         obj = copy.deepcopy(obj)
         obj.setdefault("kind", kind)
         meta = obj["metadata"]
+        meta["resourceVersion"] = str(next(self.versions))
         self.objects[(kind, meta["namespace"], meta["name"])] = obj
 
     def body(self, name="demo"):
@@ -56,17 +62,18 @@ class FakeKube:
         ]
 
     def apply(self, obj):
+        """Server-side apply as kube-apiserver does it: an unchanged result is no write."""
         if self.fail_apply:
             raise self.fail_apply
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        self.writes.append(("apply", obj["kind"], obj["metadata"]["name"]))
-        stored = self.objects.get(key)
-        if stored is None:
-            stored = {"status": {}}
-        # Server-side apply replaces what we own; lists are replaced wholesale here.
-        stored.update(copy.deepcopy({k: v for k, v in obj.items()}))
-        self.objects[key] = stored
-        return stored
+        live = self.objects.get(key, {})
+        result = merge_applied(live, self.applied.get(key), obj)
+        self.applied[key] = copy.deepcopy(obj)
+        if result != live:
+            self.writes.append(("apply", obj["kind"], obj["metadata"]["name"]))
+            result["metadata"]["resourceVersion"] = str(next(self.versions))
+            self.objects[key] = result
+        return copy.deepcopy(self.objects[key])
 
     def delete(self, kind, namespace, name):
         self.writes.append(("delete", kind, name))
@@ -103,7 +110,10 @@ def condition(kube, kind):
 def test_lifecycle_create_ready_update_idempotent():
     kube = FakeKube(make_body(BUILTIN))
     outcome = run(kube)
-    assert [o["kind"] for o in outcome.plan.to_create] == ["Deployment", "Service"]
+    assert [(c.verb, c.kind) for c in outcome.changes] == [
+        ("created", "Deployment"),
+        ("created", "Service"),
+    ]
     for kind in ("Deployment", "Service"):
         ref = kube.get(kind, "ml", "demo")["metadata"]["ownerReferences"][0]
         assert (ref["uid"], ref["controller"]) == ("uid-demo", True)
