@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from .names import get_object_meta, get_selector_labels
-from .pod import get_pod_template
+from .pod import STARTUP_BUDGET_SECONDS, get_pod_template
 from .spec import InferenceServiceSpec
+
+# Image pull and scheduling come before the startup probe's first try.
+PROGRESS_MARGIN_SECONDS = 600
 
 
 def get_deployment(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -26,6 +29,10 @@ def get_deployment(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
             "revisionHistoryLimit": 3,
+            # A large model may load for the whole startup-probe budget: the rollout is
+            # only "stuck" once that has passed (the default 600 s would call a healthy
+            # 30-minute load ProgressDeadlineExceeded, i.e. Degraded).
+            "progressDeadlineSeconds": STARTUP_BUDGET_SECONDS + PROGRESS_MARGIN_SECONDS,
             "template": get_pod_template(name, spec),
         },
     }

@@ -23,7 +23,11 @@ TERMINATION_MARGIN_SECONDS = 15
 # Large models take a long time to download and load; the startup probe allows 30 min.
 STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURE_THRESHOLD = 180
+STARTUP_BUDGET_SECONDS = STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD
 RUN_AS_USER = 1000
+# Scratch space only (Python, tokenizers); the cap keeps a runaway writer from filling
+# the node's disk and evicting its neighbours.
+TMP_SIZE_LIMIT = "1Gi"
 
 
 def get_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
@@ -34,7 +38,10 @@ def get_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
         cache = {"emptyDir": {"sizeLimit": spec.model_cache_size_limit}}
     else:
         cache = {"emptyDir": {}}
-    volumes = [{"name": "model-cache", **cache}, {"name": "tmp", "emptyDir": {}}]
+    volumes = [
+        {"name": "model-cache", **cache},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
+    ]
     mounts = [
         {"name": "model-cache", "mountPath": CACHE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -108,6 +115,8 @@ def get_pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
             "runAsUser": RUN_AS_USER,
             "runAsGroup": RUN_AS_USER,
             "fsGroup": RUN_AS_USER,
+            # A model cache PVC of many files is re-chowned on every mount otherwise.
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }

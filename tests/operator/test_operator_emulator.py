@@ -15,6 +15,7 @@ to see; and it has no garbage collector, so deletion is checked through owner re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import json
@@ -212,18 +213,18 @@ def condition(obj: dict | None, kind: str) -> dict:
     return {}
 
 
-@pytest_asyncio.fixture
-async def operator(kmock, tmp_path):
-    declare_resources(kmock)
+@contextlib.asynccontextmanager
+async def run_operator(server, tmp_path, *args: str):
+    """`python -m pagefleet_operator` against the emulator; yields a kubectl-like Client."""
     global _server
-    _server = kmock
+    _server = server
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         json.dumps(
             {
                 "apiVersion": "v1",
                 "kind": "Config",
-                "clusters": [{"name": "emu", "cluster": {"server": str(kmock.url).rstrip("/")}}],
+                "clusters": [{"name": "emu", "cluster": {"server": str(server.url).rstrip("/")}}],
                 "users": [{"name": "emu", "user": {"token": "test"}}],
                 "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}],
                 "current-context": "emu",
@@ -236,24 +237,32 @@ async def operator(kmock, tmp_path):
         sys.executable,
         "-m",
         "pagefleet_operator",
-        "--liveness",
-        "",
         "--default-image",
         "img:test",
+        *args,
         env=env,
         cwd=REPO,
         stdout=log,
         stderr=asyncio.subprocess.STDOUT,
     )
-    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
-        yield Client(session)
-    process.terminate()
     try:
-        await asyncio.wait_for(process.wait(), 10)
-    except asyncio.TimeoutError:
-        process.kill()
-    log.close()
-    print((tmp_path / "operator.log").read_text()[-20000:])
+        async with aiohttp.ClientSession(base_url=str(server.url)) as session:
+            yield Client(session)
+    finally:
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), 10)
+        except asyncio.TimeoutError:
+            process.kill()
+        log.close()
+        print((tmp_path / "operator.log").read_text()[-20000:])
+
+
+@pytest_asyncio.fixture
+async def operator(kmock, tmp_path):
+    declare_resources(kmock)
+    async with run_operator(kmock, tmp_path, "--liveness", "") as client:
+        yield client
 
 
 async def test_lifecycle_against_the_api_emulator(kmock, operator):

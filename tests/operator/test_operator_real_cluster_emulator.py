@@ -1,0 +1,91 @@
+"""The operator process against the API emulator, for what only shows with a real
+operator loop: kopf's worker threads and its start before the CRD exists (issue 20)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+from test_operator_emulator import (
+    ISVC,
+    ApiServerEmulator,
+    declare_resources,
+    eventually,
+    isvc_path,
+    make_isvc,
+    operator,  # noqa: F401 (fixture)
+    run_operator,
+    stored,
+)
+
+aiohttp = pytest.importorskip("aiohttp")
+pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]
+
+BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
+
+
+async def test_reconciles_go_on_with_more_autoscaled_services_than_worker_threads(
+    kmock,
+    operator,  # noqa: F811 (the fixture imported above)
+):
+    """kopf runs sync handlers on a pool of min(32, CPUs + 4) threads; a sync autoscaler
+    daemon held one for its life, so from that many autoscaled resources on nothing else
+    was reconciled."""
+    workers = min(32, (os.cpu_count() or 1) + 4)
+    autoscaled = {**BUILTIN, "autoscaling": {"enabled": True, "intervalSeconds": 5}}
+    for i in range(workers + 2):
+        await operator.call("POST", isvc_path(), make_isvc(f"auto-{i}", autoscaled))
+    for i in range(workers + 2):
+        await eventually(
+            lambda i=i: stored(kmock, "apps/v1/deployments", f"auto-{i}"),
+            timeout=40,
+            what=f"deployment auto-{i}",
+        )
+    # The daemons are all running now (their status is written): a new resource and a
+    # spec change are still reconciled.
+    await eventually(
+        lambda: all(
+            ((stored(kmock, ISVC, f"auto-{i}") or {}).get("status") or {}).get("autoscaler")
+            for i in range(workers + 2)
+        ),
+        timeout=40,
+        what="every autoscaler ran",
+    )
+    await operator.call("POST", isvc_path(), make_isvc("plain", BUILTIN))
+    await eventually(lambda: stored(kmock, "apps/v1/deployments", "plain"), what="plain")
+    await operator.call("PATCH", isvc_path("plain"), {"spec": {"replicas": 3}})
+    await eventually(
+        lambda: stored(kmock, "policy/v1/poddisruptionbudgets", "plain"), what="PDB after edit"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _healthz(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession() as session, session.get(url, timeout=2) as response:
+            return response.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+async def test_not_ready_until_the_crd_is_served_then_reconciles(kmock, tmp_path):
+    declare_resources(kmock)
+    crd = kmock.resources.pop(ISVC)  # the CRD is not installed yet
+    url = f"http://127.0.0.1:{_free_port()}/healthz"
+    async with run_operator(kmock, tmp_path, "--liveness", url) as client:
+        await asyncio.sleep(3)
+        assert not await _healthz(url)
+        kmock.resources[ISVC] = crd  # installed later, e.g. by GitOps
+        deadline = asyncio.get_running_loop().time() + 30
+        while not await _healthz(url):
+            assert asyncio.get_running_loop().time() < deadline, "never became ready"
+            await asyncio.sleep(0.5)
+        await client.call("POST", isvc_path(), make_isvc("late", BUILTIN))
+        await eventually(lambda: stored(kmock, "apps/v1/deployments", "late"), what="deployment")
