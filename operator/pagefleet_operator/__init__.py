@@ -12,3 +12,5 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
+# kopf's finalizer on every InferenceService (its timers and daemons require one).
+FINALIZER = f"{GROUP}/finalizer"

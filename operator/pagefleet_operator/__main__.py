@@ -7,14 +7,23 @@ kopf has no leader election: run exactly one replica (Deployment strategy Recrea
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import kopf
 import yaml
 
-from .config import DEFAULT_IMAGE_ENV, DEFAULT_PULL_POLICY_ENV, OperatorConfig
+from .config import (
+    ALLOWED_IMAGE_PREFIXES_ENV,
+    DEFAULT_IMAGE_ENV,
+    DEFAULT_PULL_POLICY_ENV,
+    PLATFORM_USER_IDS_ENV,
+    OperatorConfig,
+)
+from .kube import Kube, load_api_client
 from .rbac import get_cluster_role
 from .spec import PULL_POLICIES
+from .uninstall import uninstall
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -22,6 +31,20 @@ def get_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="watch InferenceServices and reconcile them (the default)")
     sub.add_parser("rbac", help="print the ClusterRole the operator needs, as YAML")
+    remove = sub.add_parser(
+        "uninstall",
+        help="delete every InferenceService and wait until the operator released them "
+        "(the chart's pre-delete hook)",
+    )
+    remove.add_argument(
+        "-n", "--namespace", action="append", default=[], help="only this namespace (repeatable)"
+    )
+    remove.add_argument(
+        "--timeout",
+        type=float,
+        default=120,
+        help="seconds to wait for the operator before releasing its finalizer here",
+    )
     for target in (parser, run):
         target.add_argument(
             "-n",
@@ -47,6 +70,20 @@ def get_parser() -> argparse.ArgumentParser:
             help="serving-pod imagePullPolicy when spec.engine.imagePullPolicy is empty "
             f"(env {DEFAULT_PULL_POLICY_ENV}; unset: Kubernetes' default)",
         )
+        target.add_argument(
+            "--platform-assigns-user-ids",
+            action="store_true",
+            default=not OperatorConfig.from_env().fixed_user_ids,
+            help="leave the serving pods' runAsUser, runAsGroup and fsGroup to the platform "
+            f"(OpenShift restricted-v2) instead of 1000 (env {PLATFORM_USER_IDS_ENV}=true)",
+        )
+        target.add_argument(
+            "--allowed-image-prefix",
+            action="append",
+            default=list(OperatorConfig.from_env().allowed_image_prefixes),
+            help="refuse spec.engine.image unless it starts with one of these (repeatable; "
+            f"env {ALLOWED_IMAGE_PREFIXES_ENV}, comma-separated); unset: any image",
+        )
         target.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -55,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     args = get_parser().parse_args(argv)
     if args.command == "rbac":
         yaml.safe_dump(get_cluster_role(), sys.stdout, sort_keys=False)
+        return 0
+    if args.command == "uninstall":
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+        uninstall(Kube(load_api_client()), args.namespace, args.timeout)
         return 0
     from . import handlers  # noqa: F401  (registers the handlers with kopf)
 
@@ -68,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             config=OperatorConfig(
                 default_image=args.default_image,
                 default_image_pull_policy=args.default_image_pull_policy,
+                fixed_user_ids=not args.platform_assigns_user_ids,
+                allowed_image_prefixes=tuple(args.allowed_image_prefix),
             )
         ),
     )

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 DEFAULT_IMAGE = "ghcr.io/pagefleet/servingpod:0.1.0"
 DEFAULT_IMAGE_ENV = "PAGEFLEET_OPERATOR_DEFAULT_IMAGE"
 DEFAULT_PULL_POLICY_ENV = "PAGEFLEET_OPERATOR_DEFAULT_IMAGE_PULL_POLICY"
+PLATFORM_USER_IDS_ENV = "PAGEFLEET_OPERATOR_PLATFORM_ASSIGNS_USER_IDS"
+ALLOWED_IMAGE_PREFIXES_ENV = "PAGEFLEET_OPERATOR_ALLOWED_IMAGE_PREFIXES"
 
 
 @dataclass(frozen=True)
@@ -17,10 +19,29 @@ class OperatorConfig:
     # Used for every InferenceService that does not name spec.engine.imagePullPolicy;
     # None leaves it to Kubernetes (Always for :latest, else IfNotPresent).
     default_image_pull_policy: str | None = None
+    # Serving pods run as uid/gid/fsGroup 1000 unless the platform must pick them
+    # (OpenShift's restricted-v2 SCC refuses a fixed uid outside the namespace's range).
+    fixed_user_ids: bool = True
+    # Creating an InferenceService means choosing the image its pods run; when set,
+    # spec.engine.image must start with one of these (the default image always may).
+    allowed_image_prefixes: tuple[str, ...] = ()
+
+    def spec_options(self) -> dict[str, object]:
+        """The keyword arguments of spec.parse_spec that come from the operator."""
+        return {
+            "default_image": self.default_image,
+            "default_image_pull_policy": self.default_image_pull_policy,
+            "fixed_user_ids": self.fixed_user_ids,
+            "allowed_image_prefixes": self.allowed_image_prefixes,
+        }
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
         return cls(
             default_image=os.environ.get(DEFAULT_IMAGE_ENV) or DEFAULT_IMAGE,
             default_image_pull_policy=os.environ.get(DEFAULT_PULL_POLICY_ENV) or None,
+            fixed_user_ids=os.environ.get(PLATFORM_USER_IDS_ENV, "").lower() != "true",
+            allowed_image_prefixes=tuple(
+                p for p in os.environ.get(ALLOWED_IMAGE_PREFIXES_ENV, "").split(",") if p
+            ),
         )

@@ -11,7 +11,7 @@ from typing import Any
 
 import kopf
 
-from . import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from . import API_VERSION, FINALIZER, GROUP, KIND, PLURAL, VERSION
 from .config import OperatorConfig
 from .kube import Kube, KubeError, load_api_client
 from .names import MANAGED_BY
@@ -32,7 +32,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
-    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.finalizer = FINALIZER
     # Our own Events say what happened; kopf's per-handler "succeeded" Events are noise.
     settings.posting.level = logging.WARNING
     # Only our known resources are watched: no CRD/Namespace access needed (see rbac.py).
@@ -66,12 +66,7 @@ async def wait_for_crd(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> Non
 def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, retry: int = 0) -> None:
     try:
         config = memo["config"]
-        outcome = reconcile(
-            memo["kube"],
-            body,
-            default_image=config.default_image,
-            default_image_pull_policy=config.default_image_pull_policy,
-        )
+        outcome = reconcile(memo["kube"], body, **config.spec_options())
     except KubeError as exc:
         # One Warning per run of failures; kopf logs every retry anyway.
         if retry == 0:

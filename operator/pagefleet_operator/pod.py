@@ -94,6 +94,18 @@ def get_container(spec: InferenceServiceSpec) -> dict[str, Any]:
     return container
 
 
+def get_pod_security_context(spec: InferenceServiceSpec) -> dict[str, Any]:
+    context: dict[str, Any] = {
+        "runAsNonRoot": True,
+        # A model cache PVC of many files is re-chowned on every mount otherwise.
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if spec.fixed_user_ids:
+        context |= {"runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER}
+    return context
+
+
 def get_pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     """The pod template, labelled with a hash of itself so any spec change rolls the pods."""
     volumes, _ = get_volumes(spec)
@@ -110,15 +122,7 @@ def get_pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
             + spec.engine.shutdown_timeout_seconds
             + TERMINATION_MARGIN_SECONDS
         ),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            # A model cache PVC of many files is re-chowned on every mount otherwise.
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": get_pod_security_context(spec),
     }
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)

@@ -94,16 +94,14 @@ def reconcile(
     kube: Kube,
     body: Mapping[str, Any],
     *,
-    default_image: str,
-    default_image_pull_policy: str | None = None,
     now: Callable[[], str] = utc_now,
+    **spec_options: Any,
 ) -> Outcome:
+    """`spec_options` are parse_spec's operator-wide settings (OperatorConfig.spec_options)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     the_plan, changes = Plan(), []
-    spec, problem = _parse(
-        body, default_image=default_image, default_image_pull_policy=default_image_pull_policy
-    )
+    spec, problem = _parse(body, **spec_options)
     if spec is not None:
         problem = find_missing_claims(kube, namespace, spec)
     desired = None

@@ -84,6 +84,8 @@ class InferenceServiceSpec:
     model_cache_size_limit: str | None
     ingress: IngressSpec | None
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    # Pods run as uid/gid/fsGroup 1000; False leaves them to the platform (OpenShift).
+    fixed_user_ids: bool = True
 
     @property
     def pvc_claim(self) -> str | None:
@@ -137,11 +139,24 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     return ModelSpec(uri=uri, served_name=served_name)
 
 
+def _check_image(image: str | None, allowed_prefixes: tuple[str, ...]) -> None:
+    if image and allowed_prefixes and not image.startswith(allowed_prefixes):
+        raise SpecError(
+            "engine.image",
+            f"{image!r} is not under an allowed prefix ({', '.join(allowed_prefixes)}); "
+            "the operator's --allowed-image-prefix sets them",
+        )
+
+
 def _parse_engine(
-    spec: Mapping[str, Any], default_image: str, default_pull_policy: str | None
+    spec: Mapping[str, Any],
+    default_image: str,
+    default_pull_policy: str | None,
+    allowed_image_prefixes: tuple[str, ...] = (),
 ) -> EngineSpec:
     engine = _get_section(spec, "engine")
     path = "engine"
+    _check_image(_get(engine, "image", path, str), allowed_image_prefixes)
     dtype = _get(engine, "dtype", path, str)
     if dtype is not None and dtype not in DTYPES:
         raise SpecError("engine.dtype", f"{dtype!r} is not one of {DTYPES}")
@@ -256,7 +271,12 @@ def _parse_tolerations(spec: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]
 
 
 def parse_spec(
-    spec: Mapping[str, Any], *, default_image: str, default_image_pull_policy: str | None = None
+    spec: Mapping[str, Any],
+    *,
+    default_image: str,
+    default_image_pull_policy: str | None = None,
+    fixed_user_ids: bool = True,
+    allowed_image_prefixes: tuple[str, ...] = (),
 ) -> InferenceServiceSpec:
     """Validate a raw spec and fill the defaults the CRD would have filled."""
     cache = _get_section(spec, "modelCache")
@@ -266,7 +286,9 @@ def parse_spec(
         raise SpecError("modelCache", "set either pvcName or sizeLimit, not both")
     return InferenceServiceSpec(
         model=_parse_model(spec),
-        engine=_parse_engine(spec, default_image, default_image_pull_policy),
+        engine=_parse_engine(
+            spec, default_image, default_image_pull_policy, allowed_image_prefixes
+        ),
         replicas=_get_int(spec, "replicas", "", 1),
         resources=_get(spec, "resources", "", dict, {}),
         node_selector=_get(spec, "nodeSelector", "", dict, {}),
@@ -275,4 +297,5 @@ def parse_spec(
         model_cache_size_limit=size_limit,
         ingress=_parse_ingress(spec),
         autoscaling=_parse_autoscaling(spec),
+        fixed_user_ids=fixed_user_ids,
     )

@@ -213,12 +213,9 @@ def condition(obj: dict | None, kind: str) -> dict:
     return {}
 
 
-@contextlib.asynccontextmanager
-async def run_operator(server, tmp_path, *args: str):
-    """`python -m pagefleet_operator` against the emulator; yields a kubectl-like Client."""
-    global _server
-    _server = server
-    kubeconfig = tmp_path / "kubeconfig"
+def write_kubeconfig(server, directory) -> str:
+    """A kubeconfig for the emulator, as a cluster's would be; returns its path."""
+    kubeconfig = directory / "kubeconfig"
     kubeconfig.write_text(
         json.dumps(
             {
@@ -231,7 +228,15 @@ async def run_operator(server, tmp_path, *args: str):
             }
         )
     )
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+    return str(kubeconfig)
+
+
+@contextlib.asynccontextmanager
+async def run_operator(server, tmp_path, *args: str):
+    """`python -m pagefleet_operator` against the emulator; yields a kubectl-like Client."""
+    global _server
+    _server = server
+    env = {**os.environ, "KUBECONFIG": write_kubeconfig(server, tmp_path), "PYTHONUNBUFFERED": "1"}
     log = open(tmp_path / "operator.log", "wb")  # noqa: SIM115 (closed below)
     process = await asyncio.create_subprocess_exec(
         sys.executable,

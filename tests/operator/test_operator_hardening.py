@@ -196,3 +196,34 @@ def test_a_hostile_pod_is_unscraped_not_fatal(hostile):
     }
     (sample,) = scrape_pods([manifest])
     assert sample.ready and not sample.scraped
+
+
+ALLOWED = ("registry.example.com/ml/",)
+
+
+@pytest.mark.parametrize(
+    ("image", "allowed"),
+    [
+        (None, True),  # the operator's default image
+        ("registry.example.com/ml/pagefleet:1", True),
+        ("registry.example.com/mlx/evil:1", False),
+        ("docker.io/evil/miner:latest", False),
+    ],
+)
+def test_images_can_be_restricted_to_allowed_prefixes(image, allowed):
+    spec = {**BUILTIN, "engine": {"image": image} if image else {}}
+    kube = FakeKube(make_body(spec))
+    reconcile_module.reconcile(
+        kube,
+        kube.body(),
+        default_image=DEFAULT_IMAGE,
+        allowed_image_prefixes=ALLOWED,
+        now=lambda: "T",
+    )
+    degraded = condition(kube, "Degraded")
+    if allowed:
+        assert degraded["status"] == "False"
+        assert kube.get("Deployment", "ml", "demo") is not None
+    else:
+        assert degraded["status"] == "True" and "spec.engine.image" in degraded["message"]
+        assert kube.get("Deployment", "ml", "demo") is None

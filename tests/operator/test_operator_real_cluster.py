@@ -196,3 +196,25 @@ def test_recent_recommendations_stay_bounded():
         )
     history = kube.body()["status"]["autoscaler"]["recentRecommendations"]
     assert len(history) <= 4  # one per replica count in [minReplicas, maxReplicas]
+
+
+def test_openshift_restricted_v2_gets_no_fixed_user_ids():
+    """restricted-v2 assigns each namespace a uid range and refuses pods that pick their
+    own uid/fsGroup outside it; with the switch the platform chooses."""
+    body = make_body(BUILTIN)
+    spec = parse_spec(body["spec"], default_image=DEFAULT_IMAGE, fixed_user_ids=False)
+    context = get_deployment(body, spec)["spec"]["template"]["spec"]["securityContext"]
+    assert not {"runAsUser", "runAsGroup", "fsGroup"} & context.keys()
+    assert context["runAsNonRoot"] is True
+    fixed = get_deployment(body, parse_spec(body["spec"], default_image=DEFAULT_IMAGE))
+    assert fixed["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 1000
+
+
+def test_operator_flags_reach_the_config():
+    from pagefleet_operator import __main__ as cli
+
+    args = cli.get_parser().parse_args(
+        ["--platform-assigns-user-ids", "--allowed-image-prefix", "registry.example.com/"]
+    )
+    assert args.platform_assigns_user_ids is True
+    assert args.allowed_image_prefix == ["registry.example.com/"]

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 
 import pytest
+from operator_samples import REPO
+from pagefleet_operator import FINALIZER
 from test_operator_emulator import (
     ISVC,
     ApiServerEmulator,
@@ -18,6 +21,7 @@ from test_operator_emulator import (
     operator,  # noqa: F401 (fixture)
     run_operator,
     stored,
+    write_kubeconfig,
 )
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -89,3 +93,49 @@ async def test_not_ready_until_the_crd_is_served_then_reconciles(kmock, tmp_path
             await asyncio.sleep(0.5)
         await client.call("POST", isvc_path(), make_isvc("late", BUILTIN))
         await eventually(lambda: stored(kmock, "apps/v1/deployments", "late"), what="deployment")
+
+
+async def _uninstall(kmock, tmp_path, *args: str) -> str:
+    """`python -m pagefleet_operator uninstall`, as the chart's pre-delete hook runs it."""
+    env = {**os.environ, "KUBECONFIG": write_kubeconfig(kmock, tmp_path)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "pagefleet_operator",
+        "uninstall",
+        *args,
+        env=env,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, output.decode()
+    return output.decode()
+
+
+async def test_uninstall_hook_deletes_everything_while_the_operator_runs(
+    kmock,
+    operator,  # noqa: F811 (the fixture imported above)
+    tmp_path,
+):
+    for name in ("one", "two"):
+        await operator.call("POST", isvc_path(), make_isvc(name, BUILTIN))
+        await eventually(lambda n=name: stored(kmock, "apps/v1/deployments", n), what=name)
+    # kopf's finalizer is on them: a plain delete without the operator would hang.
+    assert stored(kmock, ISVC, "one")["metadata"]["finalizers"] == [FINALIZER]
+    output = await _uninstall(kmock, tmp_path, "--timeout", "30")
+    assert stored(kmock, ISVC, "one") is None and stored(kmock, ISVC, "two") is None
+    assert "removing its finalizer" not in output  # the operator released them itself
+
+
+async def test_uninstall_hook_releases_what_no_operator_releases(kmock, tmp_path):
+    declare_resources(kmock)
+    stranded = make_isvc("stranded", BUILTIN)
+    stranded["metadata"]["finalizers"] = [FINALIZER]
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
+        async with session.post(isvc_path(), json=stranded) as response:
+            assert response.status < 300
+    output = await _uninstall(kmock, tmp_path, "--timeout", "1", "--namespace", "ml")
+    assert "removing its finalizer" in output
+    assert stored(kmock, ISVC, "stranded") is None

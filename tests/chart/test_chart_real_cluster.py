@@ -1,0 +1,124 @@
+"""What Helm and a real cluster do with the chart that a render alone does not show
+(issue 20): the order of `helm uninstall`, the roles namespace users get, OpenShift's
+uid policy, and the optional serving-pod NetworkPolicy (issue 11)."""
+
+from __future__ import annotations
+
+import pytest
+from chart_render import find, helm, operator_container, render, the
+
+HOOK = "helm.sh/hook"
+
+
+def annotations(obj: dict) -> dict:
+    return obj["metadata"].get("annotations") or {}
+
+
+def hooks(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in find(objects, kind) if annotations(o).get(HOOK) == "pre-delete"]
+
+
+def test_uninstall_runs_the_cleanup_before_helm_deletes_the_operator():
+    """`helm uninstall` runs pre-delete hooks to completion, then deletes the release's
+    objects: the cleanup Job finds the operator (and its RBAC) still running, so kopf
+    can release its finalizer from every InferenceService the Job deletes."""
+    objects = render()
+    (job,) = hooks(objects, "Job")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][0] == "uninstall"
+    assert container["image"] == operator_container(objects)["image"]
+    # The operator and its permissions are ordinary release objects, not hooks: Helm
+    # removes them only after the hook succeeded.
+    for kind in ("Deployment", "ClusterRole", "ClusterRoleBinding"):
+        operator_objects = [o for o in find(objects, kind) if HOOK not in annotations(o)]
+        assert operator_objects, kind
+    # The Job's identity exists before the Job (lower hook weight) and may do its work.
+    (account,) = hooks(objects, "ServiceAccount")
+    (role,) = hooks(objects, "ClusterRole")
+    (binding,) = hooks(objects, "ClusterRoleBinding")
+    job_weight = int(annotations(job)["helm.sh/hook-weight"])
+    for obj in (account, role, binding):
+        assert int(annotations(obj)["helm.sh/hook-weight"]) < job_weight
+    assert job["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    (rule,) = role["rules"]
+    assert rule["resources"] == ["inferenceservices"]
+    assert {"list", "delete", "patch"} <= set(rule["verbs"])
+    # Left for inspection only when it failed.
+    assert annotations(job)["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+    # It outlives its own wait.
+    timeout = int(container["args"][1].split("=")[1])
+    assert job["spec"]["activeDeadlineSeconds"] > timeout
+
+
+def test_uninstall_cleanup_follows_the_watched_namespaces():
+    objects = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}})
+    (job,) = hooks(objects, "Job")
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[2:] == ["--namespace=team-a", "--namespace=team-b"]
+    assert hooks(objects, "ClusterRole") == []
+    assert sorted(r["metadata"]["namespace"] for r in hooks(objects, "Role")) == [
+        "team-a",
+        "team-b",
+    ]
+
+
+def test_uninstall_cleanup_can_be_turned_off():
+    objects = render({"uninstall": {"deleteInferenceServices": False}})
+    assert [o for o in objects if annotations(o).get(HOOK) == "pre-delete"] == []
+
+
+def test_namespace_users_get_inference_services_through_the_default_roles():
+    objects = render()
+    edit, view = (
+        the(
+            [r for r in find(objects, "ClusterRole") if r["metadata"]["name"].endswith(s)],
+            "ClusterRole",
+        )
+        for s in ("-edit", "-view")
+    )
+    labels = edit["metadata"]["labels"]
+    assert labels["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert labels["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert {"create", "delete", "patch"} <= set(edit["rules"][0]["verbs"])
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert set(view["rules"][0]["verbs"]) == {"get", "list", "watch"}
+    without = find(render({"rbac": {"aggregateToDefaultRoles": False}}), "ClusterRole")
+    assert not [r for r in without if r["metadata"]["name"].endswith(("-edit", "-view"))]
+
+
+def test_openshift_and_image_policy_switches_reach_the_operator():
+    objects = render(
+        {
+            "servingPod": {
+                "platformAssignsUserIds": True,
+                "allowedImagePrefixes": ["registry.example.com/ml/", "ghcr.io/pagefleet/"],
+            }
+        }
+    )
+    args = operator_container(objects)["args"]
+    assert "--platform-assigns-user-ids" in args
+    assert "--allowed-image-prefix=registry.example.com/ml/" in args
+    assert "--allowed-image-prefix=ghcr.io/pagefleet/" in args
+    assert "--platform-assigns-user-ids" not in operator_container(render())["args"]
+
+
+def test_network_policy_admits_only_the_operator_and_the_named_peers():
+    router = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}
+    values = {
+        "servingPod": {"networkPolicy": {"enabled": True, "namespaces": ["ml"], "from": [router]}}
+    }
+    (policy,) = find(render(values), "NetworkPolicy")
+    assert policy["metadata"]["namespace"] == "ml"
+    assert policy["spec"]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/component": "serving",
+        "app.kubernetes.io/managed-by": "pagefleet-operator",
+    }
+    (rule,) = policy["spec"]["ingress"]
+    operator_peer, router_peer = rule["from"]
+    assert operator_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert router_peer == router
+    assert find(render(), "NetworkPolicy") == []
+    with pytest.raises(helm.HelmError, match="networkPolicy"):
+        render({"servingPod": {"networkPolicy": {"enabled": True}}})
