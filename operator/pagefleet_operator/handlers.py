@@ -23,6 +23,7 @@ RETRY_DELAY_SECONDS = 10
 RESYNC_SECONDS = 60
 DEFAULT_INTERVAL_SECONDS = 15
 CRD_POLL_SECONDS = 5
+MANAGED_DEPLOYMENTS = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 
 
 @kopf.on.startup()
@@ -37,6 +38,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     # Only our known resources are watched: no CRD/Namespace access needed (see rbac.py).
     settings.scanning.disabled = True
+    # Only our own Deployments, filtered by the API server: watching every Deployment of
+    # a large cluster would hold them all in the operator's memory.
+    settings.watching.label_selectors["apps", "v1", "deployments"] = MANAGED_DEPLOYMENTS
     if "config" not in memo:
         memo["config"] = OperatorConfig.from_env()
     if "kube" not in memo:
@@ -96,7 +100,7 @@ def resync_service(
     _reconcile(body, memo, logger, retry)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+@kopf.on.event("apps", "v1", "deployments")
 def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """A Deployment's rollout progressed, or someone edited or deleted it: reconcile its owner."""
     refs = body.get("metadata", {}).get("ownerReferences") or []

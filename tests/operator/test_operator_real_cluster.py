@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
-from operator_samples import DEFAULT_IMAGE, make_body
+from operator_samples import DEFAULT_IMAGE, REPO, load_yaml, make_body
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.pod import STARTUP_BUDGET_SECONDS
 from pagefleet_operator.rbac import RULES
@@ -218,3 +219,32 @@ def test_operator_flags_reach_the_config():
     )
     assert args.platform_assigns_user_ids is True
     assert args.allowed_image_prefix == ["registry.example.com/"]
+
+
+def test_the_llama_example_says_its_shared_cache_must_be_read_write_many():
+    text = (REPO / "examples" / "llama.yaml").read_text()
+    spec = load_yaml(REPO / "examples" / "llama.yaml")["spec"]
+    assert spec["modelCache"]["pvcName"] and spec["autoscaling"]["maxReplicas"] > 1
+    assert "accessModes: [ReadWriteMany]" in text
+
+
+def test_api_trouble_warns_once_per_run_of_retries(monkeypatch):
+    """kopf retries a failed reconcile every 10 s; an Event per retry floods the
+    resource's Events. One Warning when the trouble starts; the retries only log."""
+    import kopf
+    from pagefleet_operator import handlers
+    from pagefleet_operator.config import OperatorConfig
+    from pagefleet_operator.kube import KubeError
+
+    class Unavailable(FakeKube):
+        def get(self, kind, namespace, name):
+            raise KubeError(503, "etcd is unavailable")
+
+    warnings = []
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warnings.append(reason))
+    body = make_body(BUILTIN)
+    memo = {"kube": Unavailable(body), "config": OperatorConfig(default_image=DEFAULT_IMAGE)}
+    for retry in range(4):
+        with pytest.raises(kopf.TemporaryError):
+            handlers._reconcile(body, memo, logging.getLogger("test"), retry)
+    assert warnings == ["ReconcileFailed"]

@@ -139,3 +139,21 @@ async def test_uninstall_hook_releases_what_no_operator_releases(kmock, tmp_path
     output = await _uninstall(kmock, tmp_path, "--timeout", "1", "--namespace", "ml")
     assert "removing its finalizer" in output
     assert stored(kmock, ISVC, "stranded") is None
+
+
+async def test_only_our_deployments_are_watched(kmock, operator):  # noqa: F811
+    await operator.call("POST", isvc_path(), make_isvc("chat", BUILTIN))
+    await eventually(lambda: stored(kmock, "apps/v1/deployments", "chat"), what="deployment")
+    watches = [
+        r
+        for r in list(kmock)
+        if r.resource is not None
+        and r.resource.plural == "deployments"
+        and r.method == "GET"
+        and "watch" in r.url.query
+    ]
+    assert watches
+    for request in watches:
+        assert (
+            request.url.query["labelSelector"] == "app.kubernetes.io/managed-by=pagefleet-operator"
+        )
