@@ -3,11 +3,11 @@
 With no cluster, three controllers a cluster would run are played here, against the
 API-server emulator, so that the operator runs unmodified:
 
-- the Deployment controller and the kubelet: for each replica of each serving
-  Deployment, a real `pagefleet serve` process with the pod template's command, args
+- the Deployment controller and the kubelet: for each serving Deployment a ReplicaSet
+  it owns, and for each replica a real `pagefleet serve` process with the pod template's command, args
   and environment, on its own loopback address (127.0.0.2, 127.0.0.3, ... all on the
-  template's port). Once its /ready answers, a Pod with that `status.podIP` and a Ready
-  condition is written, and the Deployment's status counts it. On scale-down or
+  template's port). Once its /ready answers, a Pod owned by the ReplicaSet, with that
+  `status.podIP` and a Ready condition, is written (the operator finds pods by owner), and the Deployment's status counts it. On scale-down or
   deletion the newest pod is terminated as the kubelet does: taken out of the Service
   and the API first, then the template's preStop sleep, then SIGTERM (the server
   drains), then SIGKILL after the grace period;
@@ -60,6 +60,7 @@ class SimPod:
     template_spec: dict[str, Any]
     process: asyncio.subprocess.Process
     log_path: Path
+    replica_set_uid: str
     ready: bool = False
     terminating: bool = False
     # Filled when terminated: streams in flight through the forwarder at SIGTERM.
@@ -154,10 +155,15 @@ class KubeletSimulation:
         """Delete objects whose controlling owner no longer exists (kube-controller-manager)."""
         owners = {
             item["metadata"]["uid"]
-            for item in await self._list("apis/pagefleet.dev/v1alpha1", "inferenceservices")
+            for api, plural in (
+                ("apis/pagefleet.dev/v1alpha1", "inferenceservices"),
+                ("apis/apps/v1", "deployments"),
+            )
+            for item in await self._list(api, plural)
         }
         for api, plural in (
             ("apis/apps/v1", "deployments"),
+            ("apis/apps/v1", "replicasets"),
             ("api/v1", "services"),
             ("apis/policy/v1", "poddisruptionbudgets"),
             ("apis/networking.k8s.io/v1", "ingresses"),
@@ -172,7 +178,8 @@ class KubeletSimulation:
         desired = deployment["spec"].get("replicas", 1)
         live = [pod for pod in pods if not pod.terminating]
         for _ in range(desired - len(live)):
-            pods.append(await self._start(deployment))
+            replica_set_uid = await self._ensure_replica_set(deployment)
+            pods.append(await self._start(deployment, replica_set_uid))
         for pod in live[desired:][::-1]:  # newest first, as the ReplicaSet controller does
             self._terminate(pods, pod)
         for pod in pods:
@@ -196,7 +203,35 @@ class KubeletSimulation:
 
     # --- pods ----------------------------------------------------------------------
 
-    async def _start(self, deployment: dict) -> SimPod:
+    async def _ensure_replica_set(self, deployment: dict) -> str:
+        """The one ReplicaSet of a Deployment (no rollouts here), created once; its uid."""
+        name = f"{deployment['metadata']['name']}-sim"
+        found = await self._call("GET", self._path("apis/apps/v1", "replicasets", name))
+        if found:
+            return found["metadata"]["uid"]
+        owner = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": deployment["metadata"]["name"],
+            "uid": deployment["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        body = {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": dict(deployment["spec"]["template"]["metadata"]["labels"]),
+                "ownerReferences": [owner],
+            },
+            "spec": {"replicas": deployment["spec"].get("replicas", 1)},
+        }
+        created = await self._call("POST", self._path("apis/apps/v1", "replicasets"), body)
+        return created["metadata"]["uid"]
+
+    async def _start(self, deployment: dict, replica_set_uid: str) -> SimPod:
         template = deployment["spec"]["template"]
         spec = template["spec"]
         (container,) = spec["containers"]
@@ -224,9 +259,8 @@ class KubeletSimulation:
                 stderr=asyncio.subprocess.STDOUT,
             )
         logger.info("started %s on %s:%d (pid %d)", name, address, port, process.pid)
-        return SimPod(
-            name, address, port, dict(template["metadata"]["labels"]), spec, process, log_path
-        )
+        labels = dict(template["metadata"]["labels"])
+        return SimPod(name, address, port, labels, spec, process, log_path, replica_set_uid)
 
     @staticmethod
     def _in_volumes(value: str, mounts: dict[str, Path]) -> str:
@@ -253,7 +287,20 @@ class KubeletSimulation:
         body = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": pod.name, "namespace": self.namespace, "labels": pod.labels},
+            "metadata": {
+                "name": pod.name,
+                "namespace": self.namespace,
+                "labels": pod.labels,
+                "ownerReferences": [
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "ReplicaSet",
+                        "name": pod.name.rsplit("-", 1)[0],
+                        "uid": pod.replica_set_uid,
+                        "controller": True,
+                    }
+                ],
+            },
             "spec": pod.template_spec,
             "status": {
                 "phase": "Running",

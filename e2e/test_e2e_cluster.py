@@ -1,8 +1,10 @@
 """The new user's first hour on a real cluster (kind, k3d, minikube or any other), the
-one in the current kubeconfig: `helm install` the chart, `helm test` it, apply the CPU
-example, wait for Ready, stream a chat completion with the `openai` SDK through
-`kubectl port-forward`, load it until the autoscaler adds a replica (Events, status),
-let it scale back down, delete it, `helm uninstall`.
+one in the current kubeconfig: `helm install` the chart, `helm test` it, see names that
+would break the Service refused, apply the CPU example, wait for Ready, stream a chat
+completion with the `openai` SDK through `kubectl port-forward`, load it until the
+autoscaler adds a replica (Events, status), let it scale back down, delete it, remove
+fields from an Ingress and see them gone from the live object, and `helm uninstall`
+with InferenceServices still there: the pre-delete hook leaves nothing behind.
 
 Skipped, saying why, when no cluster answers. `make e2e` runs it. Images: the chart's
 defaults, or locally built ones loaded into the cluster, named by
@@ -119,8 +121,7 @@ def release():
         try:
             yield config
         finally:
-            # InferenceServices first, while the operator can still release their finalizers.
-            kubectl("-n", NAMESPACE, "delete", "inferenceservices", "--all", "--wait", check=False)
+            # The chart's pre-delete hook deletes the InferenceServices left behind.
             config.uninstall(RELEASE, wait="watcher", timeout=300, ignore_not_found=True)
             kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
 
@@ -166,6 +167,41 @@ def port_forward(release):
 def test_helm_test_passes(release):
     result = release.test(RELEASE, timeout=180, logs=True)
     assert "InferenceService API answers" in json.dumps(result)
+
+
+def kubectl_apply(resource: dict, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        ["kubectl", "apply", "-f", "-"],
+        input=yaml.safe_dump(resource),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def idle_isvc(name: str, **spec) -> dict:
+    """An InferenceService with no pods (replicas 0): only its objects are looked at."""
+    return {
+        "apiVersion": "pagefleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"model": {"uri": "builtin://smollm2-135m"}, "replicas": 0, **spec},
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "complaint"),
+    [("llama-3.1-8b", "DNS-1035"), ("a" * 70, "at most 63 characters")],
+    ids=["dotted", "too-long"],
+)
+def test_names_that_would_break_the_service_are_refused(release, name, complaint):
+    result = kubectl_apply(idle_isvc(name), check=False)
+    assert result.returncode != 0
+    assert complaint in result.stderr, result.stderr
 
 
 def test_ready_with_a_url_and_streams_a_chat_completion(port_forward):
@@ -221,3 +257,75 @@ def test_delete_removes_everything(release):
     started = time.monotonic()
     walk.wait_for(lambda: pod_count() == 0, 180, "the serving pods to terminate", interval=2)
     assert time.monotonic() - started < 180
+
+
+def live_ingress(name: str) -> dict | None:
+    result = kubectl("-n", NAMESPACE, "get", "ingress", name, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def test_fields_removed_from_the_ingress_spec_disappear(release):
+    ingress = {
+        "host": "edge.example.com",
+        "className": "nginx",
+        "tlsSecretName": "edge-tls",
+        "annotations": {"example.com/team": "ml"},
+    }
+    kubectl_apply(idle_isvc("edge", ingress=ingress))
+    walk.wait_for(
+        lambda: (live_ingress("edge") or {}).get("spec", {}).get("tls"), 60, "the Ingress"
+    )
+    kubectl_apply(idle_isvc("edge", ingress={"host": "edge.example.com"}))
+
+    def cleaned() -> bool:
+        live = live_ingress("edge") or {}
+        annotations = live.get("metadata", {}).get("annotations", {})
+        spec = live.get("spec", {})
+        return bool(live) and not (
+            "tls" in spec or "ingressClassName" in spec or "example.com/team" in annotations
+        )
+
+    walk.wait_for(cleaned, 60, "TLS, class and annotation to leave the live Ingress")
+
+
+def test_helm_uninstall_leaves_nothing_behind(release):
+    """Run last: InferenceServices still exist (the Ingress one above, one more here);
+    `helm uninstall` must not leave them Terminating behind the operator's finalizer."""
+    kubectl_apply(idle_isvc("leftover"))
+    release.uninstall(RELEASE, wait="watcher", timeout=300)
+    walk.wait_for(
+        lambda: (
+            not kubectl("-n", NAMESPACE, "get", "inferenceservices", "-o", "name").stdout.strip()
+        ),
+        180,
+        "every InferenceService to be gone",
+        interval=2,
+    )
+    for kind in ("deployments", "services", "ingresses", "jobs", "pods"):
+        walk.wait_for(
+            lambda kind=kind: (
+                not kubectl(
+                    "-n",
+                    NAMESPACE,
+                    "get",
+                    kind,
+                    "-l",
+                    "app.kubernetes.io/part-of=pagefleet",
+                    "-o",
+                    "name",
+                ).stdout.strip()
+                and not kubectl(
+                    "-n",
+                    NAMESPACE,
+                    "get",
+                    kind,
+                    "-l",
+                    "app.kubernetes.io/managed-by=pagefleet-operator",
+                    "-o",
+                    "name",
+                ).stdout.strip()
+            ),
+            180,
+            f"no {kind} left",
+            interval=2,
+        )

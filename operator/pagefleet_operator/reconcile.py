@@ -80,10 +80,13 @@ def _parse(
         return None, Problem("InvalidSpec", str(exc))
 
 
-def _build(body: Mapping[str, Any], spec: InferenceServiceSpec):
-    """The desired objects, or the problem that stopped building them. A spec the
-    parser let through may still break a builder (e.g. an odd tolerations entry from an
-    old stored version); retrying would fail the same way forever, so it is reported."""
+def _build(
+    body: Mapping[str, Any], spec: InferenceServiceSpec
+) -> tuple[dict[str, Any] | None, Problem | None]:
+    """The desired objects, or the problem that stopped building them. The parser passes
+    some sections through as they are (resources, env entries, tolerations' fields), so
+    a value of an unexpected type may still break a builder; retrying would fail the
+    same way forever (and kopf would retry forever), so it is reported instead."""
     try:
         return get_desired_objects(dict(body), spec), None
     except Exception as exc:  # noqa: BLE001 (any builder failure is the spec's problem)
