@@ -157,3 +157,27 @@ async def test_only_our_deployments_are_watched(kmock, operator):  # noqa: F811
         assert (
             request.url.query["labelSelector"] == "app.kubernetes.io/managed-by=pagefleet-operator"
         )
+
+
+async def test_status_and_scale_writes_name_their_field_manager(kmock, operator):  # noqa: F811
+    """Without fieldManager, managedFields name the client's user agent, and a later
+    server-side apply by someone else cannot tell the operator's fields apart."""
+    spec = {**BUILTIN, "replicas": 3, "autoscaling": {"enabled": True, "maxReplicas": 2}}
+    await operator.call("POST", isvc_path(), make_isvc("managed", spec))
+    # No pods report metrics, so the autoscaler holds 3, clamped to maxReplicas 2: a scale.
+    await eventually(
+        lambda: ((stored(kmock, ISVC, "managed") or {}).get("spec") or {}).get("replicas") == 2,
+        what="scale to maxReplicas",
+    )
+    ours = [
+        r
+        for r in list(kmock)
+        if r.resource is not None
+        and r.resource.plural == "inferenceservices"
+        and r.subresource in ("status", "scale")
+        and r.method == "PATCH"
+        and "merge-patch" in r.headers.get("Content-Type", "")
+    ]
+    assert {r.subresource for r in ours} == {"status", "scale"}
+    for request in ours:
+        assert request.url.query.get("fieldManager") == "pagefleet-operator", request.url
