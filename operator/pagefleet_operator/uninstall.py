@@ -59,6 +59,11 @@ def uninstall(
 ) -> list[str]:
     """Delete every InferenceService in scope and wait until none is left. Returns the
     names whose finalizer had to be released here."""
+    if not kube.serves(API_VERSION, PLURAL):
+        # The CRD is gone (and every InferenceService with it): nothing can be stranded,
+        # and failing here would fail `helm uninstall`.
+        logger.info("the API server does not serve %s %s: nothing to delete", API_VERSION, PLURAL)
+        return []
     for obj in list_inference_services(kube, namespaces):
         meta = obj["metadata"]
         kube.delete("InferenceService", meta["namespace"], meta["name"])

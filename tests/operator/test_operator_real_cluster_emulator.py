@@ -181,3 +181,10 @@ async def test_status_and_scale_writes_name_their_field_manager(kmock, operator)
     assert {r.subresource for r in ours} == {"status", "scale"}
     for request in ours:
         assert request.url.query.get("fieldManager") == "pagefleet-operator", request.url
+
+
+async def test_uninstall_hook_succeeds_when_the_crd_is_already_gone(kmock, tmp_path):
+    declare_resources(kmock)
+    kmock.resources.pop(ISVC)
+    output = await _uninstall(kmock, tmp_path, "--timeout", "1")
+    assert "nothing to delete" in output
