@@ -17,6 +17,7 @@ from test_operator_crd import SCHEMA, admit, resource
 from test_operator_reconcile import BUILTIN, FakeKube, run
 
 celpy = pytest.importorskip("celpy")
+jsonschema = pytest.importorskip("jsonschema")
 
 
 def schema_nodes(schema: dict, path: str = ""):
@@ -59,6 +60,10 @@ def test_every_cel_rule_holds_on_every_raw_default():
     for path, node in schema_nodes(SCHEMA):
         if "default" not in node:
             continue
+        # The structural part too (types, bounds, patterns), on the raw default.
+        assert [
+            e.message for e in jsonschema.Draft4Validator(node).iter_errors(node["default"])
+        ] == []
         for rule_path, rule, value in rules_on(node, copy.deepcopy(node["default"])):
             assert holds(rule["rule"], value), f"{path}{rule_path}: {rule['rule']} on {value!r}"
             checked.append(path)
