@@ -54,9 +54,7 @@ def release_finalizer(kube: Kube, obj: dict[str, Any]) -> None:
             raise
 
 
-def uninstall(
-    kube: Kube, namespaces: Sequence[str], timeout: float, clock=time.monotonic
-) -> list[str]:
+def uninstall(kube: Kube, namespaces: Sequence[str], timeout: float) -> list[str]:
     """Delete every InferenceService in scope and wait until none is left. Returns the
     names whose finalizer had to be released here."""
     if not kube.serves(API_VERSION, PLURAL):
@@ -68,8 +66,8 @@ def uninstall(
         meta = obj["metadata"]
         kube.delete("InferenceService", meta["namespace"], meta["name"])
         logger.info("deleting InferenceService %s/%s", meta["namespace"], meta["name"])
-    deadline = clock() + timeout
-    while clock() < deadline:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if not list_inference_services(kube, namespaces):
             return []
         time.sleep(POLL_SECONDS)
