@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagefleet_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from pagefleet_serve.engine.async_engine import AsyncEngine
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.metrics import RequestTracker
@@ -132,7 +132,7 @@ class Generation:
                 request.request_id, request.prompt_token_ids, self.params
             ):
                 self._queue.put_nowait((request, output))
-        except (ValueError, EngineDeadError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the engine said, this request failed
             self._queue.put_nowait((request, exc))
 
     def _absorb(self, items: list[tuple]) -> list[CompletionOutput]:
