@@ -65,7 +65,14 @@ class AsyncEngine:
         """Outputs of one request, step by step (deltas); raises ValueError for bad input."""
         if self._dead:
             raise EngineDeadError(self._dead)
-        request = self.engine.make_request(request_id, prompt, params)
+        async for output in self.run(self.engine.make_request(request_id, prompt, params)):
+            yield output
+
+    async def run(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request validated by `make_request`, step by step (deltas)."""
+        request_id = request.request_id
+        if self._dead:
+            raise EngineDeadError(self._dead)
         mailbox = _Mailbox(asyncio.get_running_loop(), asyncio.Queue())
         if request_id in self._mailboxes:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -94,6 +101,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    @property
+    def default_max_num_queued(self) -> int:
+        """As many requests as the KV pool has blocks (each needs one at least, so more
+        could never all run at once), and no fewer than one full batch."""
+        return max(self.engine.config.max_num_seqs, self.engine.block_manager.num_blocks)
 
     @property
     def is_healthy(self) -> bool:

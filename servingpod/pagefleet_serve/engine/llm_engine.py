@@ -188,11 +188,11 @@ class LLMEngine:
             prompt_token_ids = list(prompt)
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:  # cheap: first
+            raise ContextLengthError(self.max_model_len, len(prompt_token_ids), params.max_tokens)
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthError(self.max_model_len, len(prompt_token_ids), params.max_tokens)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({self.config.max_num_seqs})")
         return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
