@@ -1,7 +1,8 @@
 """schemathesis over the server's own OpenAPI schema of /v1/completions and
 /v1/chat/completions (request bodies generated from the pydantic models, valid and
 invalid, with a fixed seed and a bounded number of examples): no answer is a 5xx, and the
-server is healthy afterwards. A short context keeps every generation short."""
+server is healthy afterwards. A short context keeps every generation short. The server runs
+the priority policy, so that generated `priority` values are honoured, not refused."""
 
 import httpx
 import pytest
@@ -17,7 +18,11 @@ MAX_EXAMPLES = 30
 @pytest.fixture(scope="module")
 def server():
     running = ThreadServer(
-        {}, dtype="float32", max_num_seqs=4, max_model_len=48, kv_cache_memory_bytes=16 << 20
+        {"scheduling_policy": "priority"},
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=48,
+        kv_cache_memory_bytes=16 << 20,
     )
     yield running
     assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 200
@@ -36,6 +41,20 @@ def test_the_schema_describes_both_request_bodies(server):
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
         assert document["components"]["schemas"][model]["required"] == [required]
+
+
+def test_priority_is_accepted_under_the_priority_policy(server):
+    body = {"prompt": "hi", "max_tokens": 2}
+    for priority in (-(10**18), 0, 10**18):
+        response = httpx.post(
+            f"{server.base_url}/v1/completions", json=body | {"priority": priority}, timeout=60
+        )
+        assert response.status_code == 200, response.text
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", json=body | {"priority": 2**63}, timeout=60
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
+    assert httpx.get(f"{server.base_url}/docs", timeout=10).status_code == 200  # no API key
 
 
 # schemathesis' pytest fixture loader does not run under pytest 9.2, so the operations'

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from pagefleet_serve.engine.async_engine import AsyncEngine
 from pagefleet_serve.engine.llm_engine import Request
 from pagefleet_serve.outputs import CompletionOutput
-from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.metrics import RequestTracker
 
 if TYPE_CHECKING:
@@ -47,14 +46,12 @@ _CANCEL = object()
 
 
 class Generation:
-    def __init__(
-        self, state: "ServerState", requests: list[Request], params: SamplingParams
-    ) -> None:
+    def __init__(self, state: "ServerState", requests: list[Request]) -> None:
         """Takes queue slots from `state` for engine requests validated by `make_request`
-        (APIError 429/503)."""
+        (APIError 429/503); they share one SamplingParams."""
         self.state = state
         self.engine: AsyncEngine = state.engine
-        self.params = params
+        self.params = requests[0].params
         self.requests = [
             _EngineRequest(request, i, state.metrics.track()) for i, request in enumerate(requests)
         ]

@@ -107,7 +107,7 @@ class _Endpoint(abc.ABC):
         request, engine_requests = await self.state.off_loop(
             lambda: self._validate(body, request_id)
         )
-        generation = Generation(self.state, engine_requests, engine_requests[0].params)
+        generation = Generation(self.state, engine_requests)
         run = _Run(
             request_id,
             int(time.time()),
