@@ -1,7 +1,24 @@
-"""Per-request sampling settings, validated at construction (ValueError names the field)."""
+"""Per-request sampling settings, validated at construction (ValueError names the field).
 
+Every number is bounded, so that nothing a client sends can overflow a tensor or poison a
+step shared with other requests: integers fit in 64 bits, floats are finite, lists are
+capped. Limits that depend on the model (top_k above the vocabulary, n above max_num_seqs,
+the context length) are the engine's to check or clamp.
+"""
+
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Below this, a temperature is greedy (as vLLM does): dividing logits by it would overflow.
+SAMPLING_EPS = 1e-5
+# Stop strings are matched per token per sample on the engine's output side; a partial match
+# holds back up to the longest one's length.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -38,21 +55,29 @@ class SamplingParams:
         _number(self, "frequency_penalty", lambda v: -2 <= v <= 2, "must be in [-2, 2]")
         _number(self, "repetition_penalty", lambda v: v > 0, "must be > 0")
         if self.seed is not None:
-            _int(self, "seed", lo=-(2**63))
+            _int(self, "seed", lo=INT64_MIN)
         if self.logprobs is not None:
-            _int(self, "logprobs", lo=0, hi=20)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
+        _int(self, "priority", lo=INT64_MIN)
+        _capped(self, "stop", MAX_STOP_STRINGS)
+        if any(
+            not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop
+        ):
             raise ValueError(
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+                f"stop must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters"
             )
-        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
-            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        _capped(self, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+        if any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX
+            for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids must be integers in [0, {INT64_MAX}], got {self.stop_token_ids!r}"
+            )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def top_k_enabled(self) -> bool:
@@ -65,12 +90,14 @@ class SamplingParams:
         )
 
 
-def _int(params: SamplingParams, name: str, lo: int, hi: int | None = None) -> None:
+def _int(params: SamplingParams, name: str, lo: int, hi: int = INT64_MAX) -> None:
     value = getattr(params, name)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer, got {value}")
+    if not lo <= value <= hi:
+        allowed = f">= {lo}" if hi == INT64_MAX else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be {allowed}, got {value}")
 
 
@@ -78,5 +105,14 @@ def _number(params: SamplingParams, name: str, ok: Callable[[float], bool], rule
     value = getattr(params, name)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if not ok(value):
         raise ValueError(f"{name} {rule}, got {value}")
+
+
+def _capped(params: SamplingParams, name: str, limit: int) -> None:
+    if len(getattr(params, name)) > limit:
+        raise ValueError(
+            f"{name} may hold at most {limit} entries, got {len(getattr(params, name))}"
+        )

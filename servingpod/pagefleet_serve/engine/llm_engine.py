@@ -1,4 +1,10 @@
-"""The engine: one step = schedule -> run the model -> update -> outputs."""
+"""The engine: one step = schedule -> run the model -> update -> outputs.
+
+A step that fails is retried on halves of its sequences, down to single ones, so that a
+request the model or the sampler cannot run fails alone and the others carry on. Only a
+step that fails for every sequence, not because of a client's sampling settings, is the
+engine's own failure (`EngineFault`), which the caller counts.
+"""
 
 import logging
 import time
@@ -10,7 +16,8 @@ import torch
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.model_runner import ModelRunner
-from pagefleet_serve.engine.scheduler import Scheduler
+from pagefleet_serve.engine.sampler import SampledToken, SamplingError
+from pagefleet_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.model.loader import load_model
 from pagefleet_serve.output_processor import OutputProcessor
@@ -45,6 +52,11 @@ class ContextLengthError(ValueError):
             f"but {num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
             f"prompt, {max_tokens} for max_tokens)"
         )
+
+
+class EngineFault(RuntimeError):
+    """The model failed for every sequence of a step, for reasons no client chose; the
+    step's requests have been failed already."""
 
 
 @dataclass(frozen=True)
@@ -176,11 +188,11 @@ class LLMEngine:
             prompt_token_ids = list(prompt)
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:  # cheap: first
+            raise ContextLengthError(self.max_model_len, len(prompt_token_ids), params.max_tokens)
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthError(self.max_model_len, len(prompt_token_ids), params.max_tokens)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({self.config.max_num_seqs})")
         return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
@@ -235,19 +247,45 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = self.step_pending()
+        """Raises EngineFault when the step failed for all of its sequences (their
+        requests' error outputs are then handed out by `step_pending`)."""
         step = self.scheduler.schedule()
         if step.is_empty:
-            return outputs
+            return self.step_pending()
         now = time.time()
         for item in step.scheduled:
             self.output_processor.mark_scheduled(item.seq, now)
-        sampled = self.runner.execute(step)
-        new_tokens = self.scheduler.update(step, sampled)
+        sampled, failed = self._execute_isolating(step.scheduled)
+        for request_id, exc in failed.items():
+            self.abort_request(request_id, reason="error", error=f"{type(exc).__name__}: {exc}")
+        succeeded = [item for item in step.scheduled if item.seq.request_id not in failed]
+        if not succeeded and not all(isinstance(e, SamplingError) for e in failed.values()):
+            first = next(iter(failed.values()))
+            raise EngineFault(
+                f"the model failed for every sequence of a step: {type(first).__name__}: {first}"
+            )
+        new_tokens = self.scheduler.update(SchedulerOutput(succeeded, step.preempted), sampled)
         step_outputs, stopped = self.output_processor.process(new_tokens, time.time())
         for seq in stopped:
             self.scheduler.finish(seq, "stop")
-        return outputs + step_outputs
+        return self.step_pending() + step_outputs
+
+    def _execute_isolating(
+        self, items: list[ScheduledSeq]
+    ) -> tuple[dict[Sequence, list[SampledToken]], dict[str, Exception]]:
+        """Run `items`; if that fails, run each half on its own, down to single sequences.
+        Returns the sampled tokens of what ran and the error of each request that failed.
+        A retry recomputes the same tokens into the same KV slots, so it is safe."""
+        try:
+            return self.runner.execute(SchedulerOutput(items, [])), {}
+        except Exception as exc:  # noqa: BLE001 - isolated below, raised by step() if total
+            if len(items) == 1:
+                logger.error("request %s failed a step", items[0].seq.request_id, exc_info=exc)
+                return {}, {items[0].seq.request_id: exc}
+        half = len(items) // 2
+        sampled, failed = self._execute_isolating(items[:half])
+        more_sampled, more_failed = self._execute_isolating(items[half:])
+        return sampled | more_sampled, failed | more_failed
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

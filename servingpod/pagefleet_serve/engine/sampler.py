@@ -4,6 +4,10 @@ Each row is one sample to draw. Penalties, temperature, top-k, top-p and min-p a
 as batched tensor ops; the draw is an exponential race (argmax of p / E with E ~ Exp(1)),
 which lets a seeded row draw its noise from its own generator, so a seed gives the same
 tokens whatever else shares the batch.
+
+Whatever goes wrong here depends on the rows' settings, that is on what clients sent, so it
+is raised as `SamplingError` (with every generator rewound): the engine then retries the
+step's rows apart and fails only the request that cannot be sampled.
 """
 
 from dataclasses import dataclass
@@ -21,6 +25,10 @@ class SampleRow:
     prompt_token_ids: list[int]  # repetition penalty covers the prompt too
 
 
+class SamplingError(RuntimeError):
+    """Sampling failed for settings a client chose; the engine is not at fault."""
+
+
 @dataclass
 class SampledToken:
     token_id: int
@@ -29,7 +37,19 @@ class SampledToken:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-    """logits: (R, V) float32, one row per entry of `rows`."""
+    """logits: (R, V) float32, one row per entry of `rows`. Raises SamplingError, after
+    rewinding every generator, so that a retry draws the same noise."""
+    states = [r.generator.get_state() if r.generator is not None else None for r in rows]
+    try:
+        return _sample(logits, rows)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the rows' settings
+        for row, state in zip(rows, states, strict=True):
+            if state is not None:
+                row.generator.set_state(state)
+        raise SamplingError(f"sampling failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     num_rows, vocab = logits.shape
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -37,8 +57,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     if any(r.params.needs_penalties for r in rows):
         logits = _apply_penalties(logits.clone(), rows)
 
+    greedy = torch.tensor([r.params.greedy for r in rows])
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
-    greedy = temperature == 0
     token_ids = logits.argmax(dim=-1)
     if not bool(greedy.all()):
         scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
@@ -94,12 +114,15 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     # OpenAI's presence and frequency penalties count output tokens only.
     logits -= frequency[:, None] * output_counts
     logits -= presence[:, None] * (output_counts > 0).to(logits.dtype)
-    return logits
+    # A tiny or huge repetition penalty can push a logit to +-inf (then softmax gives NaN).
+    finite = torch.finfo(logits.dtype)
+    return logits.clamp_(finite.min, finite.max)
 
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab = logits.shape[1]
-    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+    # top_k above the vocabulary keeps every token (as vLLM does), and never reaches a tensor.
+    top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
     top_p = [r.params.top_p for r in rows]
     min_p = [r.params.min_p for r in rows]
     if all(k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):

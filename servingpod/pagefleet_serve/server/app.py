@@ -1,5 +1,9 @@
 """The FastAPI app of a serving pod: the OpenAI routes (behind the API key when one is
-set), health, readiness, metrics, and OpenAI-shaped errors for everything."""
+set), health, readiness, metrics, and OpenAI-shaped errors for everything.
+
+The generation routes read their bodies themselves (size-limited, off the event loop), so
+FastAPI does not validate them; their pydantic models are declared in the OpenAPI schema
+by hand. /docs and /openapi.json are off when an API key is set, unless asked for."""
 
 import hmac
 import logging
@@ -8,7 +12,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagefleet_serve.server.errors import APIError, server_error, unavailable
@@ -18,7 +24,10 @@ from pagefleet_serve.server.openai_api import (
     CompletionsEndpoint,
     list_models,
 )
+from pagefleet_serve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagefleet_serve.server.state import ServerState
+
+_SCHEMA_REF = "#/components/schemas/{model}"
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +36,16 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        state.engine.shutdown()
+        state.shutdown()
 
-    app = FastAPI(title="PageFleet serving pod", lifespan=lifespan)
+    docs = state.settings.docs_enabled
+    app = FastAPI(
+        title="PageFleet serving pod",
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     app.state.server = state
     started = int(time.time())
 
@@ -55,15 +71,16 @@ def build_app(state: ServerState) -> FastAPI:
     def models() -> dict:
         return list_models(state, started)
 
-    @api.post("/completions")
+    @api.post("/completions", openapi_extra=_json_body(CompletionRequest))
     async def create_completion(raw: Request) -> Response:
         return await completions(raw)
 
-    @api.post("/chat/completions")
+    @api.post("/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def create_chat_completion(raw: Request) -> Response:
         return await chat(raw)
 
     app.include_router(api)
+    app.openapi = lambda: _openapi(app, (CompletionRequest, ChatCompletionRequest))
 
     @app.get("/health")
     def health() -> Response:
@@ -109,3 +126,27 @@ def build_app(state: ServerState) -> FastAPI:
         return server_error("internal server error").response()
 
     return app
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": _SCHEMA_REF.format(model=model.__name__)}}
+            },
+        }
+    }
+
+
+def _openapi(app: FastAPI, bodies: tuple[type[BaseModel], ...]) -> dict:
+    """FastAPI's schema plus the request bodies the routes read themselves."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in bodies:
+            body = model.model_json_schema(ref_template=_SCHEMA_REF)
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema

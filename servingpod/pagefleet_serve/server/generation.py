@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagefleet_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from pagefleet_serve.engine.async_engine import AsyncEngine
+from pagefleet_serve.engine.llm_engine import Request
 from pagefleet_serve.outputs import CompletionOutput
-from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.metrics import RequestTracker
 
 if TYPE_CHECKING:
@@ -31,36 +31,30 @@ class RequestCancelled(Exception):
 
 @dataclass
 class _EngineRequest:
-    request_id: str
+    request: Request  # validated by the engine's make_request
     prompt_index: int
-    prompt_token_ids: list[int]
     tracker: RequestTracker
     queued: bool = True  # accepted, no output yet (counts against the queue limit)
     done: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 _CANCEL = object()
 
 
 class Generation:
-    def __init__(
-        self,
-        state: "ServerState",
-        request_id: str,
-        prompts: list[list[int]],
-        params: SamplingParams,
-    ) -> None:
-        """Validates every prompt (ValueError, before anything runs), then takes queue
-        slots from `state` (APIError 429/503)."""
+    def __init__(self, state: "ServerState", requests: list[Request]) -> None:
+        """Takes queue slots from `state` for engine requests validated by `make_request`
+        (APIError 429/503); they share one SamplingParams."""
         self.state = state
         self.engine: AsyncEngine = state.engine
-        self.params = params
+        self.params = requests[0].params
         self.requests = [
-            _EngineRequest(f"{request_id}-{i}", i, ids, state.metrics.track())
-            for i, ids in enumerate(prompts)
+            _EngineRequest(request, i, state.metrics.track()) for i, request in enumerate(requests)
         ]
-        for request in self.requests:
-            self.engine.make_request(request.request_id, request.prompt_token_ids, params)
         state.admit(self)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -73,7 +67,7 @@ class Generation:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(r.prompt_token_ids) for r in self.requests)
+        return sum(len(r.request.prompt_token_ids) for r in self.requests)
 
     async def stream(
         self, keepalive_s: float | None, coalesce_s: float
@@ -128,11 +122,9 @@ class Generation:
 
     async def _pump(self, request: _EngineRequest) -> None:
         try:
-            async for output in self.engine.generate(
-                request.request_id, request.prompt_token_ids, self.params
-            ):
+            async for output in self.engine.run(request.request):
                 self._queue.put_nowait((request, output))
-        except (ValueError, EngineDeadError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the engine said, this request failed
             self._queue.put_nowait((request, exc))
 
     def _absorb(self, items: list[tuple]) -> list[CompletionOutput]:

@@ -1,9 +1,14 @@
 """The OpenAI endpoints: /v1/models, /v1/completions and /v1/chat/completions.
 
-Both generation endpoints share one path (`_Endpoint`): parse and validate the body,
-tokenize (chat: through the model's chat template), admit, then either stream SSE chunks
-or collect a JSON response. They differ only in how a prompt is read and how a choice is
-written.
+Both generation endpoints share one path (`_Endpoint`): read the body (JSON only, bounded
+in size), then in the frontend thread parse and validate it and tokenize (chat: through the
+model's chat template), admit, then either stream SSE chunks or collect a JSON response.
+They differ only in how a prompt is read and how a choice is written.
+
+Nothing that grows with a request's size runs on the event loop: the body is read in
+chunks against a byte limit, prompt text longer than the context could possibly hold is
+refused by its length in characters before any tokenizer sees it, and the rest runs in the
+frontend thread.
 """
 
 import abc
@@ -17,8 +22,10 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from pagefleet_serve.engine.llm_engine import ContextLengthError
+from pagefleet_serve.engine.llm_engine import Request as EngineRequest
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import APIError, bad_request, server_error, unavailable
@@ -28,10 +35,12 @@ from pagefleet_serve.server.generation import (
     RequestFailed,
 )
 from pagefleet_serve.server.protocol import (
+    MAX_PROMPTS_PER_REQUEST,
     ChatCompletionRequest,
     CompletionRequest,
     _GenerationRequest,
     parse,
+    too_many_prompts,
     value_error,
 )
 from pagefleet_serve.server.state import ServerState
@@ -90,18 +99,15 @@ class _Endpoint(abc.ABC):
         self.state = state
         self.tokenizer = state.engine.engine.tokenizer
         self.max_model_len = state.engine.engine.max_model_len
+        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
 
     async def __call__(self, raw: Request) -> Response:
-        request = parse(self.request_model, await raw.body())
-        self.state.check_model(request.model)
-        prompts, params = self.prepare(request)
+        body = await read_json_body(raw, self.state.settings.max_request_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        try:
-            generation = Generation(self.state, request_id, prompts, params)
-        except ContextLengthError as exc:
-            raise self._context_error(exc) from None
-        except ValueError as exc:
-            raise value_error(exc, self.request_model) from None
+        request, engine_requests = await self.state.off_loop(
+            lambda: self._validate(body, request_id)
+        )
+        generation = Generation(self.state, engine_requests)
         run = _Run(
             request_id,
             int(time.time()),
@@ -112,6 +118,30 @@ class _Endpoint(abc.ABC):
         if request.stream:
             return SSEResponse(generation, self._stream(run))
         return await self._respond(run, raw)
+
+    def _validate(
+        self, body: bytes, request_id: str
+    ) -> tuple[_GenerationRequest, list[EngineRequest]]:
+        """Body -> validated engine requests, one per prompt (frontend thread)."""
+        request = parse(self.request_model, body)
+        self.state.check_model(request.model)
+        request.check_supported()
+        if request.priority and self.state.settings.scheduling_policy != "priority":
+            raise bad_request(
+                "priority: this server schedules first come, first served; it honours "
+                "priority only when started with --scheduling-policy priority",
+                param="priority",
+            )
+        prompts, params = self.prepare(request)
+        try:
+            return request, [
+                self.state.engine.make_request(f"{request_id}-{i}", prompt, params)
+                for i, prompt in enumerate(prompts)
+            ]
+        except ContextLengthError as exc:
+            raise self._context_error(exc) from None
+        except ValueError as exc:
+            raise value_error(exc, self.request_model) from None
 
     # -- what each endpoint defines ---------------------------------------------------------
     @abc.abstractmethod
@@ -136,7 +166,20 @@ class _Endpoint(abc.ABC):
                 f"{self.prompt_param}: this model has no tokenizer; send token ids",
                 param=self.prompt_param,
             )
+        self.check_prompt_chars(len(text))
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse text that cannot fit the context whatever its tokens, before tokenizing."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"{self.prompt_param}: {num_chars} characters cannot fit in this model's "
+                f"maximum context length of {self.max_model_len} tokens (at most "
+                f"{self.max_prompt_chars} characters can). Please reduce the length of the "
+                f"{self.prompt_param}.",
+                param=self.prompt_param,
+                code="context_length_exceeded",
+            )
 
     @functools.cached_property
     def token_text(self):
@@ -242,6 +285,8 @@ class CompletionsEndpoint(_Endpoint):
             raise bad_request("prompt: must not be empty", param="prompt")
         elif isinstance(prompt[0], int):
             prompts = [list(prompt)]
+        elif len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            raise too_many_prompts(len(prompt))
         elif isinstance(prompt[0], str):
             prompts = [self.encode(p) for p in prompt]
         else:
@@ -304,6 +349,7 @@ class ChatCompletionsEndpoint(_Endpoint):
             | ({"name": m.name} if m.name else {})
             for m in request.messages
         ]
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages))
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
@@ -386,6 +432,50 @@ def list_models(state: ServerState, created: int) -> dict:
             for name in state.settings.served_model_names
         ],
     }
+
+
+async def read_json_body(raw: Request, limit: int) -> bytes:
+    """The body of a JSON request, refused (415, 413) before it is read whole."""
+    content_type = raw.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        raise APIError(
+            415,
+            f"Content-Type must be application/json, got {content_type[:100]!r}",
+            code="unsupported_media_type",
+        )
+    declared = raw.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _body_too_large(limit)
+    body = bytearray()
+    try:
+        async for chunk in raw.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _body_too_large(limit)
+    except ClientDisconnect:
+        # Nobody will read this answer; it only ends the request quietly.
+        raise bad_request("the client disconnected before sending the whole body") from None
+    return bytes(body)
+
+
+def _body_too_large(limit: int) -> APIError:
+    # Connection: close, so that the rest of the body is not read (and not waited for).
+    return APIError(
+        413,
+        f"the request body is larger than this server accepts ({limit} bytes; "
+        f"--max-request-body-bytes)",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def _max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The most characters a prompt of max_model_len tokens can have: no token's text is
+    longer than its vocabulary entry (byte-level and SentencePiece pieces alike)."""
+    if tokenizer is None:
+        return 0
+    longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+    return max_model_len * longest
 
 
 async def _unless_disconnected(raw: Request, work: Coroutine) -> bool:

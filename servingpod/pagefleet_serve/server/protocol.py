@@ -2,9 +2,12 @@
 field, and their translation into SamplingParams.
 
 Bodies are validated strictly (a string where a number belongs is an error, as with
-OpenAI); unknown fields are ignored, as OpenAI does.
+OpenAI; so is a float that is not finite); unknown fields are ignored, as OpenAI does, but
+fields of the API that this server does not implement are refused when they ask for
+something (`tools`, `logit_bias`, ...), so that a client never takes a 200 for a feature.
 """
 
+from collections.abc import Callable
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -12,7 +15,45 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import APIError, bad_request
 
-_CONFIG = ConfigDict(extra="ignore", strict=True)
+_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+# Request bodies keep unknown fields, so that unimplemented ones can be refused by name.
+_BODY_CONFIG = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+# A completions request runs one engine request per prompt.
+MAX_PROMPTS_PER_REQUEST = 64
+
+
+def _absent(*neutral: object) -> Callable[[object], bool]:
+    """A check that a value asks for nothing: null, or one of `neutral` (same type)."""
+    return lambda value: (
+        value is None or any(type(value) is type(n) and value == n for n in neutral)
+    )
+
+
+# Fields of OpenAI's and vLLM's APIs that this server does not implement, with the values
+# that ask for nothing; any other value is a 400 naming the field.
+UNSUPPORTED_FIELDS: dict[str, Callable[[object], bool]] = {
+    "tools": _absent([]),
+    "tool_choice": _absent("none"),
+    "functions": _absent([]),
+    "function_call": _absent("none"),
+    "response_format": _absent({"type": "text"}),
+    "best_of": _absent(1),
+    "logit_bias": _absent({}),
+    "echo": _absent(False),
+    "suffix": _absent(""),
+    "audio": _absent(),
+    "modalities": _absent(["text"]),
+    "prediction": _absent(),
+    "prompt_logprobs": _absent(),
+    "min_tokens": _absent(0),
+    "use_beam_search": _absent(False),
+    "include_stop_str_in_output": _absent(False),
+    "guided_json": _absent(),
+    "guided_regex": _absent(),
+    "guided_choice": _absent(),
+    "guided_grammar": _absent(),
+    "structured_outputs": _absent(),
+}
 
 
 class StreamOptions(BaseModel):
@@ -23,7 +64,7 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """The fields both endpoints share; None means "not given"."""
 
-    model_config = _CONFIG
+    model_config = _BODY_CONFIG
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -48,6 +89,18 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """400 for a field this server would otherwise ignore although it asks for
+        something."""
+        for name, value in (self.model_extra or {}).items():
+            asks_nothing = UNSUPPORTED_FIELDS.get(name)
+            if asks_nothing is not None and not asks_nothing(value):
+                raise bad_request(
+                    f"{name}: this server does not support {name}; remove it from the request",
+                    param=name,
+                    code="unsupported_field",
+                )
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         given = {
@@ -123,6 +176,13 @@ def value_error(exc: ValueError, model: type[BaseModel]) -> APIError:
     message = str(exc)
     first = message.split(" ", 1)[0].rstrip(":")
     return bad_request(message, param=first if first in model.model_fields else None)
+
+
+def too_many_prompts(count: int) -> APIError:
+    return bad_request(
+        f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {count}",
+        param="prompt",
+    )
 
 
 def _validation_error(exc: ValidationError) -> APIError:

@@ -11,7 +11,7 @@ import threading
 import time
 
 from pagefleet_serve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig, parse_bytes
-from pagefleet_serve.server.settings import ServerSettings
+from pagefleet_serve.server.settings import SCHEDULING_POLICIES, ServerSettings
 
 logger = logging.getLogger("pagefleet_serve.serve")
 
@@ -133,7 +133,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     flag("--api-key", "require 'Authorization: Bearer <key>' on /v1/*", default=None)
     flag(
         "--max-num-queued-requests",
-        "requests waiting for the engine beyond which new ones get 429 (default: no limit)",
+        "requests waiting for the engine beyond which new ones get 429 (default: the number "
+        "of KV cache blocks, at least --max-num-seqs)",
         type=int,
         default=None,
     )
@@ -154,6 +155,43 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "seconds of stream silence before an SSE comment is sent",
         type=float,
         default=server("sse_keepalive_interval"),
+    )
+    flag(
+        "--max-request-body-bytes",
+        "request bodies larger than this get 413, e.g. 4MiB",
+        type=parse_bytes,
+        default=server("max_request_body_bytes"),
+    )
+    flag(
+        "--header-read-timeout",
+        "seconds a connection has to send a request's headers before it is closed",
+        type=float,
+        default=server("header_read_timeout"),
+    )
+    flag(
+        "--body-read-timeout",
+        "seconds a request has to send its body after its headers (then 408 and close)",
+        type=float,
+        default=server("body_read_timeout"),
+    )
+    flag(
+        "--limit-concurrency",
+        "open connections plus running requests beyond which new requests get 503",
+        type=int,
+        default=server("limit_concurrency"),
+    )
+    flag(
+        "--scheduling-policy",
+        "fcfs: arrival order, requests may not set priority; priority: lower priority "
+        "values run first",
+        default=server("scheduling_policy"),
+        choices=SCHEDULING_POLICIES,
+    )
+    flag(
+        "--serve-docs",
+        "serve /docs, /redoc and /openapi.json (default: only when no --api-key is set)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
     )
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     parser.set_defaults(handler=run)
@@ -188,6 +226,12 @@ def run(args: argparse.Namespace) -> int:
             shutdown_timeout=args.shutdown_timeout,
             stream_coalesce_interval=args.stream_coalesce_interval,
             sse_keepalive_interval=args.sse_keepalive_interval,
+            max_request_body_bytes=args.max_request_body_bytes,
+            header_read_timeout=args.header_read_timeout,
+            body_read_timeout=args.body_read_timeout,
+            limit_concurrency=args.limit_concurrency,
+            scheduling_policy=args.scheduling_policy,
+            serve_docs=args.serve_docs,
         )
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -10,7 +12,8 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None
     # Requests accepted but not yet generating (waiting for a slot or in their first
-    # prefill) beyond which new ones get 429. None: no limit.
+    # prefill) beyond which new ones get 429. None: the number of KV cache blocks (each
+    # request needs one at least), no fewer than max_num_seqs (`ServerState`).
     max_num_queued_requests: int | None = None
     # How long in-flight requests may run after SIGTERM before they are aborted.
     shutdown_timeout: float = 30.0
@@ -19,10 +22,25 @@ class ServerSettings:
     stream_coalesce_interval: float = 0.0
     # An SSE comment is sent when a stream has been silent this long (queue, long prefill).
     sse_keepalive_interval: float = 5.0
+    # Request bodies above this get 413, checked while the body is read.
+    max_request_body_bytes: int = 4 * 2**20
+    # A connection must send a request's headers, then its body, within these many seconds
+    # of being ready for them, or it is closed (a slow or stalled client holds no slot).
+    header_read_timeout: float = 10.0
+    body_read_timeout: float = 30.0
+    # Open connections plus running requests beyond which new requests get 503 (uvicorn).
+    limit_concurrency: int = 1024
+    # fcfs: requests run in arrival order and `priority` is refused; priority: lower
+    # `priority` values run first (vLLM's --scheduling-policy).
+    scheduling_policy: str = "fcfs"
+    # /docs, /redoc and /openapi.json; None: served only when no API key is set.
+    serve_docs: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
             raise ValueError("served_model_names must be non-empty names")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty; leave it unset to serve without a key")
         if self.max_num_queued_requests is not None and self.max_num_queued_requests < 0:
             raise ValueError(
                 f"max_num_queued_requests must be >= 0, got {self.max_num_queued_requests}"
@@ -30,12 +48,26 @@ class ServerSettings:
         for name in ("shutdown_timeout", "stream_coalesce_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.sse_keepalive_interval <= 0:
+        for name in (
+            "sse_keepalive_interval",
+            "header_read_timeout",
+            "body_read_timeout",
+            "max_request_body_bytes",
+            "limit_concurrency",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"sse_keepalive_interval must be > 0, got {self.sse_keepalive_interval}"
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
 
     @property
     def model_name(self) -> str:
         """The name responses and metrics carry."""
         return self.served_model_names[0]
+
+    @property
+    def docs_enabled(self) -> bool:
+        return self.api_key is None if self.serve_docs is None else self.serve_docs

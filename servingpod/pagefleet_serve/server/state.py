@@ -1,9 +1,12 @@
-"""What the server knows beyond the engine: admission (queue limit, draining) and the
-requests in flight, which a graceful drain waits for and finally cancels."""
+"""What the server knows beyond the engine: admission (queue limit, draining), the
+requests in flight, which a graceful drain waits for and finally cancels, and the one
+worker thread where request bodies become token ids (off the event loop)."""
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 from pagefleet_serve.engine.async_engine import AsyncEngine
 from pagefleet_serve.server.errors import APIError, unavailable
@@ -18,6 +21,8 @@ logger = logging.getLogger(__name__)
 # After the drain deadline, how long cancelled requests get to send their final event.
 _CANCEL_GRACE_S = 5.0
 
+T = TypeVar("T")
+
 
 class ServerState:
     def __init__(self, settings: ServerSettings, engine: AsyncEngine) -> None:
@@ -26,11 +31,24 @@ class ServerState:
         self.draining = False
         self.num_queued = 0
         self.generations: set[Generation] = set()
+        limit = settings.max_num_queued_requests
+        self.max_num_queued = engine.default_max_num_queued if limit is None else limit
+        # One thread: parsing, chat templates and tokenizers run there in turn (a fast
+        # tokenizer must not be used by two threads at once).
+        self._frontend = ThreadPoolExecutor(max_workers=1, thread_name_prefix="frontend")
         self.metrics = ServerMetrics(settings.model_name, lambda: engine.stats, self._gauges)
 
     @property
     def ready(self) -> bool:
         return not self.draining and self.engine.is_healthy
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """Run `work` (CPU-bound work on request content) in the frontend thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._frontend, work)
+
+    def shutdown(self) -> None:
+        self._frontend.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.settings.served_model_names:
@@ -50,9 +68,9 @@ class ServerState:
             self.metrics.reject("engine_unhealthy")
             reason = self.engine.dead_reason or "an engine step has not returned in time"
             raise unavailable(f"the engine is not healthy: {reason}", code="engine_unhealthy")
-        limit = self.settings.max_num_queued_requests
+        limit = self.max_num_queued
         wanted = len(generation.requests)
-        if limit is not None and self.num_queued + wanted > limit:
+        if self.num_queued + wanted > limit:
             self.metrics.reject("queue_full")
             raise APIError(
                 429,

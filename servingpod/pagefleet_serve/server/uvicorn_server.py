@@ -4,19 +4,102 @@ uvicorn's own shutdown closes the listener at once; in Kubernetes, traffic keeps
 for a moment after SIGTERM (endpoints are removed asynchronously), so we keep listening,
 answer new requests with 503, let in-flight ones finish (up to the shutdown timeout), and
 only then let uvicorn shut down. The process then exits 0. A second signal exits at once.
+
+uvicorn closes idle keep-alive connections but puts no deadline on a request that is being
+sent: `GuardedH11Protocol` adds one for the headers and one for the body, so a client that
+sends slowly or stops half-way cannot hold a connection (or a slot of `limit_concurrency`)
+for ever.
 """
 
 import asyncio
+import functools
+import json
 import logging
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagefleet_serve.engine.async_engine import AsyncEngine
 from pagefleet_serve.server.app import build_app
+from pagefleet_serve.server.errors import APIError
 from pagefleet_serve.server.settings import ServerSettings
 from pagefleet_serve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with read deadlines: a request's headers must arrive within
+    `header_timeout` seconds of the connection being ready for them, and its body within
+    `body_timeout` seconds of its headers. Past a deadline the connection is closed, after
+    a 408 when the request is known and nothing has been answered yet."""
+
+    def __init__(self, *args, header_timeout: float, body_timeout: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
+        self._deadline: asyncio.TimerHandle | None = None
+        self._awaiting: object = None  # the h11 state the deadline is for
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def _watch(self) -> None:
+        """Arm the deadline for what the client owes now: headers (IDLE) or body
+        (SEND_BODY); a deadline already running for the same thing keeps running."""
+        awaiting = self.conn.their_state
+        if awaiting is self._awaiting or self.transport.is_closing():
+            return
+        self._cancel_deadline()
+        self._awaiting = awaiting
+        timeout = {h11.IDLE: self.header_timeout, h11.SEND_BODY: self.body_timeout}.get(awaiting)
+        if timeout is not None:
+            self._deadline = self.loop.call_later(timeout, self._expired, awaiting)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self, awaiting) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if awaiting is h11.SEND_BODY and self.cycle is not None and not self.cycle.response_started:
+            self._send_408(f"the request body did not arrive within {self.body_timeout:g}s")
+            self.cycle.disconnected = True  # the app's late answer goes nowhere
+        self.transport.close()
+
+    def _send_408(self, message: str) -> None:
+        body = json.dumps(APIError(408, message, code="request_timeout").body()).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        try:
+            for event in (
+                h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:  # h11 cannot answer in this state: just close
+            logger.debug("could not send 408 before closing", exc_info=True)
 
 
 class DrainingServer(uvicorn.Server):
@@ -70,5 +153,11 @@ def create_server(
         log_config=None,
         log_level=log_level,
         timeout_graceful_shutdown=5,
+        http=functools.partial(
+            GuardedH11Protocol,
+            header_timeout=settings.header_read_timeout,
+            body_timeout=settings.body_read_timeout,
+        ),
+        limit_concurrency=settings.limit_concurrency,
     )
     return DrainingServer(config, state)

@@ -1,0 +1,88 @@
+"""schemathesis over the server's own OpenAPI schema of /v1/completions and
+/v1/chat/completions (request bodies generated from the pydantic models, valid and
+invalid, with a fixed seed and a bounded number of examples): no answer is a 5xx, and the
+server is healthy afterwards. A short context keeps every generation short. The server runs
+the priority policy, so that generated `priority` values are honoured, not refused."""
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, seed, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from server_harness import ThreadServer
+
+MAX_EXAMPLES = 30
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = ThreadServer(
+        {"scheduling_policy": "priority"},
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=48,
+        kv_cache_memory_bytes=16 << 20,
+    )
+    yield running
+    assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 200
+    engine = running.engine.engine
+    assert not engine.has_unfinished_requests()
+    engine.block_manager.check_no_leaks()
+    running.stop()
+
+
+def test_the_schema_describes_both_request_bodies(server):
+    document = httpx.get(f"{server.base_url}/openapi.json", timeout=10).json()
+    for path, model, required in (
+        ("/v1/completions", "CompletionRequest", "prompt"),
+        ("/v1/chat/completions", "ChatCompletionRequest", "messages"),
+    ):
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert document["components"]["schemas"][model]["required"] == [required]
+
+
+def test_priority_is_accepted_under_the_priority_policy(server):
+    body = {"prompt": "hi", "max_tokens": 2}
+    for priority in (-(10**18), 0, 10**18):
+        response = httpx.post(
+            f"{server.base_url}/v1/completions", json=body | {"priority": priority}, timeout=60
+        )
+        assert response.status_code == 200, response.text
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", json=body | {"priority": 2**63}, timeout=60
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
+    assert httpx.get(f"{server.base_url}/docs", timeout=10).status_code == 200  # no API key
+
+
+# schemathesis' pytest fixture loader does not run under pytest 9.2, so the operations'
+# strategies drive hypothesis here directly: valid bodies, then invalid ones.
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_no_request_body_gets_a_5xx(server, path, mode):
+    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+    (operation,) = [
+        result.ok() for result in schema.include(path=path, method="POST").get_all_operations()
+    ]
+
+    @seed(20261130)
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def no_server_error(case):
+        response = case.call_and_validate(checks=[not_a_server_error], timeout=60)
+        statuses.add(response.status_code)
+
+    statuses: set[int] = set()
+    no_server_error()
+    # The bodies reached the engine and its validation, not just the JSON parser.
+    assert 400 in statuses
+    if mode == GenerationMode.POSITIVE:
+        assert 200 in statuses, statuses
