@@ -184,20 +184,38 @@ class Router:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED}
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)
-        try:
-            async for chunk in upstream.content.iter_any():
+        chunks = upstream.content.iter_any()
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except (
+                aiohttp.ClientPayloadError,
+                aiohttp.ClientConnectionError,
+                asyncio.TimeoutError,
+            ):
+                await self._upstream_failed(response, upstream, url)
+                return response
+            try:
                 await response.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError):
-            self.metrics.stream_errors.inc()
-            logger.warning("pod %s failed mid-response", url)
-            if upstream.content_type != "text/event-stream":
-                raise  # headers are out: dropping the connection tells the client it is cut
-            await response.write(_error_event("the pod serving this stream failed"))
-        except ConnectionResetError:
-            return response  # the client left; the caller closes the upstream request
+            except ConnectionResetError:
+                return response  # the client left; the caller closes the upstream request
         await response.write_eof()
         upstream.release()
         return response
+
+    async def _upstream_failed(
+        self, response: web.StreamResponse, upstream: aiohttp.ClientResponse, url: str
+    ) -> None:
+        self.metrics.stream_errors.inc()
+        logger.warning("pod %s failed mid-response", url)
+        if upstream.content_type != "text/event-stream":
+            # Headers are out and the body is cut: dropping the connection is how the
+            # client learns it, rather than from a short body that looks complete.
+            raise ConnectionResetError(f"pod {url} failed mid-response")
+        await response.write(_error_event("the pod serving this stream failed"))
+        await response.write_eof()
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
