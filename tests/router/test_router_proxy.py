@@ -117,10 +117,13 @@ class TcpRelay:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def cut(self) -> None:
+        # shutdown wakes the thread blocked in accept (close alone would leave it listening)
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         for sock in self.sockets:
             # linger 0: a reset rather than a clean close, as when a pod's node goes away;
-            # shutdown wakes the pump threads blocked in recv (close alone would not)
+            # shutdown wakes the pump threads blocked in recv
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
