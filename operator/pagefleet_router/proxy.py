@@ -41,6 +41,8 @@ PROXIED_ROUTES = (
     ("GET", "/v1/models"),
 )
 _ATTEMPTS = 2  # the first pod, then one other when the first fails before any byte
+# aiohttp's default (1 MiB) would refuse long-context prompts the pods accept.
+_MAX_REQUEST_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Router:
         self._scrape_task: asyncio.Task | None = None
 
     def create_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
         for method, path in PROXIED_ROUTES:
             app.router.add_route(method, path, self.forward)
         app.router.add_get("/health", self.health)
