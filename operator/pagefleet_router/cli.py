@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from aiohttp import web
 from pagefleet_flags import EnvFlags
+from pagefleet_operator.names import HTTP_PORT_NAME
 
-from .discovery import ScrapeSettings, StaticEndpoints
+from .discovery import Discovery, ScrapeSettings, StaticEndpoints
 from .policy import PolicyConfig
 from .proxy import Router, RouterSettings
 
@@ -32,6 +34,17 @@ def get_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
     )
+    flag(
+        "--service",
+        "discover the pods from this Service's EndpointSlices instead of --endpoints",
+        default=None,
+    )
+    flag(
+        "--namespace",
+        "the Service's namespace (default: the router pod's own)",
+        default=None,
+    )
+    flag("--port-name", "the pods' named HTTP port in the Service", default=HTTP_PORT_NAME)
     flag("--host", "address to listen on", default=router.host)
     flag("--port", "port to listen on", type=int, default=router.port)
     flag(
@@ -104,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if not args.endpoints:
-        parser.error("--endpoints (or PAGEFLEET_ENDPOINTS) is required: the pods' base URLs")
+    if bool(args.endpoints) == bool(args.service):
+        parser.error("give exactly one of --endpoints (the pods' base URLs) and --service")
     try:
         settings = RouterSettings(
             host=args.host,
@@ -128,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
-    endpoints = tuple(url.rstrip("/") for url in args.endpoints)
-    router = Router(settings, StaticEndpoints(endpoints))
-    logger.info("routing to %s", ", ".join(endpoints))
+    router = Router(settings, _discovery(args, parser))
     # handler_cancellation: a client that leaves cancels its handler, which closes the
     # upstream request even while the pod has sent nothing yet (queued, prefilling).
     web.run_app(
@@ -142,3 +153,25 @@ def main(argv: list[str] | None = None) -> int:
         print=None,
     )
     return 0
+
+
+_POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _discovery(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Discovery:
+    if args.endpoints:
+        endpoints = tuple(url.rstrip("/") for url in args.endpoints)
+        logger.info("routing to %s", ", ".join(endpoints))
+        return StaticEndpoints(endpoints)
+    # Imported only here: the kubernetes client is slow to import and unused otherwise.
+    from pagefleet_operator.kube import Kube, load_api_client
+
+    from .endpointslices import EndpointSliceDiscovery
+
+    namespace = args.namespace
+    if namespace is None and _POD_NAMESPACE_FILE.exists():
+        namespace = _POD_NAMESPACE_FILE.read_text().strip()
+    if not namespace:
+        parser.error("--namespace is required outside a pod (no service account namespace)")
+    logger.info("routing to the ready pods of Service %s/%s", namespace, args.service)
+    return EndpointSliceDiscovery(Kube(load_api_client()), namespace, args.service, args.port_name)

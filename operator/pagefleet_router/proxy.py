@@ -103,16 +103,20 @@ class Router:
         await self.session.close()
 
     async def _refresh(self) -> None:
-        for url in await refresh(self.discovery, self.registry, self.session, self.settings.scrape):
+        try:
+            vanished = await refresh(
+                self.discovery, self.registry, self.session, self.settings.scrape
+            )
+        except Exception:  # a discovery failure keeps the last pod list, and the loop
+            logger.exception("refreshing the pod list failed")
+            return
+        for url in vanished:
             self.prefix_table.forget_pod(url)
 
     async def _scrape_forever(self) -> None:
         while True:
             await asyncio.sleep(self.settings.scrape.interval_s)
-            try:
-                await self._refresh()
-            except Exception:  # a discovery failure must not end the loop
-                logger.exception("refreshing the pod list failed")
+            await self._refresh()
 
     def choose(self, hashes: list[bytes], exclude: set[str]) -> Decision | None:
         pods = [p for p in self.registry.states() if p.url not in exclude]

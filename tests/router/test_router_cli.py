@@ -30,7 +30,10 @@ def test_missing_endpoints_and_invalid_values_are_named(monkeypatch, capsys, cap
     monkeypatch.delenv("PAGEFLEET_ENDPOINTS", raising=False)
     with pytest.raises(SystemExit):
         main([])
-    assert "--endpoints (or PAGEFLEET_ENDPOINTS) is required" in capsys.readouterr().err
+    assert "exactly one of --endpoints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--endpoints", "http://a:8000", "--service", "chat"])
+    assert "exactly one of --endpoints" in capsys.readouterr().err
     assert main(["--endpoints", "http://a:8000", "--load-factor", "0.5"]) == 2
     assert "load_factor must be >= 1, got 0.5" in caplog.text
 
