@@ -132,6 +132,8 @@ class Router:
             if decision is None:
                 break
             tried.add(decision.url)
+            if attempt:
+                self.metrics.retries.inc()
             self.metrics.decisions.labels(decision.reason).inc()
             self.registry.acquire(decision.url)
             try:
@@ -144,8 +146,7 @@ class Router:
                 finally:
                     upstream.close()  # a no-op once released; else the pod sees a disconnect
             except _UpstreamUnavailable:
-                if attempt + 1 < _ATTEMPTS:
-                    self.metrics.retries.inc()
+                continue
             finally:
                 self.registry.release(decision.url)
         self.metrics.no_pod.inc()
