@@ -6,58 +6,21 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
+
+from pagefleet_flags import EnvFlags
 
 from pagefleet_serve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig, parse_bytes
 from pagefleet_serve.server.settings import SCHEDULING_POLICIES, ServerSettings
 
 logger = logging.getLogger("pagefleet_serve.serve")
 
-ENV_PREFIX = "PAGEFLEET_"
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _default(cls, name: str):
     return {f.name: f.default for f in dataclasses.fields(cls)}[name]
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true/false, got {text!r}")
-
-
-class _Flags:
-    """Adds flags whose default comes from PAGEFLEET_<FLAG> when that is set, so the
-    command line wins over the environment, which wins over the built-in default."""
-
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-
-    def __call__(self, flag: str, help: str, **kwargs) -> None:
-        env = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
-        text = os.environ.get(env)
-        if text is not None:
-            kwargs["default"] = self._from_env(env, text, kwargs)
-        self.parser.add_argument(flag, help=f"{help} [env: {env}]", **kwargs)
-
-    def _from_env(self, env: str, text: str, kwargs: dict):
-        try:
-            if kwargs.get("action") is argparse.BooleanOptionalAction:
-                return _parse_bool(text)
-            if kwargs.get("nargs") == "+":
-                return text.replace(",", " ").split()
-            value = kwargs.get("type", str)(text)
-        except ValueError as exc:
-            self.parser.error(f"{env}={text!r}: {exc}")
-        if "choices" in kwargs and value not in kwargs["choices"]:
-            self.parser.error(f"{env}={text!r}: choose from {', '.join(kwargs['choices'])}")
-        return value
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -66,7 +29,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (FastAPI under uvicorn).",
     )
-    flag = _Flags(parser)
+    flag = EnvFlags(parser)
     engine = functools.partial(_default, EngineConfig)
     server = functools.partial(_default, ServerSettings)
     flag(

@@ -1,0 +1,177 @@
+"""`pagefleet router` (also `python -m pagefleet_router`): the command line, every flag
+also read from `PAGEFLEET_<FLAG>`, and the aiohttp server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from aiohttp import web
+from pagefleet_flags import EnvFlags
+from pagefleet_operator.names import HTTP_PORT_NAME
+
+from .discovery import Discovery, ScrapeSettings, StaticEndpoints
+from .policy import PolicyConfig
+from .proxy import Router, RouterSettings
+
+logger = logging.getLogger("pagefleet_router")
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def get_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagefleet router",
+        description="Route OpenAI requests to the pod holding their prompt prefix, by load.",
+    )
+    flag = EnvFlags(parser)
+    router, policy, scrape = RouterSettings(), PolicyConfig(), ScrapeSettings()
+    flag(
+        "--endpoints",
+        "the pods' base URLs, e.g. http://10.0.0.7:8000 (comma or space separated in the env)",
+        nargs="+",
+        default=None,
+    )
+    flag(
+        "--service",
+        "discover the pods from this Service's EndpointSlices instead of --endpoints",
+        default=None,
+    )
+    flag(
+        "--namespace",
+        "the Service's namespace (default: the router pod's own)",
+        default=None,
+    )
+    flag("--port-name", "the pods' named HTTP port in the Service", default=HTTP_PORT_NAME)
+    flag("--host", "address to listen on", default=router.host)
+    flag("--port", "port to listen on", type=int, default=router.port)
+    flag(
+        "--block-chars",
+        "characters per prompt block hashed for prefix affinity",
+        type=int,
+        default=router.block_chars,
+    )
+    flag(
+        "--max-prefix-blocks",
+        "leading prompt blocks hashed per request",
+        type=int,
+        default=router.max_prefix_blocks,
+    )
+    flag(
+        "--prefix-table-size",
+        "block hashes remembered with the pod that last served them",
+        type=int,
+        default=router.prefix_table_size,
+    )
+    flag(
+        "--max-queue-depth",
+        "a pod with more waiting requests than this is skipped",
+        type=float,
+        default=policy.max_queue_depth,
+    )
+    flag(
+        "--load-factor",
+        "bounded load: a pod takes at most this times the mean in-flight requests",
+        type=float,
+        default=policy.load_factor,
+    )
+    flag(
+        "--metrics-max-age",
+        "seconds after which a pod's scraped metrics are stale",
+        type=float,
+        default=policy.max_metrics_age_s,
+    )
+    flag(
+        "--scrape-interval",
+        "seconds between /metrics scrapes",
+        type=float,
+        default=scrape.interval_s,
+    )
+    flag(
+        "--scrape-timeout",
+        "seconds one /metrics scrape may take",
+        type=float,
+        default=scrape.timeout_s,
+    )
+    flag(
+        "--scrape-max-bytes",
+        "largest /metrics body read from a pod",
+        type=int,
+        default=scrape.max_bytes,
+    )
+    flag(
+        "--connect-timeout",
+        "seconds to connect to a pod before trying another",
+        type=float,
+        default=router.connect_timeout_s,
+    )
+    flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = get_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if bool(args.endpoints) == bool(args.service):
+        parser.error("give exactly one of --endpoints (the pods' base URLs) and --service")
+    try:
+        settings = RouterSettings(
+            host=args.host,
+            port=args.port,
+            policy=PolicyConfig(
+                max_queue_depth=args.max_queue_depth,
+                load_factor=args.load_factor,
+                max_metrics_age_s=args.metrics_max_age,
+            ),
+            scrape=ScrapeSettings(
+                interval_s=args.scrape_interval,
+                timeout_s=args.scrape_timeout,
+                max_bytes=args.scrape_max_bytes,
+            ),
+            block_chars=args.block_chars,
+            max_prefix_blocks=args.max_prefix_blocks,
+            prefix_table_size=args.prefix_table_size,
+            connect_timeout_s=args.connect_timeout,
+        )
+    except ValueError as exc:
+        logger.error("invalid configuration: %s", exc)
+        return 2
+    router = Router(settings, _discovery(args, parser))
+    # handler_cancellation: a client that leaves cancels its handler, which closes the
+    # upstream request even while the pod has sent nothing yet (queued, prefilling).
+    web.run_app(
+        router.create_app(),
+        host=settings.host,
+        port=settings.port,
+        access_log=None,
+        handler_cancellation=True,
+        print=None,
+    )
+    return 0
+
+
+_POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _discovery(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Discovery:
+    if args.endpoints:
+        endpoints = tuple(url.rstrip("/") for url in args.endpoints)
+        logger.info("routing to %s", ", ".join(endpoints))
+        return StaticEndpoints(endpoints)
+    # Imported only here: the kubernetes client is slow to import and unused otherwise.
+    from pagefleet_operator.kube import Kube, load_api_client
+
+    from .endpointslices import EndpointSliceDiscovery
+
+    namespace = args.namespace
+    if namespace is None and _POD_NAMESPACE_FILE.exists():
+        namespace = _POD_NAMESPACE_FILE.read_text().strip()
+    if not namespace:
+        parser.error("--namespace is required outside a pod (no service account namespace)")
+    logger.info("routing to the ready pods of Service %s/%s", namespace, args.service)
+    return EndpointSliceDiscovery(Kube(load_api_client()), namespace, args.service, args.port_name)

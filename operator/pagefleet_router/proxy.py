@@ -1,0 +1,254 @@
+"""The router's HTTP side (aiohttp): the OpenAI routes forwarded to the pod the policy
+picks, bytes relayed as they arrive, and the router's own /health, /ready, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from .discovery import Discovery, PodRegistry, ScrapeSettings, refresh
+from .metrics import RouterMetrics
+from .policy import Decision, PolicyConfig, choose_pod, is_fresh
+from .prefix import PrefixTable, block_hashes, prompt_text
+
+logger = logging.getLogger("pagefleet_router.proxy")
+
+# Per-connection headers (RFC 9110 section 7.6.1) and the ones aiohttp recomputes.
+_NOT_FORWARDED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+PROXIED_ROUTES = (
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+)
+_ATTEMPTS = 2  # the first pod, then one other when the first fails before any byte
+# aiohttp's default (1 MiB) would refuse long-context prompts the pods accept.
+_MAX_REQUEST_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: PolicyConfig = PolicyConfig()
+    scrape: ScrapeSettings = ScrapeSettings()
+    block_chars: int = 128
+    max_prefix_blocks: int = 64
+    prefix_table_size: int = 100_000
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("block_chars", "max_prefix_blocks", "prefix_table_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+
+
+class _UpstreamUnavailable(Exception):
+    """The pod failed before sending a byte of its response."""
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, discovery: Discovery) -> None:
+        self.settings = settings
+        self.discovery = discovery
+        self.registry = PodRegistry()
+        self.prefix_table = PrefixTable(settings.prefix_table_size)
+        self.metrics = RouterMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self._scrape_task: asyncio.Task | None = None
+
+    def create_app(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
+        for method, path in PROXIED_ROUTES:
+            app.router.add_route(method, path, self.forward)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.render_metrics)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        # No total timeout: a stream lasts as long as its generation.
+        self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout())
+        await self._refresh()
+        self._scrape_task = asyncio.create_task(self._scrape_forever())
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._scrape_task is not None:
+            self._scrape_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scrape_task
+        await self.session.close()
+
+    async def _refresh(self) -> None:
+        try:
+            vanished = await refresh(
+                self.discovery, self.registry, self.session, self.settings.scrape
+            )
+        except Exception:  # a discovery failure keeps the last pod list, and the loop
+            logger.exception("refreshing the pod list failed")
+            return
+        for url in vanished:
+            self.prefix_table.forget_pod(url)
+
+    async def _scrape_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.scrape.interval_s)
+            await self._refresh()
+
+    def choose(self, hashes: list[bytes], exclude: set[str]) -> Decision | None:
+        pods = [p for p in self.registry.states() if p.url not in exclude]
+        return choose_pod(hashes, pods, self.prefix_table.get, self.settings.policy)
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        body = await request.read()
+        hashes = self._prefix_hashes(request.path, body)
+        tried: set[str] = set()
+        for attempt in range(_ATTEMPTS):
+            decision = self.choose(hashes, exclude=tried)
+            if decision is None:
+                break
+            tried.add(decision.url)
+            if attempt:
+                self.metrics.retries.inc()
+            self.metrics.decisions.labels(decision.reason).inc()
+            self.registry.acquire(decision.url)
+            try:
+                upstream = await self._open_upstream(request, decision.url, body, attempt)
+                try:
+                    if upstream.status == 200:
+                        self.prefix_table.record(hashes, decision.url)
+                    self.metrics.routing_time.observe(time.monotonic() - arrived)
+                    return await self._relay(request, upstream, decision.url)
+                finally:
+                    upstream.close()  # a no-op once released; else the pod sees a disconnect
+            except _UpstreamUnavailable:
+                continue
+            finally:
+                self.registry.release(decision.url)
+        self.metrics.no_pod.inc()
+        return _error(503, "no pod could take the request", "no_pod_available")
+
+    def _prefix_hashes(self, path: str, body: bytes) -> list[bytes]:
+        try:
+            payload = json.loads(body) if body else None
+        except ValueError:
+            return []  # the pod answers the malformed body with its own error
+        if not isinstance(payload, dict):
+            return []
+        text = prompt_text(path, payload)
+        return block_hashes(text, self.settings.block_chars, self.settings.max_prefix_blocks)
+
+    async def _open_upstream(
+        self, request: web.Request, url: str, body: bytes, attempt: int
+    ) -> aiohttp.ClientResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        try:
+            upstream = await self.session.request(
+                request.method,
+                url + request.path_qs,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(sock_connect=self.settings.connect_timeout_s),
+            )
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            logger.warning("pod %s failed before responding: %s", url, exc or type(exc).__name__)
+            self.registry.mark_failed(url)
+            raise _UpstreamUnavailable from exc
+        if upstream.status == 503 and attempt + 1 < _ATTEMPTS:
+            # A draining pod refuses new work; another pod can take it.
+            upstream.close()
+            raise _UpstreamUnavailable
+        return upstream
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, url: str
+    ) -> web.StreamResponse:
+        self.metrics.requests.labels(url, str(upstream.status)).inc()
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED}
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        chunks = upstream.content.iter_any()
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except (
+                aiohttp.ClientPayloadError,
+                aiohttp.ClientConnectionError,
+                asyncio.TimeoutError,
+            ):
+                await self._upstream_failed(response, upstream, url)
+                return response
+            try:
+                await response.write(chunk)
+            except ConnectionResetError:
+                return response  # the client left; the caller closes the upstream request
+        await response.write_eof()
+        upstream.release()
+        return response
+
+    async def _upstream_failed(
+        self, response: web.StreamResponse, upstream: aiohttp.ClientResponse, url: str
+    ) -> None:
+        self.metrics.stream_errors.inc()
+        logger.warning("pod %s failed mid-response", url)
+        if upstream.content_type != "text/event-stream":
+            # Headers are out and the body is cut: dropping the connection is how the
+            # client learns it, rather than from a short body that looks complete.
+            raise ConnectionResetError(f"pod {url} failed mid-response")
+        await response.write(_error_event("the pod serving this stream failed"))
+        await response.write_eof()
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _request: web.Request) -> web.Response:
+        """Ready once some pod has fresh metrics: before that the router knows of no pod
+        known to answer."""
+        if any(is_fresh(p, self.settings.policy) for p in self.registry.states()):
+            return web.json_response({"status": "ready"})
+        return _error(503, "no pod with fresh metrics yet", "no_pod_available")
+
+    async def render_metrics(self, _request: web.Request) -> web.Response:
+        states = self.registry.states()
+        self.metrics.pods.labels("discovered").set(len(states))
+        self.metrics.pods.labels("fresh").set(
+            sum(is_fresh(p, self.settings.policy) for p in states)
+        )
+        return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _error_event(message: str) -> bytes:
+    """The OpenAI-style error event, then [DONE], as the pods end a failed stream."""
+    error = {"message": message, "type": "server_error", "param": None, "code": "upstream_failed"}
+    return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()

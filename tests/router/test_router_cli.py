@@ -1,0 +1,47 @@
+"""`pagefleet router`'s command line: dispatched by `pagefleet`, flags from the environment,
+invalid values named, and no torch or serving package imported (the operator's image)."""
+
+import subprocess
+import sys
+
+import pytest
+from pagefleet_router.cli import get_parser, main
+
+
+def test_pagefleet_dispatches_router_to_its_own_parser(capsys):
+    from pagefleet_serve.cli import main as pagefleet_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        pagefleet_main(["router", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: pagefleet router") and "PAGEFLEET_ENDPOINTS" in out
+
+
+def test_environment_sets_flags_and_the_command_line_wins(monkeypatch):
+    monkeypatch.setenv("PAGEFLEET_ENDPOINTS", "http://a:8000,http://b:8000")
+    monkeypatch.setenv("PAGEFLEET_LOAD_FACTOR", "1.5")
+    args = get_parser().parse_args(["--load-factor", "2"])
+    assert args.endpoints == ["http://a:8000", "http://b:8000"]
+    assert args.load_factor == 2.0
+
+
+def test_missing_endpoints_and_invalid_values_are_named(monkeypatch, capsys, caplog):
+    monkeypatch.delenv("PAGEFLEET_ENDPOINTS", raising=False)
+    with pytest.raises(SystemExit):
+        main([])
+    assert "exactly one of --endpoints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--endpoints", "http://a:8000", "--service", "chat"])
+    assert "exactly one of --endpoints" in capsys.readouterr().err
+    assert main(["--endpoints", "http://a:8000", "--load-factor", "0.5"]) == 2
+    assert "load_factor must be >= 1, got 0.5" in caplog.text
+
+
+def test_the_router_imports_neither_torch_nor_the_serving_package():
+    code = (
+        "import sys, pagefleet_router.cli\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pagefleet_serve')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
