@@ -28,6 +28,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ReplicaSet": ("apps/v1", "replicasets"),
     "Pod": ("v1", "pods"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
+    # Only when the Prometheus Operator's CRDs are installed (see desired.OPTIONAL_KINDS).
+    "PodMonitor": ("monitoring.coreos.com/v1", "podmonitors"),
 }
 
 
