@@ -19,6 +19,7 @@ from pagefleet_serve.server.openai_api import (
     list_models,
 )
 from pagefleet_serve.server.state import ServerState
+from pagefleet_serve.server.tracing import install_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -108,4 +109,5 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return server_error("internal server error").response()
 
+    install_tracing(app, state.settings.otlp_traces_endpoint)
     return app

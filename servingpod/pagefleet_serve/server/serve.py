@@ -155,6 +155,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=float,
         default=server("sse_keepalive_interval"),
     )
+    flag(
+        "--otlp-traces-endpoint",
+        "OTLP/HTTP URL receiving a span per request, e.g. http://collector:4318/v1/traces",
+        default=None,
+    )
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     parser.set_defaults(handler=run)
 
@@ -188,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
             shutdown_timeout=args.shutdown_timeout,
             stream_coalesce_interval=args.stream_coalesce_interval,
             sse_keepalive_interval=args.sse_keepalive_interval,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)

@@ -19,6 +19,8 @@ class ServerSettings:
     stream_coalesce_interval: float = 0.0
     # An SSE comment is sent when a stream has been silent this long (queue, long prefill).
     sse_keepalive_interval: float = 5.0
+    # OTLP/HTTP endpoint that receives a span per request (server/tracing.py); None: off.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
