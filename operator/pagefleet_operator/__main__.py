@@ -63,8 +63,9 @@ def get_parser() -> argparse.ArgumentParser:
         target.add_argument(
             "--metrics-port",
             type=int,
-            default=8081,
-            help="port of the operator's own Prometheus /metrics (all addresses); 0 to disable",
+            default=0,
+            help="serve the operator's own Prometheus /metrics on this port (all addresses); "
+            "0, the default, serves none (the chart sets 8081)",
         )
         target.add_argument(
             "--pod-monitor-by-default",

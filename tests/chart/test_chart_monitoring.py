@@ -37,7 +37,7 @@ def test_nothing_for_monitoring_by_default():
     assert find(objects, "ConfigMap") == []
     args = get_parser().parse_args(operator_container(objects)["args"])
     assert not args.pod_monitor_by_default
-    assert args.metrics_port == 8081  # the operator's /metrics is always served
+    assert args.metrics_port == 8081  # the chart always serves the operator's /metrics
 
 
 def test_the_service_monitor_scrapes_the_operators_metrics_port():

@@ -121,8 +121,11 @@ def test_the_operator_default_applies_only_where_the_spec_is_silent():
 
     config = OperatorConfig(default_image=DEFAULT_IMAGE, pod_monitor_default=True)
     assert config.spec_options()["pod_monitor_default"] is True
-    args = get_parser().parse_args(["--pod-monitor-by-default", "--metrics-port", "0"])
-    assert args.pod_monitor_by_default and args.metrics_port == 0
+    args = get_parser().parse_args(["--pod-monitor-by-default", "--metrics-port", "9100"])
+    assert args.pod_monitor_by_default and args.metrics_port == 9100
+    # Off unless asked: test operators and local runs never fight over a port.
+    default = get_parser().parse_args([])
+    assert not default.pod_monitor_by_default and default.metrics_port == 0
 
 
 def test_bad_pod_monitor_labels_name_the_field():
