@@ -61,7 +61,7 @@ def attributes(span) -> dict:
 
 
 @pytest.fixture(scope="module")
-def traced():
+def traced_server():
     receiver = OTLPReceiver()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms, not 5 s
@@ -71,6 +71,14 @@ def traced():
     finally:
         server.stop()
         receiver.shutdown()
+
+
+@pytest.fixture
+def traced(traced_server):
+    """The shared server, with no span left over from another test (in any order)."""
+    server, receiver = traced_server
+    receiver.spans.clear()
+    return server, receiver
 
 
 def test_one_span_per_request_with_vllms_attributes_and_our_parent(traced):
@@ -107,7 +115,6 @@ def test_one_span_per_request_with_vllms_attributes_and_our_parent(traced):
 
 def test_without_traceparent_the_span_is_a_root(traced):
     server, receiver = traced
-    receiver.spans.clear()
     response = httpx.post(
         f"{server.base_url}/v1/chat/completions",
         json={
