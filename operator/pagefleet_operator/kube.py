@@ -160,11 +160,21 @@ class Kube:
         )
 
     def serves(self, api_version: str, plural: str) -> bool:
-        """Whether discovery lists the resource (e.g. its CRD is installed and established)."""
+        """Whether discovery lists the resource (e.g. its CRD is installed and established);
+        API trouble reads as "not yet"."""
+        try:
+            return self.discovers(api_version, plural)
+        except KubeError as exc:
+            if exc.transient:
+                return False
+            raise
+
+    def discovers(self, api_version: str, plural: str) -> bool:
+        """Like `serves`, but API trouble raises: for callers that act on a "no"."""
         try:
             found = self.request("GET", f"/apis/{api_version}")
         except KubeError as exc:
-            if exc.status == 404 or exc.transient:
+            if exc.status == 404:
                 return False
             raise
         return any(item.get("name") == plural for item in found.get("resources", []))

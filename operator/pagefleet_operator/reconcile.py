@@ -108,11 +108,12 @@ def drop_unserved_kinds(
 ) -> dict[str, dict[str, Any] | None]:
     """Leave out the optional kinds this cluster has no CRD for. Discovery is asked only
     when such an object is wanted: otherwise a GET of it answers 404 (None) either way,
-    and an object made while the CRD existed is still deleted."""
+    and an object made while the CRD existed is still deleted. A discovery failure
+    raises (a retry), rather than reporting a CRD missing that is not."""
     return {
         kind: want
         for kind, want in desired.items()
-        if kind not in OPTIONAL_KINDS or want is None or kube.serves(*RESOURCES[kind])
+        if kind not in OPTIONAL_KINDS or want is None or kube.discovers(*RESOURCES[kind])
     }
 
 

@@ -34,9 +34,12 @@ class ClusterKube(FakeKube):
         super().__init__(body)
         self.served = served
         self.discovery: list[tuple[str, str]] = []
+        self.discovery_error: KubeError | None = None
 
-    def serves(self, api_version: str, plural: str) -> bool:
+    def discovers(self, api_version: str, plural: str) -> bool:
         self.discovery.append((api_version, plural))
+        if self.discovery_error is not None:
+            raise self.discovery_error
         return api_version in self.served
 
 
@@ -108,6 +111,16 @@ def test_a_missing_crd_is_a_condition_not_a_failure():
     run(kube)
     assert kube.get("PodMonitor", "ml", "demo") is not None
     assert condition(kube, "Monitored")["status"] == "True"
+
+
+def test_api_trouble_in_discovery_is_a_retry_not_a_missing_crd():
+    kube = ClusterKube(make_body(MONITORED))
+    run(kube)
+    kube.discovery_error = KubeError(503, "discovery unavailable")
+    with pytest.raises(KubeError):
+        run(kube)
+    assert condition(kube, "Monitored")["status"] == "True"  # unchanged
+    assert kube.get("PodMonitor", "ml", "demo") is not None  # not deleted either
 
 
 def test_the_operator_default_applies_only_where_the_spec_is_silent():
