@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_render import CHART_DIR, K8S_VERSIONS, NAMESPACE, find, operator_container, render, the
+from chart_render import (
+    CHART_DIR,
+    K8S_VERSIONS,
+    NAMESPACE,
+    find,
+    helm,
+    operator_container,
+    render,
+    the,
+)
 from pagefleet_operator.__main__ import get_parser
 from pagefleet_operator.podmonitor import get_pod_monitor
 from pagefleet_operator.spec import parse_spec
@@ -103,3 +112,19 @@ def test_the_dashboard_config_map_holds_the_repos_dashboard():
 
     elsewhere = render({"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}})
     assert the(elsewhere, "ConfigMap")["metadata"]["namespace"] == "monitoring"
+
+
+@pytest.mark.parametrize(
+    ("values", "word"),
+    [
+        ({"operator": {"serviceMonitor": {"enable": True}}}, "enable"),
+        ({"operator": {"serviceMonitor": {"interval": "30 seconds"}}}, "interval"),
+        ({"operator": {"metricsPort": 80}}, "metricsPort"),
+        ({"grafanaDashboard": {"enabled": "yes"}}, "enabled"),
+        ({"servingPod": {"podMonitorByDefault": "true"}}, "podMonitorByDefault"),
+    ],
+)
+def test_bad_monitoring_values_fail_and_name_the_key(values, word):
+    with pytest.raises(helm.HelmError) as caught:
+        render(values)
+    assert word in str(caught.value)
