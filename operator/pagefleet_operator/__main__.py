@@ -18,11 +18,13 @@ from .config import (
     DEFAULT_IMAGE_ENV,
     DEFAULT_PULL_POLICY_ENV,
     PLATFORM_USER_IDS_ENV,
+    POD_MONITOR_DEFAULT_ENV,
     OperatorConfig,
 )
 from .kube import Kube, load_api_client
 from .rbac import get_cluster_role
 from .spec import PULL_POLICIES
+from .telemetry import OperatorMetrics
 from .uninstall import uninstall
 
 
@@ -57,6 +59,20 @@ def get_parser() -> argparse.ArgumentParser:
             "--liveness",
             default="http://0.0.0.0:8080/healthz",
             help="kopf's liveness endpoint; empty to disable",
+        )
+        target.add_argument(
+            "--metrics-port",
+            type=int,
+            default=0,
+            help="serve the operator's own Prometheus /metrics on this port (all addresses); "
+            "0, the default, serves none (the chart sets 8081)",
+        )
+        target.add_argument(
+            "--pod-monitor-by-default",
+            action="store_true",
+            default=OperatorConfig.from_env().pod_monitor_default,
+            help="create a PodMonitor for every InferenceService that leaves "
+            f"spec.monitoring.podMonitor unset (env {POD_MONITOR_DEFAULT_ENV}=true)",
         )
         target.add_argument(
             "--default-image",
@@ -100,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     from . import handlers  # noqa: F401  (registers the handlers with kopf)
 
     kopf.configure(verbose=args.verbose)
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
     kopf.run(
         standalone=True,  # one replica, no peering objects
         clusterwide=not args.namespace,
@@ -111,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                 default_image_pull_policy=args.default_image_pull_policy,
                 fixed_user_ids=not args.platform_assigns_user_ids,
                 allowed_image_prefixes=tuple(args.allowed_image_prefix),
-            )
+                pod_monitor_default=args.pod_monitor_by_default,
+            ),
+            metrics=metrics,
         ),
     )
     return 0

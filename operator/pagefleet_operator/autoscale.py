@@ -45,10 +45,23 @@ class Decision:
     queue_depth: int | None = None  # total waiting over scraped pods
     scraped_pods: int = 0
     unscraped_pods: int = 0
+    # What set the recommendation, as a short label value: kv_cache, queue_depth,
+    # no_metrics (no pod reported), missing_metrics (held: not every pod reported) or
+    # disabled. `reason` says the same in words, with the numbers.
+    signal: str = "disabled"
 
     @property
     def scaled(self) -> bool:
         return self.replicas != self.current
+
+    @property
+    def direction(self) -> str:
+        """up, down, or hold; a hold with another recommendation is stabilizing."""
+        if self.replicas > self.current:
+            return "up"
+        if self.replicas < self.current:
+            return "down"
+        return "hold" if self.recommended == self.current else "stabilizing"
 
 
 def _ceil(value: float) -> int:
@@ -87,13 +100,16 @@ def decide(
             f"{policy.target_queue_depth}/replica)"
         )
         observed |= {"kv_cache_usage": mean_kv, "queue_depth": waiting}
+        observed["signal"] = "queue_depth" if by_queue > by_kv else "kv_cache"
     else:
         raw, why = current, "no metrics from any ready pod"
+        observed["signal"] = "no_metrics"
     # Missing data is not idleness, and a pod still starting is not spare capacity:
     # only when every replica is ready and scraped may the recommendation go down.
     if unscraped or len(scraped) < current:
         if raw < current:
             why += f"; holding at {current}: only {len(scraped)}/{current} pods report metrics"
+            observed["signal"] = "missing_metrics"
         raw = max(raw, current)
     recommended = _clamp(raw, policy)
 

@@ -10,6 +10,7 @@ DEFAULT_IMAGE_ENV = "PAGEFLEET_OPERATOR_DEFAULT_IMAGE"
 DEFAULT_PULL_POLICY_ENV = "PAGEFLEET_OPERATOR_DEFAULT_IMAGE_PULL_POLICY"
 PLATFORM_USER_IDS_ENV = "PAGEFLEET_OPERATOR_PLATFORM_ASSIGNS_USER_IDS"
 ALLOWED_IMAGE_PREFIXES_ENV = "PAGEFLEET_OPERATOR_ALLOWED_IMAGE_PREFIXES"
+POD_MONITOR_DEFAULT_ENV = "PAGEFLEET_OPERATOR_POD_MONITOR_BY_DEFAULT"
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class OperatorConfig:
     # Creating an InferenceService means choosing the image its pods run; when set,
     # spec.engine.image must start with one of these (the default image always may).
     allowed_image_prefixes: tuple[str, ...] = ()
+    # spec.monitoring.podMonitor of every InferenceService that leaves it unset.
+    pod_monitor_default: bool = False
 
     def spec_options(self) -> dict[str, object]:
         """The keyword arguments of spec.parse_spec that come from the operator."""
@@ -33,6 +36,7 @@ class OperatorConfig:
             "default_image_pull_policy": self.default_image_pull_policy,
             "fixed_user_ids": self.fixed_user_ids,
             "allowed_image_prefixes": self.allowed_image_prefixes,
+            "pod_monitor_default": self.pod_monitor_default,
         }
 
     @classmethod
@@ -44,4 +48,5 @@ class OperatorConfig:
             allowed_image_prefixes=tuple(
                 p for p in os.environ.get(ALLOWED_IMAGE_PREFIXES_ENV, "").split(",") if p
             ),
+            pod_monitor_default=os.environ.get(POD_MONITOR_DEFAULT_ENV, "").lower() == "true",
         )

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import kopf
 
 from . import API_VERSION, FINALIZER, GROUP, KIND, PLURAL, VERSION
+from .apply import ApplyError
 from .config import OperatorConfig
 from .kube import Kube, KubeError, load_api_client
 from .names import MANAGED_BY
 from .reconcile import reconcile
 from .scaler import autoscale_once
+from .telemetry import OperatorMetrics
 
 RETRY_DELAY_SECONDS = 10
 # Periodic re-reconcile: puts back manual drift and notices e.g. a PVC created later.
@@ -45,6 +48,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo["config"] = OperatorConfig.from_env()
     if "kube" not in memo:
         memo["kube"] = Kube(load_api_client())
+    if "metrics" not in memo:
+        memo["metrics"] = OperatorMetrics()
 
 
 @kopf.on.startup()
@@ -68,16 +73,19 @@ async def wait_for_crd(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> Non
 
 
 def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, retry: int = 0) -> None:
+    meta = body["metadata"]
     try:
         config = memo["config"]
         outcome = reconcile(memo["kube"], body, **config.spec_options())
     except KubeError as exc:
+        memo["metrics"].record_reconcile_error(exc.kind if isinstance(exc, ApplyError) else None)
         # One Warning per run of failures; kopf logs every retry anyway.
         if retry == 0:
             kopf.warn(body, reason="ReconcileFailed", message=str(exc))
         raise kopf.TemporaryError(
             f"API trouble, retrying: {exc}", delay=RETRY_DELAY_SECONDS
         ) from exc
+    memo["metrics"].record_reconcile(meta["namespace"], meta["name"], outcome)
     if outcome.problem is not None and outcome.new_problem:
         kopf.warn(body, reason=outcome.problem.reason, message=outcome.problem.message)
     for change in outcome.changes:
@@ -98,6 +106,12 @@ def resync_service(
     body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int = 0, **_: Any
 ) -> None:
     _reconcile(body, memo, logger, retry)
+
+
+# optional: kopf's finalizer is there for the daemons anyway; this must never hold a deletion.
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def forget_service(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    memo["metrics"].forget(body["metadata"]["namespace"], body["metadata"]["name"])
 
 
 @kopf.on.event("apps", "v1", "deployments")
@@ -143,6 +157,11 @@ async def autoscaler(
             last_failure = str(exc)
         else:
             last_failure = None
+            if decision is not None:
+                meta = body["metadata"]
+                memo["metrics"].record_autoscale(
+                    meta["namespace"], meta["name"], decision, time.time()
+                )
             if decision is not None and decision.scaled:
                 kopf.event(body, type="Normal", reason="Scaled", message=decision.reason)
         interval = (body.get("spec", {}).get("autoscaling") or {}).get("intervalSeconds")

@@ -28,6 +28,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ReplicaSet": ("apps/v1", "replicasets"),
     "Pod": ("v1", "pods"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
+    # Only when the Prometheus Operator's CRDs are installed (see desired.OPTIONAL_KINDS).
+    "PodMonitor": ("monitoring.coreos.com/v1", "podmonitors"),
 }
 
 
@@ -158,11 +160,21 @@ class Kube:
         )
 
     def serves(self, api_version: str, plural: str) -> bool:
-        """Whether discovery lists the resource (e.g. its CRD is installed and established)."""
+        """Whether discovery lists the resource (e.g. its CRD is installed and established);
+        API trouble reads as "not yet"."""
+        try:
+            return self.discovers(api_version, plural)
+        except KubeError as exc:
+            if exc.transient:
+                return False
+            raise
+
+    def discovers(self, api_version: str, plural: str) -> bool:
+        """Like `serves`, but API trouble raises: for callers that act on a "no"."""
         try:
             found = self.request("GET", f"/apis/{api_version}")
         except KubeError as exc:
-            if exc.status == 404 or exc.transient:
+            if exc.status == 404:
                 return False
             raise
         return any(item.get("name") == plural for item in found.get("resources", []))

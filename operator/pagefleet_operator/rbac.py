@@ -37,6 +37,13 @@ RULES: list[dict[str, Any]] = [
         "resources": ["poddisruptionbudgets"],
         "verbs": ["get", "create", "patch", "delete"],
     },
+    # The serving pods' PodMonitor, with spec.monitoring.podMonitor (whether the cluster
+    # serves the CRD is asked through discovery, which every account may read).
+    {
+        "apiGroups": ["monitoring.coreos.com"],
+        "resources": ["podmonitors"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
     # Ready pods' IPs for scraping /metrics, found through their owners (the
     # Deployment's ReplicaSets); claims are checked before pods need them.
     {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},

@@ -13,13 +13,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .apply import Change, apply_plan
-from .desired import MANAGED_KINDS, get_desired_objects
-from .kube import Kube, KubeError
+from .apply import ApplyError, Change, apply_plan
+from .desired import MANAGED_KINDS, OPTIONAL_KINDS, get_desired_objects
+from .kube import RESOURCES, Kube
 from .names import check_name
 from .plan import Plan, plan
 from .spec import InferenceServiceSpec, SpecError, parse_spec
-from .status import Problem, get_status, is_status_current
+from .status import (
+    Problem,
+    get_monitored_condition,
+    get_replica_counts,
+    get_status,
+    is_status_current,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +39,10 @@ class Outcome:
     # A problem that is new since the last status: worth an Event.
     new_problem: bool
     status_written: bool
+    # The kind the API server refused to write, if any (transient refusals raise instead).
+    failed_kind: str | None = None
+    ready_replicas: int = 0
+    desired_replicas: int = 0
 
 
 def utc_now() -> str:
@@ -93,6 +103,20 @@ def _build(
         return None, Problem("InvalidSpec", f"cannot build objects from spec: {exc!r}")
 
 
+def drop_unserved_kinds(
+    kube: Kube, desired: dict[str, dict[str, Any] | None]
+) -> dict[str, dict[str, Any] | None]:
+    """Leave out the optional kinds this cluster has no CRD for. Discovery is asked only
+    when such an object is wanted: otherwise a GET of it answers 404 (None) either way,
+    and an object made while the CRD existed is still deleted. A discovery failure
+    raises (a retry), rather than reporting a CRD missing that is not."""
+    return {
+        kind: want
+        for kind, want in desired.items()
+        if kind not in OPTIONAL_KINDS or want is None or kube.discovers(*RESOURCES[kind])
+    }
+
+
 def reconcile(
     kube: Kube,
     body: Mapping[str, Any],
@@ -112,26 +136,41 @@ def reconcile(
         desired, problem = _build(body, spec)
 
     observed_deployment = kube.get("Deployment", namespace, name)
+    failed_kind, monitored = None, None
     if desired is not None:
+        served = drop_unserved_kinds(kube, desired)
+        monitored = get_monitored_condition(spec, "PodMonitor" in served)
         observed: dict[str, Any] = {"Deployment": observed_deployment}
         for kind in MANAGED_KINDS[1:]:
-            observed[kind] = kube.get(kind, namespace, name)
-        the_plan = plan(desired, observed, meta["uid"])
+            if kind in served:
+                observed[kind] = kube.get(kind, namespace, name)
+        the_plan = plan(served, observed, meta["uid"])
         try:
             changes = apply_plan(kube, the_plan)
-        except KubeError as exc:
+        except ApplyError as exc:
             if exc.transient:
                 raise
             # E.g. 422: the API server refused what we built from this spec.
+            failed_kind = exc.kind
             problem = Problem("ApplyFailed", f"the API server refused an object: {exc.message}")
         problem = problem or _describe_conflicts(the_plan)
         if changes:
             observed_deployment = kube.get("Deployment", namespace, name)
 
-    status = get_status(body, spec, observed_deployment, problem, now())
+    status = get_status(body, spec, observed_deployment, problem, now(), monitored)
     new_problem = problem is not None and problem.message != _current_degraded_message(body)
     written = False
     if not is_status_current(body, status):
         kube.patch_status(namespace, name, status)
         written = True
-    return Outcome(the_plan, tuple(changes), problem, new_problem, written)
+    ready, desired_replicas = get_replica_counts(spec, observed_deployment)
+    return Outcome(
+        the_plan,
+        tuple(changes),
+        problem,
+        new_problem,
+        written,
+        failed_kind,
+        ready,
+        desired_replicas,
+    )

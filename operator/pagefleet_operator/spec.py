@@ -65,6 +65,14 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class MonitoringSpec:
+    # A monitoring.coreos.com/v1 PodMonitor for the serving pods.
+    pod_monitor: bool = False
+    # Extra labels on it: Prometheus picks PodMonitors by label (its podMonitorSelector).
+    pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class IngressSpec:
     host: str
     class_name: str | None
@@ -84,6 +92,7 @@ class InferenceServiceSpec:
     model_cache_size_limit: str | None
     ingress: IngressSpec | None
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
     # Pods run as uid/gid/fsGroup 1000; False leaves them to the platform (OpenShift).
     fixed_user_ids: bool = True
 
@@ -262,6 +271,20 @@ def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
     )
 
 
+def _parse_monitoring(spec: Mapping[str, Any], pod_monitor_default: bool) -> MonitoringSpec:
+    section = _get_section(spec, "monitoring")
+    labels = _get(section, "podMonitorLabels", "monitoring", dict, {})
+    for key, value in labels.items():
+        if not isinstance(value, str):
+            raise SpecError(
+                f"monitoring.podMonitorLabels.{key}", f"must be a string, got {value!r}"
+            )
+    return MonitoringSpec(
+        pod_monitor=_get(section, "podMonitor", "monitoring", bool, pod_monitor_default),
+        pod_monitor_labels=labels,
+    )
+
+
 def _parse_tolerations(spec: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
     tolerations = _get(spec, "tolerations", "", list, [])
     for i, item in enumerate(tolerations):
@@ -277,6 +300,7 @@ def parse_spec(
     default_image_pull_policy: str | None = None,
     fixed_user_ids: bool = True,
     allowed_image_prefixes: tuple[str, ...] = (),
+    pod_monitor_default: bool = False,
 ) -> InferenceServiceSpec:
     """Validate a raw spec and fill the defaults the CRD would have filled."""
     cache = _get_section(spec, "modelCache")
@@ -297,5 +321,6 @@ def parse_spec(
         model_cache_size_limit=size_limit,
         ingress=_parse_ingress(spec),
         autoscaling=_parse_autoscaling(spec),
+        monitoring=_parse_monitoring(spec, pod_monitor_default),
         fixed_user_ids=fixed_user_ids,
     )

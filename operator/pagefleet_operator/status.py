@@ -78,12 +78,38 @@ def _rollout(spec: InferenceServiceSpec | None, deployment: Mapping[str, Any] | 
     return ready, desired, _condition("Progressing", False, "Complete", message), problem
 
 
+def get_replica_counts(
+    spec: InferenceServiceSpec | None, deployment: Mapping[str, Any] | None
+) -> tuple[int, int]:
+    """(ready, desired) replicas, as the status reports them."""
+    ready, desired, _, _ = _rollout(spec, deployment)
+    return ready, desired
+
+
+def get_monitored_condition(
+    spec: InferenceServiceSpec | None, pod_monitor_served: bool
+) -> dict[str, Any] | None:
+    """Whether the PodMonitor asked for exists; None (no condition) when none is asked for."""
+    if spec is None or not spec.monitoring.pod_monitor:
+        return None
+    if pod_monitor_served:
+        return _condition("Monitored", True, "PodMonitorApplied", "Prometheus scrapes the pods")
+    return _condition(
+        "Monitored",
+        False,
+        "PodMonitorCRDMissing",
+        "spec.monitoring.podMonitor is true but the cluster does not serve "
+        "monitoring.coreos.com/v1 PodMonitor: install the Prometheus Operator's CRDs",
+    )
+
+
 def get_status(
     body: Mapping[str, Any],
     spec: InferenceServiceSpec | None,
     deployment: Mapping[str, Any] | None,
     problem: Problem | None,
     now: str,
+    monitored: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     meta = body["metadata"]
     ready, desired, progressing, deadline_problem = _rollout(spec, deployment)
@@ -112,7 +138,7 @@ def get_status(
         "selector": get_selector_string(meta["name"]),
         "conditions": merge_conditions(
             body.get("status", {}).get("conditions", []),
-            [ready_condition, progressing, degraded],
+            [ready_condition, progressing, degraded, *([monitored] if monitored else [])],
             now,
         ),
     }

@@ -240,6 +240,7 @@ def test_api_trouble_warns_once_per_run_of_retries(monkeypatch):
     from pagefleet_operator import handlers
     from pagefleet_operator.config import OperatorConfig
     from pagefleet_operator.kube import KubeError
+    from pagefleet_operator.telemetry import OperatorMetrics
 
     class Unavailable(FakeKube):
         def get(self, kind, namespace, name):
@@ -248,8 +249,17 @@ def test_api_trouble_warns_once_per_run_of_retries(monkeypatch):
     warnings = []
     monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warnings.append(reason))
     body = make_body(BUILTIN)
-    memo = {"kube": Unavailable(body), "config": OperatorConfig(default_image=DEFAULT_IMAGE)}
+    memo = {
+        "kube": Unavailable(body),
+        "config": OperatorConfig(default_image=DEFAULT_IMAGE),
+        "metrics": OperatorMetrics(),
+    }
     for retry in range(4):
         with pytest.raises(kopf.TemporaryError):
             handlers._reconcile(body, memo, logging.getLogger("test"), retry)
     assert warnings == ["ReconcileFailed"]
+    # Every retry is counted, though only the first one warns.
+    registry = memo["metrics"].registry
+    assert (
+        registry.get_sample_value("pagefleet_operator_reconciles_total", {"result": "error"}) == 4
+    )

@@ -26,6 +26,7 @@ from pagefleet_serve.server.openai_api import (
 )
 from pagefleet_serve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagefleet_serve.server.state import ServerState
+from pagefleet_serve.server.tracing import install_tracing
 
 _SCHEMA_REF = "#/components/schemas/{model}"
 
@@ -125,6 +126,7 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return server_error("internal server error").response()
 
+    install_tracing(app, state.settings.otlp_traces_endpoint)
     return app
 
 

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagefleet_serve.engine.llm_engine import EngineStats
 from pagefleet_serve.outputs import RequestOutput
+from pagefleet_serve.server.tracing import record_finished
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -210,6 +211,7 @@ class RequestTracker:
             or next((r for r in ("error", "abort", "length", "stop") if r in reasons), "stop")
         )
         m.request_success.labels(label, reason).inc()
+        record_finished(output, self.num_generated, label)
         t = output.metrics
         if t is None or t.finished_time is None or not self.started:
             return

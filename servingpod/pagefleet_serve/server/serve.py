@@ -156,6 +156,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
     )
+    flag(
+        "--otlp-traces-endpoint",
+        "OTLP/HTTP URL receiving a span per request, e.g. http://collector:4318/v1/traces",
+        default=None,
+    )
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     parser.set_defaults(handler=run)
 
@@ -195,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             limit_concurrency=args.limit_concurrency,
             scheduling_policy=args.scheduling_policy,
             serve_docs=args.serve_docs,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)

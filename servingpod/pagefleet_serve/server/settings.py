@@ -35,6 +35,8 @@ class ServerSettings:
     scheduling_policy: str = "fcfs"
     # /docs, /redoc and /openapi.json; None: served only when no API key is set.
     serve_docs: bool | None = None
+    # OTLP/HTTP endpoint that receives a span per request (server/tracing.py); None: off.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
