@@ -13,9 +13,16 @@ import torch
 from pagefleet_serve.config import ATTENTION_BACKENDS
 
 
-def get_attention_backend(name: str, device: torch.device):
+def get_attention_backend(name: str, device: torch.device, sliding_window: int | None = None):
+    """The backend module; `sliding_window`: the model's, if any of its layers has one."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        # The Triton kernels have no sliding window; the reference runs on CUDA too.
+        name = "triton" if device.type == "cuda" and sliding_window is None else "torch"
+    if name == "triton" and sliding_window is not None:
+        raise ValueError(
+            f"the model uses sliding-window attention (sliding_window={sliding_window}), which "
+            "the Triton kernels do not implement; use attention_backend 'torch'"
+        )
     if name == "torch":
         from pagefleet_kernels import reference
 

@@ -1,5 +1,8 @@
 """A Llama-family decoder over the paged KV cache, in plain PyTorch.
 
+One model class serves Llama, Mistral, Qwen2/2.5 and Qwen3: they differ only in switches
+of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNorm, sliding-window layers).
+
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
 context. Weight names follow Hugging Face's LlamaForCausalLM; q/k/v and gate/up are fused
@@ -30,6 +33,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Every id that ends a generation (the config's and generation_config's); includes
+    # eos_token_id.
+    eos_token_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False  # Qwen2, and Llama/Qwen3 with attention_bias
+    o_bias: bool = False  # Llama/Qwen3 with attention_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before rope
+    sliding_window: int | None = None  # keys within this many positions, the query's included
+    # Per layer, whether it uses the sliding window; None: every layer does (when set).
+    sliding_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -37,6 +49,18 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(
+                f"sliding_layers has {len(self.sliding_layers)} entries for "
+                f"{self.num_layers} layers"
+            )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
 
 
 @dataclass
@@ -73,17 +97,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """A bias-free linear layer. On the CPU PyTorch multiplies a single bfloat16/float16
-    row by a matrix-vector routine that ignores AMX and runs several times slower than a
-    two-row product, so a one-token batch is computed as two rows (a broadcast, no copy)."""
+    """A linear layer, bias-free unless asked. On the CPU PyTorch multiplies a single
+    bfloat16/float16 row by a matrix-vector routine that ignores AMX and runs several times
+    slower than a two-row product, so a one-token batch is computed as two rows (a
+    broadcast, no copy)."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and x.dtype != torch.float32 and x.device.type == "cpu":
-            return F.linear(x.expand(2, -1), self.weight)[:1]
-        return F.linear(x, self.weight)
+            return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +131,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend) -> None:
+    def __init__(self, config: ModelConfig, backend, layer: int) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -114,15 +139,23 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim**-0.5
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size)
-        self.o_proj = Linear(q_size, config.hidden_size)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.sliding_window = config.layer_sliding_window(layer)
         self.backend = backend
 
     def forward(self, x, cos, sin, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.split
-        # q and k side by side in qkv: rotated in one pass, then split (views).
         qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k side by side: rotated in one pass, then split (views).
         q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         cache = kv_cache  # LayerKVCache: key, value (+ their scales when int8/fp8)
@@ -141,6 +174,7 @@ class LlamaAttention(nn.Module):
             cache.key_scale,
             cache.value_scale,
             plan_cache=attn.plan_cache,
+            sliding_window=self.sliding_window,
         )
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -157,10 +191,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend) -> None:
+    def __init__(self, config: ModelConfig, backend, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = LlamaAttention(config, backend, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -175,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, backend) for _ in range(config.num_layers)]
+            [LlamaDecoderLayer(config, backend, i) for i in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
@@ -203,23 +237,26 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face LlamaForCausalLM names (`model.` prefix optional), fusing
-        q/k/v and gate/up."""
+        q/k/v (weights and biases) and gate/up."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
         weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
         for i in range(self.config.num_layers):
             p = f"layers.{i}."
-            weights[p + "self_attn.qkv_proj.weight"] = torch.cat(
-                [weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            )
+            for kind in ("weight", "bias") if self.config.qkv_bias else ("weight",):
+                weights[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+                    [weights.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
+                )
             weights[p + "mlp.gate_up_proj.weight"] = torch.cat(
                 [weights.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
             )
         if self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             weights["lm_head.weight"] = weights["embed_tokens.weight"]
-        missing, unexpected = self.load_state_dict(weights, strict=False)
+        missing, unexpected = self.load_state_dict(weights, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(
-                f"weights do not fit the Llama architecture: missing {sorted(missing)[:5]}, "
+                f"weights do not fit the model's configuration: missing {sorted(missing)[:5]}, "
                 f"unexpected {sorted(unexpected)[:5]}"
             )
+        # Computed, not loaded: rebuilt here in case the module was built on the meta device.
+        self.inv_freq = rope_inv_freq(self.config)

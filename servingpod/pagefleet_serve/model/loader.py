@@ -30,11 +30,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# Hugging Face model_type -> what sets it apart from Llama (see ModelConfig).
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED = (
-    "a GGUF file of the llama architecture, a Hugging Face LlamaForCausalLM directory "
-    "(config.json + *.safetensors), builtin://smollm2-135m or builtin://tiny-random"
+    f"a Hugging Face directory (config.json + *.safetensors, unquantized) of model_type "
+    f"{', '.join(HF_MODEL_TYPES)}; a GGUF file of the llama architecture; "
+    "builtin://smollm2-135m or builtin://tiny-random"
 )
-_LLAMA_MODEL_TYPES = ("llama",)
 TINY_CONFIG = ModelConfig(
     vocab_size=512,
     hidden_size=64,
@@ -201,16 +203,28 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     if not config_file.exists():
         raise UnsupportedModelError(f"{path} has no config.json; supported: {SUPPORTED}")
     hf = json.loads(config_file.read_text())
-    if hf.get("model_type") not in _LLAMA_MODEL_TYPES:
+    model_type = hf.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"{path}: model_type {hf.get('model_type')!r} is not Llama-family; supported: "
-            f"{SUPPORTED}"
+            f"{path}: model_type {model_type!r} is not Llama-family; supported: {SUPPORTED}"
         )
-    files = sorted(path.glob("*.safetensors"))
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unknown")
+        raise UnsupportedModelError(
+            f"{path}: quantization {method!r} is not supported; supported: unquantized "
+            "float32/float16/bfloat16 safetensors, or a GGUF file (dequantized at load)"
+        )
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # only the shards it names: a directory may hold other copies
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / shard for shard in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{path} has no *.safetensors weights; supported: {SUPPORTED}")
     weights: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in files:  # one shard at a time: at most one shard more than the weights
         weights.update({k: v.to(dtype) for k, v in load_file(file).items()})
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or None
     if scaling:
@@ -224,7 +238,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
                 f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, llama3)"
             )
     num_heads = hf["num_attention_heads"]
-    eos = hf.get("eos_token_id")
+    eos_ids = _eos_token_ids(path, hf)
     config = ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -239,7 +253,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        eos_token_id=eos_ids[0] if eos_ids else None,
+        eos_token_ids=eos_ids,
+        **_architecture(model_type, hf),
     )
     tokenizer = None
     if any(
@@ -247,6 +263,48 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     ):
         tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(name, config, weights, tokenizer)
+
+
+def _architecture(model_type: str, hf: dict) -> dict:
+    """The ModelConfig switches of a Hugging Face config, by model_type."""
+    bias = bool(hf.get("attention_bias", False))
+    switches = {
+        "llama": {"qkv_bias": bias, "o_bias": bias},
+        "mistral": {},
+        "qwen2": {"qkv_bias": True},  # q/k/v always carry biases, o never
+        "qwen3": {"qkv_bias": bias, "o_bias": bias, "qk_norm": True},
+    }[model_type]
+    window = hf.get("sliding_window")
+    if model_type.startswith("qwen") and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return switches
+    layers = hf.get("layer_types")
+    if layers is None and model_type.startswith("qwen"):  # older configs: from this layer on
+        first = hf.get("max_window_layers", 0)
+        layers = [
+            "sliding_attention" if i >= first else "full_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
+    sliding = None if layers is None else tuple(t == "sliding_attention" for t in layers)
+    if sliding is not None and not any(sliding):
+        return switches
+    return switches | {"sliding_window": int(window), "sliding_layers": sliding}
+
+
+def _eos_token_ids(path: Path, hf: dict) -> tuple[int, ...]:
+    """The config's EOS id(s), then generation_config's (often a list: Llama 3 ends turns
+    with <|eot_id|> as well as <|end_of_text|>), without repeats."""
+    ids: list[int] = []
+    sources = [hf.get("eos_token_id")]
+    generation_config = path / "generation_config.json"
+    if generation_config.exists():
+        sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for value in sources:
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and token not in ids:
+                ids.append(token)
+    return tuple(ids)
 
 
 def _tiny_random(dtype: torch.dtype) -> LoadedModel:
