@@ -1,6 +1,7 @@
 """Architectures beyond Llama in the one paged model runner: Qwen2 (q/k/v biases), Qwen3
-(per-head q/k RMSNorm, with attention biases), Mistral (sliding window on every layer) and
-Qwen2 with sliding and full layers mixed.
+(per-head q/k RMSNorm, with attention biases), Mistral (sliding window on every layer),
+Phi-3 (fused checkpoint tensors, sliding window) and Qwen2 with sliding and full layers
+mixed.
 
 Each is a tiny random model built with transformers' own class and saved with
 save_pretrained; PageFleet's greedy tokens must equal transformers' generate for 48 tokens
@@ -36,6 +37,8 @@ ARCHITECTURES = {
     "qwen2-biases": ("Qwen2", {}),
     "qwen3-qk-norm": ("Qwen3", {"attention_bias": True}),
     "mistral-sliding-window": ("Mistral", {"sliding_window": WINDOW}),
+    # Checkpoint with fused qkv_proj and gate_up_proj, and a sliding window.
+    "phi3-fused-sliding-window": ("Phi3", {"sliding_window": WINDOW, "pad_token_id": 0}),
     # Layers 1 and 2 slide, layer 0 sees everything.
     "qwen2-mixed-layers": (
         "Qwen2",

@@ -1,7 +1,8 @@
 """A Llama-family decoder over the paged KV cache, in plain PyTorch.
 
-One model class serves Llama, Mistral, Qwen2/2.5 and Qwen3: they differ only in switches
-of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNorm, sliding-window layers).
+One model class serves Llama, Mistral, Qwen2/2.5, Qwen3 and Phi-3: they differ only in
+switches of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNorm, sliding-window
+layers) and in whether the checkpoint already has q/k/v and gate/up fused (Phi-3).
 
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
@@ -242,6 +243,8 @@ class LlamaForCausalLM(nn.Module):
         weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
         for i in range(self.config.num_layers):
             p = f"layers.{i}."
+            if p + "self_attn.qkv_proj.weight" in weights:  # Phi-3 checkpoints come fused
+                continue
             for kind in ("weight", "bias") if self.config.qkv_bias else ("weight",):
                 weights[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
                     [weights.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]

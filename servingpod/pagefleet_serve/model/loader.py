@@ -31,7 +31,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Hugging Face model_type -> what sets it apart from Llama (see ModelConfig).
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 SUPPORTED = (
     f"a Hugging Face directory (config.json + *.safetensors, unquantized) of model_type "
     f"{', '.join(HF_MODEL_TYPES)}; a GGUF file of the llama architecture; "
@@ -227,8 +227,13 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     for file in files:  # one shard at a time: at most one shard more than the weights
         weights.update({k: v.to(dtype) for k, v in load_file(file).items()})
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or None
+    rotary = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if rotary != 1.0:
+        raise UnsupportedModelError(
+            f"{path}: partial_rotary_factor {rotary} is not supported (rope on whole heads only)"
+        )
     if scaling:
-        scaling = dict(scaling)
+        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
         scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
         hf.setdefault("rope_theta", scaling.pop("rope_theta", None) or 10000.0)
         if scaling["rope_type"] == "default":
@@ -271,6 +276,7 @@ def _architecture(model_type: str, hf: dict) -> dict:
     switches = {
         "llama": {"qkv_bias": bias, "o_bias": bias},
         "mistral": {},
+        "phi3": {},  # q/k/v and gate/up arrive fused: see load_hf_state_dict
         "qwen2": {"qkv_bias": True},  # q/k/v always carry biases, o never
         "qwen3": {"qkv_bias": bias, "o_bias": bias, "qk_norm": True},
     }[model_type]
