@@ -187,6 +187,29 @@ def _build_plan(
     return _Plan(decodes, prefills)
 
 
+def _attend(
+    q: torch.Tensor,  # (B, Hq, L, D)
+    k: torch.Tensor,  # (B, Hkv, S, D)
+    v: torch.Tensor,  # (B, Hkv, S, D)
+    mask: torch.Tensor | None,  # boolean, broadcast to (B, Hq, L, S); None: L == S, causal
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of one group of rows: SDPA, or the written-out softmax when scores are
+    soft-capped (which SDPA cannot do)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def paged_attention(
     query: torch.Tensor,  # (T, Hq, D)
     key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
@@ -201,6 +224,7 @@ def paged_attention(
     *,
     plan_cache: dict | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context.
 
@@ -210,6 +234,7 @@ def paged_attention(
     layout-only work (buckets, block tables, masks) is kept after the first call.
     `sliding_window`: a query at position p sees keys p - sliding_window + 1 .. p only
     (Mistral's, Hugging Face's convention); blocks wholly before that are not read.
+    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask.
     """
     block_size = key_cache.shape[1]
     _check_scales(key_cache, key_scale, "key_scale")
@@ -242,12 +267,13 @@ def paged_attention(
         b, num_kv_heads = k.shape[0], k.shape[2]
         # The query heads sharing a KV head become that head's query rows (one position,
         # so one mask for all): no GQA expansion of K and V.
-        o = F.scaled_dot_product_attention(
+        o = _attend(
             query[token_idx].view(b, num_kv_heads, -1, head_dim),  # (b, Hkv, G, D)
             k.transpose(1, 2),  # (b, Hkv, S, D)
             v.transpose(1, 2),
-            attn_mask=mask,  # (b, 1, 1, S)
-            scale=scale,
+            mask,  # (b, 1, 1, S)
+            scale,
+            softcap,
         )
         out[token_idx] = o.reshape(b, -1, head_dim)
 
@@ -257,14 +283,13 @@ def paged_attention(
         q = query[start : start + q_len]
         # 4-D with a batch of one: the CPU takes its flash kernel for that shape (3-D falls
         # back to the much slower unfused math). No mask: a whole prompt, plain causal.
-        o = F.scaled_dot_product_attention(
+        o = _attend(
             q.transpose(0, 1)[None],  # (1, Hq, L, D)
             k.transpose(0, 1)[None],  # (1, Hkv, S, D)
             v.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
+            mask,
+            scale,
+            softcap,
         )
         out[start : start + q_len] = o[0].transpose(0, 1)
     return out

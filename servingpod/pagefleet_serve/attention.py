@@ -12,16 +12,24 @@ import torch
 
 from pagefleet_serve.config import ATTENTION_BACKENDS
 
+# Attention features of a model (ModelConfig fields) that the Triton kernels lack.
+TRITON_LACKS = ("sliding_window", "attn_logit_softcapping")
 
-def get_attention_backend(name: str, device: torch.device, sliding_window: int | None = None):
-    """The backend module; `sliding_window`: the model's, if any of its layers has one."""
+
+def get_attention_backend(name: str, device: torch.device, model_config=None):
+    """The backend module for a model (its ModelConfig: some features rule Triton out)."""
+    lacking = [
+        f"{feature}={getattr(model_config, feature)}"
+        for feature in TRITON_LACKS
+        if getattr(model_config, feature, None) is not None
+    ]
     if name == "auto":
-        # The Triton kernels have no sliding window; the reference runs on CUDA too.
-        name = "triton" if device.type == "cuda" and sliding_window is None else "torch"
-    if name == "triton" and sliding_window is not None:
+        # The reference runs on CUDA too: slower, but it has every feature.
+        name = "triton" if device.type == "cuda" and not lacking else "torch"
+    if name == "triton" and lacking:
         raise ValueError(
-            f"the model uses sliding-window attention (sliding_window={sliding_window}), which "
-            "the Triton kernels do not implement; use attention_backend 'torch'"
+            f"the model's attention uses {', '.join(lacking)}, which the Triton kernels do "
+            "not implement; use attention_backend 'torch'"
         )
     if name == "torch":
         from pagefleet_kernels import reference

@@ -39,6 +39,19 @@ ARCHITECTURES = {
     "mistral-sliding-window": ("Mistral", {"sliding_window": WINDOW}),
     # Checkpoint with fused qkv_proj and gate_up_proj, and a sliding window.
     "phi3-fused-sliding-window": ("Phi3", {"sliding_window": WINDOW, "pad_token_id": 0}),
+    # Scaled embeddings, (1 + w) sandwich norms, GeGLU, soft-capped attention and logits,
+    # query_pre_attn_scalar, layers 0 and 2 sliding, 1 global; tied embeddings.
+    "gemma2": (
+        "Gemma2",
+        {
+            "sliding_window": WINDOW,
+            "attn_logit_softcapping": 1.0,
+            "final_logit_softcapping": 5.0,
+            "query_pre_attn_scalar": 32,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+        },
+    ),
     # Layers 1 and 2 slide, layer 0 sees everything.
     "qwen2-mixed-layers": (
         "Qwen2",
@@ -55,9 +68,22 @@ PROMPTS = [
 def build(family: str, extra: dict, path):
     import transformers
 
-    config = getattr(transformers, f"{family}Config")(**SMALL, **extra)
+    config = getattr(transformers, f"{family}Config")(**{**SMALL, **extra})
+    # The written-out softmax: the reference for soft-capping (SDPA cannot cap).
+    config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    if family == "Gemma2":
+        # Gemma initializes its norm weights to 0 (a scale of 1 + 0) and its tied, scaled-up
+        # embeddings drown the layers: every token repeats. Random norm weights and smaller
+        # embeddings give generations in which the (1 + weight) norms and the soft-capping
+        # decide tokens.
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+            model.model.embed_tokens.weight.mul_(0.1)
     model.save_pretrained(path)
     return model
 
@@ -96,6 +122,9 @@ def test_greedy_parity_with_transformers(arch, tmp_path):
         assert len(PROMPTS[0]) > WINDOW and len(PROMPTS[1]) > WINDOW
     if arch == "qwen2-mixed-layers":
         assert config.sliding_layers == (False, True, True)
+    if arch == "gemma2":
+        assert config.sliding_layers == (True, False, True)
+        assert config.attn_logit_softcapping == 1.0 and config.tie_word_embeddings
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ours = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, ours, strict=True):
@@ -151,8 +180,9 @@ def test_generation_config_eos_list_ends_generation(tmp_path):
     ("change", "message"),
     [
         (
-            {"model_type": "gemma2"},
-            r"model_type 'gemma2' is not Llama-family; supported: .*llama, mistral, qwen2, qwen3",
+            {"model_type": "falcon"},
+            r"model_type 'falcon' is not Llama-family; supported: .*"
+            r"gemma2, llama, mistral, phi3, qwen2, qwen3",
         ),
         (
             {"quantization_config": {"quant_method": "awq", "bits": 4}},
@@ -170,7 +200,9 @@ def test_unsupported_model_type_and_quantization_are_refused(tmp_path, change, m
 
 def test_triton_refuses_a_sliding_window_model(tmp_path):
     build("Mistral", {"sliding_window": WINDOW}, tmp_path)
-    with pytest.raises(ValueError, match=r"sliding_window=12.*Triton kernels do not implement"):
+    with pytest.raises(
+        ValueError, match=r"uses sliding_window=12, which the Triton kernels do not implement"
+    ):
         LLM(
             str(tmp_path),
             dtype="float32",

@@ -1,8 +1,10 @@
 """A Llama-family decoder over the paged KV cache, in plain PyTorch.
 
-One model class serves Llama, Mistral, Qwen2/2.5, Qwen3 and Phi-3: they differ only in
-switches of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNorm, sliding-window
-layers) and in whether the checkpoint already has q/k/v and gate/up fused (Phi-3).
+One model class serves Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3 and Gemma 2: they differ
+only in switches of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNorm, sliding-window
+layers, Gemma's (1 + weight) norms around both sublayers, GeGLU, scaled embeddings,
+attention and final logit soft-capping) and in whether the checkpoint already has q/k/v
+and gate/up fused (Phi-3).
 
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,14 @@ class ModelConfig:
     sliding_window: int | None = None  # keys within this many positions, the query's included
     # Per layer, whether it uses the sliding window; None: every layer does (when set).
     sliding_layers: tuple[bool, ...] | None = None
+    # Gemma 2: norms scale by (1 + weight) in float32, and also follow attention and MLP.
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (GeGLU)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -50,6 +62,8 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
@@ -113,15 +127,22 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalized in float32, then cast back before the weight, as Hugging Face does.
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        if self.unit_offset:  # Gemma: (1 + weight), applied in float32
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        # Normalized in float32, then cast back before the weight, as Hugging Face does.
         return self.weight * normed.to(x.dtype)
+
+
+def make_norm(config: ModelConfig, size: int) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, config.norm_unit_offset)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -137,16 +158,17 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = make_norm(config, config.head_dim)
+            self.k_norm = make_norm(config, config.head_dim)
         self.qk_norm = config.qk_norm
         self.sliding_window = config.layer_sliding_window(layer)
+        self.softcap = config.attn_logit_softcapping
         self.backend = backend
 
     def forward(self, x, cos, sin, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
@@ -176,6 +198,7 @@ class LlamaAttention(nn.Module):
             cache.value_scale,
             plan_cache=attn.plan_cache,
             sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -185,23 +208,35 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
         self.self_attn = LlamaAttention(config, backend, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Llama: the norm before the MLP. Gemma 2 (Hugging Face's names): the norm of the
+        # attention output, with two more around the MLP.
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
         self.mlp = LlamaMLP(config)
 
     def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        if not self.sandwich_norms:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -212,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, backend, i) for i in range(config.num_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -228,13 +263,17 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed_tokens(input_ids)
+        if self.config.scale_embeddings:  # the factor rounded to the dtype, as Gemma does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face LlamaForCausalLM names (`model.` prefix optional), fusing

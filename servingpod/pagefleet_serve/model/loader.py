@@ -31,7 +31,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Hugging Face model_type -> what sets it apart from Llama (see ModelConfig).
-HF_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("gemma2", "llama", "mistral", "phi3", "qwen2", "qwen3")
 SUPPORTED = (
     f"a Hugging Face directory (config.json + *.safetensors, unquantized) of model_type "
     f"{', '.join(HF_MODEL_TYPES)}; a GGUF file of the llama architecture; "
@@ -256,7 +256,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         rope_theta=float(hf.get("rope_theta") or 10000.0),
         rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        # Absent from config.json when it equals the config class's default: then the
+        # checkpoint says, by having an lm_head or not.
+        tie_word_embeddings=hf.get("tie_word_embeddings", "lm_head.weight" not in weights),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos_ids[0] if eos_ids else None,
         eos_token_ids=eos_ids,
@@ -273,7 +275,17 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
 def _architecture(model_type: str, hf: dict) -> dict:
     """The ModelConfig switches of a Hugging Face config, by model_type."""
     bias = bool(hf.get("attention_bias", False))
+    gemma2 = {
+        "norm_unit_offset": True,
+        "sandwich_norms": True,
+        "hidden_act": hf.get("hidden_activation") or "gelu_pytorch_tanh",
+        "scale_embeddings": True,
+        "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+        "final_logit_softcapping": hf.get("final_logit_softcapping"),
+    }
     switches = {
+        "gemma2": gemma2,
         "llama": {"qkv_bias": bias, "o_bias": bias},
         "mistral": {},
         "phi3": {},  # q/k/v and gate/up arrive fused: see load_hf_state_dict
@@ -286,11 +298,15 @@ def _architecture(model_type: str, hf: dict) -> dict:
     if window is None:
         return switches
     layers = hf.get("layer_types")
+    num_layers = hf["num_hidden_layers"]
     if layers is None and model_type.startswith("qwen"):  # older configs: from this layer on
         first = hf.get("max_window_layers", 0)
         layers = [
-            "sliding_attention" if i >= first else "full_attention"
-            for i in range(hf["num_hidden_layers"])
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        ]
+    if layers is None and model_type == "gemma2":  # older configs: every other layer
+        layers = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
         ]
     sliding = None if layers is None else tuple(t == "sliding_attention" for t in layers)
     if sliding is not None and not any(sliding):
