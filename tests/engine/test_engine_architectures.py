@@ -52,6 +52,22 @@ ARCHITECTURES = {
             "pad_token_id": 0,
         },
     ),
+    # Gemma 3: q/k norms too, no caps; sliding layers rotate with their own base, the
+    # global one with linear rope scaling.
+    "gemma3": (
+        "Gemma3Text",
+        {
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+            "query_pre_attn_scalar": 32,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+        },
+    ),
     # Layers 1 and 2 slide, layer 0 sees everything.
     "qwen2-mixed-layers": (
         "Qwen2",
@@ -69,11 +85,11 @@ def build(family: str, extra: dict, path):
     import transformers
 
     config = getattr(transformers, f"{family}Config")(**{**SMALL, **extra})
-    # The written-out softmax: the reference for soft-capping (SDPA cannot cap).
-    config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
-    if family == "Gemma2":
+    # The written-out softmax: the reference for soft-capping (SDPA cannot cap).
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.eval()
+    if family.startswith("Gemma"):
         # Gemma initializes its norm weights to 0 (a scale of 1 + 0) and its tied, scaled-up
         # embeddings drown the layers: every token repeats. Random norm weights and smaller
         # embeddings give generations in which the (1 + weight) norms and the soft-capping
@@ -122,8 +138,12 @@ def test_greedy_parity_with_transformers(arch, tmp_path):
         assert len(PROMPTS[0]) > WINDOW and len(PROMPTS[1]) > WINDOW
     if arch == "qwen2-mixed-layers":
         assert config.sliding_layers == (False, True, True)
-    if arch == "gemma2":
+    if arch.startswith("gemma"):
         assert config.sliding_layers == (True, False, True)
+    if arch == "gemma3":
+        assert config.qk_norm and config.local_rope_theta == 10000.0
+        assert dict(config.rope_scaling)["rope_type"] == "linear"
+    if arch == "gemma2":
         assert config.attn_logit_softcapping == 1.0 and config.tie_word_embeddings
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ours = llm.generate(PROMPTS, params)
@@ -182,7 +202,7 @@ def test_generation_config_eos_list_ends_generation(tmp_path):
         (
             {"model_type": "falcon"},
             r"model_type 'falcon' is not Llama-family; supported: .*"
-            r"gemma2, llama, mistral, phi3, qwen2, qwen3",
+            r"gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3",
         ),
         (
             {"quantization_config": {"quant_method": "awq", "bits": 4}},

@@ -1,10 +1,10 @@
 """A Llama-family decoder over the paged KV cache, in plain PyTorch.
 
-One model class serves Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3 and Gemma 2: they differ
-only in switches of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNorm, sliding-window
-layers, Gemma's (1 + weight) norms around both sublayers, GeGLU, scaled embeddings,
-attention and final logit soft-capping) and in whether the checkpoint already has q/k/v
-and gate/up fused (Phi-3).
+One model class serves Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and Gemma 3: they
+differ only in switches of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNorm,
+sliding-window layers with their own rope base, Gemma's (1 + weight) norms around both
+sublayers, GeGLU, scaled embeddings, attention and final logit soft-capping) and in
+whether the checkpoint already has q/k/v and gate/up fused (Phi-3).
 
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
@@ -55,6 +55,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None
+    # Gemma 3: the sliding-window layers rotate with this base and no rope scaling.
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -90,13 +92,16 @@ class AttentionMetadata:
     plan_cache: dict = field(default_factory=dict)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """The rotary frequencies of the global layers, or of the sliding-window layers when
+    `local` (Gemma 3's `local_rope_theta`, unscaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = dict(config.rope_scaling or ())
-    if scaling.get("rope_type") == "llama3":
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = {} if local else dict(config.rope_scaling or ())
+    if scaling.get("rope_type") == "linear":  # positions divided by the factor
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling.get("rope_type") == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -252,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        if config.local_rope_theta is not None:
+            self.register_buffer("inv_freq_local", rope_inv_freq(config, True), persistent=False)
 
     def forward(
         self,
@@ -260,15 +267,23 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list,  # one pagefleet_kernels.kv_cache.LayerKVCache per layer
         attn: AttentionMetadata,
     ) -> torch.Tensor:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed_tokens(input_ids)
         if self.config.scale_embeddings:  # the factor rounded to the dtype, as Gemma does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        rope = self._rope(positions, self.inv_freq, x.dtype)
+        local_rope = rope
+        if self.config.local_rope_theta is not None:
+            local_rope = self._rope(positions, self.inv_freq_local, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = local_rope if layer.self_attn.sliding_window else rope
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
+
+    @staticmethod
+    def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
@@ -302,3 +317,5 @@ class LlamaForCausalLM(nn.Module):
             )
         # Computed, not loaded: rebuilt here in case the module was built on the meta device.
         self.inv_freq = rope_inv_freq(self.config)
+        if self.config.local_rope_theta is not None:
+            self.inv_freq_local = rope_inv_freq(self.config, True)

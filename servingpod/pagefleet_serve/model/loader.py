@@ -31,7 +31,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Hugging Face model_type -> what sets it apart from Llama (see ModelConfig).
-HF_MODEL_TYPES = ("gemma2", "llama", "mistral", "phi3", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
 SUPPORTED = (
     f"a Hugging Face directory (config.json + *.safetensors, unquantized) of model_type "
     f"{', '.join(HF_MODEL_TYPES)}; a GGUF file of the llama architecture; "
@@ -227,6 +227,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     for file in files:  # one shard at a time: at most one shard more than the weights
         weights.update({k: v.to(dtype) for k, v in load_file(file).items()})
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or None
+    if scaling and "full_attention" in scaling:  # per layer type (Gemma 3)
+        local = scaling.get("sliding_attention") or {}
+        hf.setdefault("rope_local_base_freq", local.get("rope_theta") or 10000.0)
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"{path}: scaled rope on sliding layers is not supported")
+        scaling = scaling["full_attention"]
     rotary = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if rotary != 1.0:
         raise UnsupportedModelError(
@@ -238,9 +244,10 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         hf.setdefault("rope_theta", scaling.pop("rope_theta", None) or 10000.0)
         if scaling["rope_type"] == "default":
             scaling = None
-        elif scaling["rope_type"] != "llama3":
+        elif scaling["rope_type"] not in ("linear", "llama3"):
             raise UnsupportedModelError(
-                f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, llama3)"
+                f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, "
+                "linear, llama3)"
             )
     num_heads = hf["num_attention_heads"]
     eos_ids = _eos_token_ids(path, hf)
@@ -286,6 +293,8 @@ def _architecture(model_type: str, hf: dict) -> dict:
     }
     switches = {
         "gemma2": gemma2,
+        "gemma3_text": gemma2
+        | {"qk_norm": True, "local_rope_theta": float(hf.get("rope_local_base_freq", 10000.0))},
         "llama": {"qkv_bias": bias, "o_bias": bias},
         "mistral": {},
         "phi3": {},  # q/k/v and gate/up arrive fused: see load_hf_state_dict
@@ -304,9 +313,10 @@ def _architecture(model_type: str, hf: dict) -> dict:
         layers = [
             "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
         ]
-    if layers is None and model_type == "gemma2":  # older configs: every other layer
+    if layers is None and model_type.startswith("gemma"):  # older configs: by a period
+        period = hf.get("sliding_window_pattern", 2 if model_type == "gemma2" else 6)
         layers = [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+            "sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)
         ]
     sliding = None if layers is None else tuple(t == "sliding_attention" for t in layers)
     if sliding is not None and not any(sliding):
