@@ -290,3 +290,68 @@ def test_every_uri_form_the_crd_admits_resolves_in_the_pod(hub, tiny_repo_dir, t
         assert local.path.exists(), uri
         if local.path.is_dir():
             assert load_model(str(local.path), torch.float32).config.hidden_size == 32
+
+
+def test_full_disk_names_the_cache_volume(tmp_path, monkeypatch):
+    import errno
+
+    from huggingface_hub import constants
+    from pagefleet_serve.model.hub import _explain
+    from pagefleet_serve.model.uri import parse_model_uri
+
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    message = _explain(parse_model_uri("hf://org/big"), OSError(errno.ENOSPC, "No space left"))
+    assert re.fullmatch(
+        rf"no space left on the model cache volume \(HF_HOME={tmp_path}, [0-9.]+ GiB, "
+        r"[0-9.]+ GiB free\); raise spec\.modelCache\.sizeLimit or use a larger claim in "
+        r"spec\.modelCache\.pvcName",
+        message,
+    )
+
+
+@pytest.mark.parametrize(
+    ("repo_files", "gguf", "expected"),
+    [
+        (
+            [
+                "config.json",
+                "tokenizer.json",
+                "model.safetensors.index.json",
+                "model-00001-of-00002.safetensors",
+                "consolidated.safetensors",
+                "pytorch_model.bin",
+                "README.md",
+            ],
+            None,
+            ["config.json", "tokenizer.json", "model.safetensors.index.json"],
+        ),
+        (
+            ["config.json", "generation_config.json", "model.safetensors", "extra.safetensors"],
+            None,
+            ["config.json", "generation_config.json", "model.safetensors"],
+        ),
+        (
+            ["config.json", "a.safetensors", "sub/b.safetensors"],
+            None,
+            ["config.json", "a.safetensors"],
+        ),
+        (["config.json", "q4.gguf", "q8.gguf", "model.safetensors"], "q8.gguf", ["q8.gguf"]),
+    ],
+)
+def test_only_the_files_serving_reads_are_selected(repo_files, gguf, expected):
+    assert select_files(repo_files, gguf) == expected
+
+
+def test_selection_errors_say_what_the_repository_has():
+    from pagefleet_serve.model.hub import ModelDownloadError
+
+    with pytest.raises(
+        ModelDownloadError,
+        match=r"q2\.gguf is not in the repository; its GGUF files: \['q4\.gguf'\]",
+    ):
+        select_files(["q4.gguf"], "q2.gguf")
+    with pytest.raises(ModelDownloadError, match=r"no \*\.safetensors weights \(PyTorch \.bin"):
+        select_files(["config.json", "pytorch_model.bin"], None)
+    with pytest.raises(ModelDownloadError, match=r"no config\.json; name one GGUF file"):
+        select_files(["q4.gguf"], None)
