@@ -1,4 +1,5 @@
-"""A local stand-in for the Hugging Face Hub, on loopback (not a test module).
+"""A local stand-in for the Hugging Face Hub, on loopback, and a tiny model to put on it
+(not a test module; e2e/ uses it too).
 
 It speaks the part of the Hub's HTTP API that huggingface_hub's `model_info`,
 `hf_hub_download` and offline `snapshot_download` rely on:
@@ -6,8 +7,8 @@ It speaks the part of the Hub's HTTP API that huggingface_hub's `model_info`,
   HEAD /{org}/{name}/resolve/{rev}/{file}          -> X-Repo-Commit, ETag, Content-Length
   GET  /{org}/{name}/resolve/{rev}/{file}          -> the bytes (Range honoured)
 and the Hub's error answers (X-Error-Code RepoNotFound / RevisionNotFound / EntryNotFound,
-401 without a valid token). It counts the file bodies it sends and how many requests were
-arrived during a file body, so tests can see what was downloaded and whether downloaders overlapped.
+401 without a valid token). It counts the file bodies it sends, so tests can see what was
+downloaded and how often.
 """
 
 from __future__ import annotations
@@ -20,6 +21,35 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+
+def save_tiny_llama(path: Path) -> Path:
+    """A tiny random Llama as save_pretrained writes it (two safetensors shards and their
+    index), with the built-in model's tokenizer and chat template."""
+    import torch
+    from pagefleet_serve.model.loader import load_tokenizer
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = load_tokenizer("builtin://smollm2-135m")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, max_shard_size="4MB")
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id]).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert (path / "model.safetensors.index.json").exists()
+    return path
+
 
 _API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(/revision/(?P<rev>[^/?]+))?$")
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
@@ -47,10 +77,6 @@ class Repo:
 @dataclass
 class HubStats:
     bodies_sent: dict[str, int] = field(default_factory=dict)  # "org/name/file" -> count
-    bodies_in_progress: int = 0
-    # Requests that arrived while a file body was being sent. One downloader's requests
-    # come one after another, so these came from another downloader.
-    overlapped_requests: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -84,15 +110,10 @@ class LocalHub:
                 pass
 
             def do_GET(self) -> None:
-                self._serve(body=True)
+                self._route(body=True)
 
             def do_HEAD(self) -> None:
-                self._serve(body=False)
-
-            def _serve(self, body: bool) -> None:
-                with hub.stats.lock:
-                    hub.stats.overlapped_requests += hub.stats.bodies_in_progress > 0
-                self._route(body)
+                self._route(body=False)
 
             def _route(self, body: bool) -> None:
                 path = self.path.split("?", 1)[0]
@@ -142,12 +163,7 @@ class LocalHub:
                     return self._send(200, headers, b"", length=len(content))
                 with hub.stats.lock:
                     hub.stats.bodies_sent[key] = hub.stats.bodies_sent.get(key, 0) + 1
-                    hub.stats.bodies_in_progress += 1
-                try:
-                    self._send(status, headers, content[start:], slow=True)
-                finally:
-                    with hub.stats.lock:
-                        hub.stats.bodies_in_progress -= 1
+                self._send(status, headers, content[start:], slow=True)
 
             def _error(self, status: int, code: str | None, message: str, repo=None) -> None:
                 headers = {"X-Error-Message": message}

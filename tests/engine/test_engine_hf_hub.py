@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from hub_server import LocalHub, Repo
+from hub_server import LocalHub, Repo, save_tiny_llama
 from pagefleet_serve.model.hub import select_files
-from pagefleet_serve.model.loader import load_model, load_tokenizer
+from pagefleet_serve.model.loader import load_model
 from pagefleet_serve.model.uri import resolve_model_uri
 
 REPO_ID = "org/tiny"
@@ -31,30 +31,7 @@ START_TIMEOUT_S = 180.0
 
 @pytest.fixture(scope="module")
 def tiny_repo_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama as save_pretrained writes it (two safetensors shards and their
-    index), with the built-in model's tokenizer and chat template."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = load_tokenizer("builtin://smollm2-135m")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-hub-model")
-    LlamaForCausalLM(config).save_pretrained(path, max_shard_size="4MB")
-    GenerationConfig(eos_token_id=[tokenizer.eos_token_id]).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    assert (path / "model.safetensors.index.json").exists()
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-hub-model"))
 
 
 @pytest.fixture
@@ -63,8 +40,7 @@ def hub(tiny_repo_dir):
         REPO_ID: Repo.from_dir(tiny_repo_dir),
         "org/gated": Repo.from_dir(tiny_repo_dir, token=TOKEN),
     }
-    # Slow enough (about 1 s for the weights) that two downloaders overlap.
-    with LocalHub(repos, seconds_per_mib=0.15) as running:
+    with LocalHub(repos) as running:
         yield running
 
 
@@ -227,26 +203,45 @@ def test_concurrent_downloaders_share_one_cache(hub, tiny_repo_dir, tmp_path):
     """Two replicas on one cache volume: both finish, with the same intact snapshot, and
     every file crossed the network once although their downloads overlapped."""
     env = hub_env(hub.url, tmp_path / "shared-cache")
+    hub.seconds_per_mib = 0.5  # about 3 s for the weights: the two downloads overlap
+    go = tmp_path / "go"
+    # Imports take a varying while: each says when it is ready, then both start together.
+    code = (
+        "import sys, time, pathlib; from pagefleet_serve.model.uri import resolve_model_uri\n"
+        "import huggingface_hub.file_download\n"
+        "pathlib.Path(sys.argv[3]).touch()\n"
+        "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.01)\n"
+        "started = time.time(); path = resolve_model_uri(sys.argv[1]).path\n"
+        "print(started, time.time(), path)"
+    )
+    ready = [tmp_path / f"ready-{i}" for i in range(2)]
     downloaders = [
         subprocess.Popen(
-            [sys.executable, "-c", RESOLVE, f"hf://{REPO_ID}"],
+            [sys.executable, "-c", code, f"hf://{REPO_ID}", str(go), str(flag)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for flag in ready
     ]
+    deadline = time.monotonic() + 120
+    while not all(flag.exists() for flag in ready) and time.monotonic() < deadline:
+        assert all(d.poll() is None for d in downloaders), "a downloader exited early"
+        time.sleep(0.05)
+    go.touch()
     results = [d.communicate(timeout=120) for d in downloaders]
     assert [d.returncode for d in downloaders] == [0, 0], [err for _, err in results]
-    paths = {Path(out.strip().splitlines()[-1]) for out, _ in results}
+    lines = [out.strip().splitlines()[-1].split() for out, _ in results]
+    (start_a, end_a, _), (start_b, end_b, _) = lines
+    assert float(start_a) < float(end_b) and float(start_b) < float(end_a), "no overlap"
+    paths = {Path(line[2]) for line in lines}
     assert len(paths) == 1
     snapshot = paths.pop()
     source = snapshot_digests(tiny_repo_dir)
     got = snapshot_digests(snapshot)
     assert got == {name: source[name] for name in got}
     assert {n for n in source if n.endswith(".safetensors")} <= set(got)
-    assert hub.stats.overlapped_requests > 0, "the two downloads did not overlap"
     assert set(hub.stats.bodies_sent.values()) == {1}, hub.stats.bodies_sent
     assert not list((tmp_path / "shared-cache").rglob("*.incomplete"))
 
