@@ -230,3 +230,19 @@ def test_triton_refuses_a_sliding_window_model(tmp_path):
             max_model_len=64,
             kv_cache_memory_bytes=1 << 20,
         )
+
+
+def test_gemma2_logprobs_follow_the_final_logit_cap(tmp_path):
+    """Soft-capping the final logits never changes the greedy token; it shows in the
+    logprobs, which must be transformers' log-softmax of its capped logits."""
+    family, extra = ARCHITECTURES["gemma2"]
+    reference = build(family, extra, tmp_path)
+    with torch.inference_mode():
+        logits = reference(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20)
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, ignore_eos=True)
+    (token,) = llm.generate([PROMPTS[0]], params)[0].outputs[0].logprobs
+    assert [t for t, _ in token.top_logprobs] == expected.topk(5).indices.tolist()
+    for token_id, logprob in token.top_logprobs:
+        assert abs(logprob - float(expected[token_id])) < 1e-4
