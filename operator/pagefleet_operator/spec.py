@@ -137,7 +137,9 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     token_ref = _get(model, "tokenSecretRef", "model", dict)
     if token_ref is not None and not (token_ref.get("name") and token_ref.get("key")):
         raise SpecError("model.tokenSecretRef", "needs both name and key")
-    served_name = _get(model, "servedName", "model", str) or uri.rstrip("/").rsplit("/", 1)[-1]
+    # By default the model's own name without its org (a .gguf file: its stem; never the
+    # @revision).
+    served_name = _get(model, "servedName", "model", str) or parsed.name.rsplit("/", 1)[-1]
     return ModelSpec(uri=uri, served_name=served_name, parsed=parsed, token_secret_ref=token_ref)
 
 

@@ -166,3 +166,21 @@ def test_llama_example_reads_its_token_from_a_secret():
         "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}},
     }
     assert not any(e.get("value", "").startswith("hf_") for e in env)
+
+
+@pytest.mark.parametrize(
+    ("uri", "served"),
+    [
+        ("hf://meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B-Instruct"),
+        ("hf://org/name@v2", "name"),
+        ("hf://org/name@main/model.Q4_K_M.gguf", "model.Q4_K_M"),
+        ("pvc://models/llama-3/", "llama-3"),
+        ("pvc://models", "models"),
+        ("file:///models/tiny.gguf", "tiny"),
+        ("builtin://smollm2-135m", "smollm2-135m"),
+    ],
+)
+def test_default_served_name_is_the_models_own(uri, served):
+    assert (
+        parse_spec({"model": {"uri": uri}}, default_image=DEFAULT_IMAGE).model.served_name == served
+    )
