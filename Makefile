@@ -32,7 +32,7 @@ e2e: install
 	$(PY) -m pytest -v -rs e2e/test_e2e_cluster.py
 
 e2e-local: install
-	$(PY) -m pytest -v e2e/test_e2e_local.py
+	$(PY) -m pytest -v e2e/test_e2e_local.py e2e/test_e2e_hf.py
 
 # The full kernel sweep (slow under TRITON_INTERPRET on a CPU), and the same tests at full
 # size on a CUDA device.

@@ -244,6 +244,8 @@ class KubeletSimulation:
             mounts[mount["mountPath"]] = pod_dir / mount["name"]
             mounts[mount["mountPath"]].mkdir(parents=True, exist_ok=True)
         env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        if "PYTHONPATH" in os.environ:  # a checkout's own sources, ahead of the installed ones
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         for item in container.get("env", []):
             if "value" in item:  # valueFrom (Secrets) has nothing to resolve here
                 env[item["name"]] = self._in_volumes(item["value"], mounts)

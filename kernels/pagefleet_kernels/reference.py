@@ -113,8 +113,8 @@ class _Plan:
 
     # decode buckets: query token indices (b,), block tables (b, M), mask (b, 1, 1, M * bs)
     decodes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    # prefill chunks: first query token, query length, context length, block table (1, n),
-    # mask (q_len, ctx_len) or None for a whole prompt (plain causal)
+    # prefill chunks: first query token, query length, attended key count, block table
+    # (1, n), mask (q_len, keys) or None for a whole prompt (plain causal)
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
 
 
@@ -124,6 +124,7 @@ def _build_plan(
     query_start_loc: torch.Tensor,
     query_lens: list[int],
     block_size: int,
+    sliding_window: int | None = None,
 ) -> _Plan:
     device = seq_lens.device
     decodes = []
@@ -139,9 +140,24 @@ def _build_plan(
         for bucket, max_len in _decode_buckets(order, lens[order].tolist()):
             bucket_rows, bucket_lens = rows[bucket], lens[bucket]
             max_blocks = (max_len + block_size - 1) // block_size
-            tables = block_tables[bucket_rows, :max_blocks].to(torch.long)
-            positions = torch.arange(max_blocks * block_size, device=device)
-            valid = positions[None, :] < bucket_lens[:, None]
+            first = torch.zeros_like(bucket_lens)  # (b,) each row's first block read
+            if sliding_window is not None:
+                # Blocks wholly before the window (the query sits at len - 1) are not read.
+                first = (bucket_lens - sliding_window).clamp(min=0) // block_size
+                num_blocks = (bucket_lens + block_size - 1) // block_size - first
+                max_blocks = int(num_blocks.max())
+            # Each row's blocks from its own first one; past its end the index is clamped
+            # (those positions are masked out).
+            index = (first[:, None] + torch.arange(max_blocks, device=device)).clamp(
+                max=block_tables.shape[1] - 1
+            )
+            tables = block_tables[bucket_rows].gather(1, index).to(torch.long)
+            positions = first[:, None] * block_size + torch.arange(
+                max_blocks * block_size, device=device
+            )
+            valid = positions < bucket_lens[:, None]
+            if sliding_window is not None:
+                valid &= positions >= bucket_lens[:, None] - sliding_window
             decodes.append((token_starts[bucket_rows], tables, valid[:, None, None, :]))
 
     prefills = []
@@ -152,13 +168,46 @@ def _build_plan(
             continue
         ctx_len = lens_host[i]
         n_blocks = (ctx_len + block_size - 1) // block_size
+        # Blocks wholly before the first query's window (it sits at ctx_len - q_len) are
+        # not read.
+        first = 0
+        if sliding_window is not None:
+            first = max(ctx_len - q_len + 1 - sliding_window, 0) // block_size
+        offset = first * block_size
+        windowed = sliding_window is not None and sliding_window < ctx_len
         mask = None
-        if ctx_len != q_len:  # a chunk after cached context: query j sits at ctx_len - q_len + j
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
-            mask = torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
-        tables = block_tables[i : i + 1, :n_blocks].to(torch.long)
-        prefills.append((starts[i], q_len, ctx_len, tables, mask))
+        if ctx_len != q_len or windowed:  # query j sits at ctx_len - q_len + j
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+            k_pos = torch.arange(offset, ctx_len, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if windowed:
+                mask &= k_pos > q_pos - sliding_window
+        tables = block_tables[i : i + 1, first:n_blocks].to(torch.long)
+        prefills.append((starts[i], q_len, ctx_len - offset, tables, mask))
     return _Plan(decodes, prefills)
+
+
+def _attend(
+    q: torch.Tensor,  # (B, Hq, L, D)
+    k: torch.Tensor,  # (B, Hkv, S, D)
+    v: torch.Tensor,  # (B, Hkv, S, D)
+    mask: torch.Tensor | None,  # boolean, broadcast to (B, Hq, L, S); None: L == S, causal
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of one group of rows: SDPA, or the written-out softmax when scores are
+    soft-capped (which SDPA cannot do)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def paged_attention(
@@ -174,6 +223,8 @@ def paged_attention(
     value_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hkv) float32
     *,
     plan_cache: dict | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context.
 
@@ -181,17 +232,24 @@ def paged_attention(
     (`seq_lens[i]` tokens, written to the cache before this call). `plan_cache`: a dict
     shared by the calls of one forward pass (every layer, the same batch), where the
     layout-only work (buckets, block tables, masks) is kept after the first call.
+    `sliding_window`: a query at position p sees keys p - sliding_window + 1 .. p only
+    (Mistral's, Hugging Face's convention); blocks wholly before that are not read.
+    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask.
     """
     block_size = key_cache.shape[1]
     _check_scales(key_cache, key_scale, "key_scale")
     _check_scales(value_cache, value_scale, "value_scale")
     if query_lens is None:
         query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    plan = None if plan_cache is None else plan_cache.get("reference")
+    # Layers with and without a window (Gemma alternates them) keep a plan each.
+    plan_key = "reference" if sliding_window is None else ("reference", sliding_window)
+    plan = None if plan_cache is None else plan_cache.get(plan_key)
     if plan is None:
-        plan = _build_plan(block_tables, seq_lens, query_start_loc, query_lens, block_size)
+        plan = _build_plan(
+            block_tables, seq_lens, query_start_loc, query_lens, block_size, sliding_window
+        )
         if plan_cache is not None:
-            plan_cache["reference"] = plan
+            plan_cache[plan_key] = plan
     out = torch.empty_like(query)
     head_dim = query.shape[-1]
 
@@ -209,29 +267,29 @@ def paged_attention(
         b, num_kv_heads = k.shape[0], k.shape[2]
         # The query heads sharing a KV head become that head's query rows (one position,
         # so one mask for all): no GQA expansion of K and V.
-        o = F.scaled_dot_product_attention(
+        o = _attend(
             query[token_idx].view(b, num_kv_heads, -1, head_dim),  # (b, Hkv, G, D)
             k.transpose(1, 2),  # (b, Hkv, S, D)
             v.transpose(1, 2),
-            attn_mask=mask,  # (b, 1, 1, S)
-            scale=scale,
+            mask,  # (b, 1, 1, S)
+            scale,
+            softcap,
         )
         out[token_idx] = o.reshape(b, -1, head_dim)
 
-    for start, q_len, ctx_len, tables, mask in plan.prefills:
+    for start, q_len, num_keys, tables, mask in plan.prefills:
         k, v = context(tables)
-        k, v = k[0, :ctx_len], v[0, :ctx_len]  # (S, Hkv, D)
+        k, v = k[0, :num_keys], v[0, :num_keys]  # (S, Hkv, D)
         q = query[start : start + q_len]
         # 4-D with a batch of one: the CPU takes its flash kernel for that shape (3-D falls
         # back to the much slower unfused math). No mask: a whole prompt, plain causal.
-        o = F.scaled_dot_product_attention(
+        o = _attend(
             q.transpose(0, 1)[None],  # (1, Hq, L, D)
             k.transpose(0, 1)[None],  # (1, Hkv, S, D)
             v.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
+            mask,
+            scale,
+            softcap,
         )
         out[start : start + q_len] = o[0].transpose(0, 1)
     return out

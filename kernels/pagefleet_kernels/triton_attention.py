@@ -469,8 +469,15 @@ def paged_attention(
     *,
     num_segments: int | None = None,  # decode-only batches; None: chosen from the grid size
     plan_cache: dict | None = None,  # the reference's per-pass cache; a launch needs none
+    sliding_window: int | None = None,  # not implemented here: models with one are refused
+    softcap: float | None = None,  # likewise
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context."""
+    if sliding_window is not None or softcap is not None:
+        raise ValueError(
+            f"sliding_window={sliding_window}, softcap={softcap}: the Triton kernels do not "
+            "implement sliding-window or soft-capped attention; use attention_backend 'torch'"
+        )
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2] if key_cache.dim() == 4 else 0
     if query.dtype not in _DOT_DTYPES:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagefleet_serve.model.uri import PVC_MOUNT_DIR
+
 from .names import HTTP_PORT
 from .spec import InferenceServiceSpec
 
 CACHE_DIR = "/var/cache/pagefleet"
-MODEL_MOUNT_DIR = "/mnt/models"
+MODEL_MOUNT_DIR = PVC_MOUNT_DIR
 
 
 def get_flag_env_name(flag: str) -> str:
@@ -27,11 +29,14 @@ def _format(value: Any) -> str:
 
 def get_pod_model_uri(spec: InferenceServiceSpec) -> str:
     """The model URI as the pod sees it: a pvc:// claim is mounted, so it becomes a file://."""
-    claim = spec.pvc_claim
-    if claim is None:
+    if spec.model.parsed.scheme != "pvc":
         return spec.model.uri
-    path = spec.model.uri[len(f"pvc://{claim}") :].lstrip("/")
-    return f"file://{MODEL_MOUNT_DIR}/{path}".rstrip("/")
+    return f"file://{MODEL_MOUNT_DIR}/{spec.model.parsed.path}".rstrip("/")
+
+
+def _from_secret(name: str, ref) -> dict[str, Any]:
+    """An env entry read from a Secret key by the kubelet: the value never enters the spec."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}
 
 
 def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -48,13 +53,10 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         {"name": get_flag_env_name(flag), "value": _format(value)} for flag, value in flags.items()
     ]
     if spec.engine.api_key_secret_ref:
-        ref = spec.engine.api_key_secret_ref
-        env.append(
-            {
-                "name": get_flag_env_name("api-key"),
-                "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}},
-            }
-        )
+        env.append(_from_secret(get_flag_env_name("api-key"), spec.engine.api_key_secret_ref))
+    if spec.model.token_secret_ref:
+        # huggingface_hub reads HF_TOKEN for gated and private repositories.
+        env.append(_from_secret("HF_TOKEN", spec.model.token_secret_ref))
     # The root filesystem is read-only: every library cache must land on a volume.
     env += [
         {"name": "HOME", "value": "/tmp"},

@@ -13,12 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagefleet_serve.model.uri import ModelURI, ModelURIError, parse_model_uri
+
+# The pod parses the same URIs with the same code; the operator only narrows them to what
+# a cluster can serve: no local relative paths, only the built-in model in the image.
 URI_SCHEMES = ("hf://", "pvc://", "file://", "builtin://")
 BUILTIN_MODELS = ("builtin://smollm2-135m",)
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-_PVC_URI = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/.*)?$")
 # The byte-size grammar of the engine's --kv-cache-memory (pagefleet_serve.config
 # BYTE_SIZE_PATTERN) and of the CRD's kvCacheMemory pattern; the operator image has no
 # serving stack to import it from, so tests/operator checks the three are the same.
@@ -38,6 +41,9 @@ class SpecError(ValueError):
 class ModelSpec:
     uri: str
     served_name: str
+    parsed: ModelURI
+    # The Secret key holding a Hugging Face token, for gated or private hf:// models.
+    token_secret_ref: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,8 +105,7 @@ class InferenceServiceSpec:
     @property
     def pvc_claim(self) -> str | None:
         """The claim a pvc:// model lives on, if any."""
-        match = _PVC_URI.match(self.model.uri)
-        return match["claim"] if match else None
+        return self.model.parsed.claim
 
 
 def _join(path: str, key: str) -> str:
@@ -138,14 +143,19 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     uri = _get(model, "uri", "model", str)
     if not uri.startswith(URI_SCHEMES):
         raise SpecError("model.uri", f"{uri!r} has no supported scheme {', '.join(URI_SCHEMES)}")
-    if uri.startswith("builtin://") and uri not in BUILTIN_MODELS:
+    try:
+        parsed = parse_model_uri(uri)
+    except ModelURIError as exc:
+        raise SpecError("model.uri", str(exc)) from exc
+    if parsed.scheme == "builtin" and uri not in BUILTIN_MODELS:
         raise SpecError("model.uri", f"{uri!r} is not a built-in model; have {BUILTIN_MODELS}")
-    if uri.startswith("pvc://") and not _PVC_URI.match(uri):
-        raise SpecError("model.uri", f"{uri!r} must look like pvc://claim-name/path")
-    if uri.startswith("pvc://") and ".." in uri.split("/"):
-        raise SpecError("model.uri", f"{uri!r}: a pvc:// path must not contain '..' segments")
-    served_name = _get(model, "servedName", "model", str) or uri.rstrip("/").rsplit("/", 1)[-1]
-    return ModelSpec(uri=uri, served_name=served_name)
+    token_ref = _get(model, "tokenSecretRef", "model", dict)
+    if token_ref is not None and not (token_ref.get("name") and token_ref.get("key")):
+        raise SpecError("model.tokenSecretRef", "needs both name and key")
+    # By default the model's own name without its org (a .gguf file: its stem; never the
+    # @revision).
+    served_name = _get(model, "servedName", "model", str) or parsed.name.rsplit("/", 1)[-1]
+    return ModelSpec(uri=uri, served_name=served_name, parsed=parsed, token_secret_ref=token_ref)
 
 
 def _check_image(image: str | None, allowed_prefixes: tuple[str, ...]) -> None:

@@ -8,7 +8,7 @@ engine's own failure (`EngineFault`), which the caller counts.
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -213,7 +213,7 @@ class LLMEngine:
             sample_index=0,
             token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
-            params=params,
+            params=self._with_model_eos(params),
             eos_token_id=self.model_config.eos_token_id,
             arrival_time=request.arrival_time,
             priority=params.priority,
@@ -224,6 +224,15 @@ class LLMEngine:
             request.request_id, request.prompt_token_ids, params, request.arrival_time
         )
         self.scheduler.add(seq)
+
+    def _with_model_eos(self, params: SamplingParams) -> SamplingParams:
+        """The model's EOS ids beyond its main one (generation_config's list) end a
+        sequence as its EOS does; they ride along as stop token ids."""
+        config = self.model_config
+        extra = tuple(t for t in config.eos_token_ids if t != config.eos_token_id)
+        if params.ignore_eos or not extra:
+            return params
+        return replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         self.add(self.make_request(request_id, prompt, params))

@@ -33,9 +33,12 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.config = loaded.config
-        self.model = LlamaForCausalLM(
-            loaded.config, get_attention_backend(attention_backend, device)
-        )
+        # Built without storage: the loaded tensors become the parameters (no second copy).
+        with torch.device("meta"):
+            self.model = LlamaForCausalLM(
+                loaded.config,
+                get_attention_backend(attention_backend, device, loaded.config),
+            )
         self.model.load_hf_state_dict(loaded.weights)
         self.model.to(device=device, dtype=dtype).eval()
         self.kv_cache: torch.Tensor | None = (

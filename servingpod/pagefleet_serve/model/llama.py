@@ -1,5 +1,11 @@
 """A Llama-family decoder over the paged KV cache, in plain PyTorch.
 
+One model class serves Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and Gemma 3: they
+differ only in switches of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNorm,
+sliding-window layers with their own rope base, Gemma's (1 + weight) norms around both
+sublayers, GeGLU, scaled embeddings, attention and final logit soft-capping) and in
+whether the checkpoint already has q/k/v and gate/up fused (Phi-3).
+
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
 context. Weight names follow Hugging Face's LlamaForCausalLM; q/k/v and gate/up are fused
@@ -12,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,25 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Every id that ends a generation (the config's and generation_config's); includes
+    # eos_token_id.
+    eos_token_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False  # Qwen2, and Llama/Qwen3 with attention_bias
+    o_bias: bool = False  # Llama/Qwen3 with attention_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before rope
+    sliding_window: int | None = None  # keys within this many positions, the query's included
+    # Per layer, whether it uses the sliding window; None: every layer does (when set).
+    sliding_layers: tuple[bool, ...] | None = None
+    # Gemma 2: norms scale by (1 + weight) in float32, and also follow attention and MLP.
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (GeGLU)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
+    # Gemma 3: the sliding-window layers rotate with this base and no rope scaling.
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -37,6 +64,20 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(
+                f"sliding_layers has {len(self.sliding_layers)} entries for "
+                f"{self.num_layers} layers"
+            )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
 
 
 @dataclass
@@ -51,13 +92,16 @@ class AttentionMetadata:
     plan_cache: dict = field(default_factory=dict)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """The rotary frequencies of the global layers, or of the sliding-window layers when
+    `local` (Gemma 3's `local_rope_theta`, unscaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = dict(config.rope_scaling or ())
-    if scaling.get("rope_type") == "llama3":
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = {} if local else dict(config.rope_scaling or ())
+    if scaling.get("rope_type") == "linear":  # positions divided by the factor
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling.get("rope_type") == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -73,29 +117,37 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """A bias-free linear layer. On the CPU PyTorch multiplies a single bfloat16/float16
-    row by a matrix-vector routine that ignores AMX and runs several times slower than a
-    two-row product, so a one-token batch is computed as two rows (a broadcast, no copy)."""
+    """A linear layer, bias-free unless asked. On the CPU PyTorch multiplies a single
+    bfloat16/float16 row by a matrix-vector routine that ignores AMX and runs several times
+    slower than a two-row product, so a one-token batch is computed as two rows (a
+    broadcast, no copy)."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and x.dtype != torch.float32 and x.device.type == "cpu":
-            return F.linear(x.expand(2, -1), self.weight)[:1]
-        return F.linear(x, self.weight)
+            return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalized in float32, then cast back before the weight, as Hugging Face does.
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        if self.unit_offset:  # Gemma: (1 + weight), applied in float32
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        # Normalized in float32, then cast back before the weight, as Hugging Face does.
         return self.weight * normed.to(x.dtype)
+
+
+def make_norm(config: ModelConfig, size: int) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, config.norm_unit_offset)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,23 +158,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend) -> None:
+    def __init__(self, config: ModelConfig, backend, layer: int) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size)
-        self.o_proj = Linear(q_size, config.hidden_size)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = make_norm(config, config.head_dim)
+            self.k_norm = make_norm(config, config.head_dim)
+        self.qk_norm = config.qk_norm
+        self.sliding_window = config.layer_sliding_window(layer)
+        self.softcap = config.attn_logit_softcapping
         self.backend = backend
 
     def forward(self, x, cos, sin, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.split
-        # q and k side by side in qkv: rotated in one pass, then split (views).
         qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k side by side: rotated in one pass, then split (views).
         q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         cache = kv_cache  # LayerKVCache: key, value (+ their scales when int8/fp8)
@@ -141,6 +202,8 @@ class LlamaAttention(nn.Module):
             cache.key_scale,
             cache.value_scale,
             plan_cache=attn.plan_cache,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -150,23 +213,35 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend) -> None:
+    def __init__(self, config: ModelConfig, backend, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.self_attn = LlamaAttention(config, backend, layer)
+        # Llama: the norm before the MLP. Gemma 2 (Hugging Face's names): the norm of the
+        # attention output, with two more around the MLP.
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
         self.mlp = LlamaMLP(config)
 
     def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        if not self.sandwich_norms:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -175,13 +250,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, backend) for _ in range(config.num_layers)]
+            [LlamaDecoderLayer(config, backend, i) for i in range(config.num_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        if config.local_rope_theta is not None:
+            self.register_buffer("inv_freq_local", rope_inv_freq(config, True), persistent=False)
 
     def forward(
         self,
@@ -190,36 +267,55 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list,  # one pagefleet_kernels.kv_cache.LayerKVCache per layer
         attn: AttentionMetadata,
     ) -> torch.Tensor:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed_tokens(input_ids)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if self.config.scale_embeddings:  # the factor rounded to the dtype, as Gemma does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        rope = self._rope(positions, self.inv_freq, x.dtype)
+        local_rope = rope
+        if self.config.local_rope_theta is not None:
+            local_rope = self._rope(positions, self.inv_freq_local, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = local_rope if layer.self_attn.sliding_window else rope
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
 
+    @staticmethod
+    def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face LlamaForCausalLM names (`model.` prefix optional), fusing
-        q/k/v and gate/up."""
+        q/k/v (weights and biases) and gate/up."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
         weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
         for i in range(self.config.num_layers):
             p = f"layers.{i}."
-            weights[p + "self_attn.qkv_proj.weight"] = torch.cat(
-                [weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            )
+            if p + "self_attn.qkv_proj.weight" in weights:  # Phi-3 checkpoints come fused
+                continue
+            for kind in ("weight", "bias") if self.config.qkv_bias else ("weight",):
+                weights[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+                    [weights.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
+                )
             weights[p + "mlp.gate_up_proj.weight"] = torch.cat(
                 [weights.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
             )
         if self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             weights["lm_head.weight"] = weights["embed_tokens.weight"]
-        missing, unexpected = self.load_state_dict(weights, strict=False)
+        missing, unexpected = self.load_state_dict(weights, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(
-                f"weights do not fit the Llama architecture: missing {sorted(missing)[:5]}, "
+                f"weights do not fit the model's configuration: missing {sorted(missing)[:5]}, "
                 f"unexpected {sorted(unexpected)[:5]}"
             )
+        # Computed, not loaded: rebuilt here in case the module was built on the meta device.
+        self.inv_freq = rope_inv_freq(self.config)
+        if self.config.local_rope_theta is not None:
+            self.inv_freq_local = rope_inv_freq(self.config, True)

