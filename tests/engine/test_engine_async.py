@@ -18,6 +18,7 @@ def engine():
         LLMEngine(
             EngineConfig(
                 model="builtin://tiny-random",
+                dtype="float32",
                 max_model_len=256,
                 kv_cache_memory_bytes=4 << 20,
                 block_size=4,
@@ -53,6 +54,10 @@ def test_streams_one_token_per_step_and_matches_offline(engine):
         return results
 
     results = asyncio.run(main())
+    # The step thread must be gone before this thread steps the same engine: two threads
+    # stepping one engine corrupt the scheduler (it failed once with a KeyError).
+    engine.shutdown()
+    assert not engine.is_healthy
     offline = engine.engine
     offline.add_request("again", [3, 4, 5], PARAMS)
     tokens = []
