@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pagefleet_operator.autoscale import PodSample, Recommendation, decide
+from pagefleet_operator.scaler import get_autoscaler_status, read_history
 from pagefleet_operator.spec import AutoscalingSpec
 
 POLICY = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=8)
@@ -66,12 +67,55 @@ def test_spike_scales_up_at_once_then_down_only_after_the_window():
     spike = [pods((0.95, 12), (0.95, 12))] * 2
     idle = [lambda n: pods(*[(0.1, 0)] * n)] * 30  # 30 rounds x 15 s = 450 s > 300 s window
     trace = run(2, spike + idle)
-    assert trace[:2] == [4, 6]  # doubling, then the queue's 6 (24 waiting / 4)
-    # Idle starts at t=30 s; the spike's recommendations leave the 300 s window at t=315 s.
-    first_down = trace.index(min(trace))
-    assert all(r == 6 for r in trace[1:first_down])
-    assert 15 * first_down >= 300
-    assert trace[-1] == 1
+    # Doubling, then the queue's 6 (24 waiting / 4). The last spike round (t=15 s) stays in
+    # the 300 s down-window through t=315 s: the first round after it (t=330 s, round 22)
+    # goes down to the idle recommendation.
+    assert trace == [4, 6] + [6] * 20 + [1] * 10
+
+
+def run_through_status(current, rounds, policy=POLICY, interval=15.0):
+    """Like `run`, but each round reads its history back from the status the previous round
+    wrote, as the operator does (the status is its only memory between rounds)."""
+    status: dict = {}
+    trace = []
+    for i, samples in enumerate(rounds):
+        now = 1_700_000_000.0 + i * interval
+        decision = decide(current, samples(current), policy, read_history(status), now)
+        status = {"autoscaler": get_autoscaler_status(decision, now)}
+        current = decision.replicas
+        trace.append(current)
+    return trace, status
+
+
+def test_status_carries_the_window_between_rounds():
+    spike = [lambda n: pods((0.95, 12), (0.95, 12))] * 2
+    idle = [lambda n: pods(*[(0.1, 0)] * n)] * 30
+    trace, status = run_through_status(2, spike + idle)
+    assert trace == [4, 6] + [6] * 20 + [1] * 10
+    # The status keeps the last 300 s of recommendations (21 rounds), oldest first.
+    kept = status["autoscaler"]["recentRecommendations"]
+    assert [item["replicas"] for item in kept] == [1] * 21
+    assert kept[0]["time"] == "2023-11-14T22:16:05Z" and kept[-1]["time"] == "2023-11-14T22:21:05Z"
+
+
+def test_history_entries_that_do_not_parse_are_dropped():
+    status = {
+        "autoscaler": {
+            "recentRecommendations": [
+                {"time": "2023-11-14T22:13:20Z", "replicas": 3},
+                {"time": "yesterday", "replicas": 4},
+                {"time": "2023-11-14T22:13:35Z"},
+                {"time": "2023-11-14T22:13:50Z", "replicas": "many"},
+                {"time": None, "replicas": 2},
+                {"time": "2023-11-14T22:14:05Z", "replicas": "5"},
+            ]
+        }
+    }
+    assert read_history(status) == [
+        Recommendation(1_700_000_000.0, 3),
+        Recommendation(1_700_000_045.0, 5),
+    ]
+    assert read_history({}) == [] and read_history({"autoscaler": None}) == []
 
 
 def test_sawtooth_load_does_not_flap():

@@ -222,3 +222,29 @@ def test_autoscale_once_ignores_disabled_and_invalid():
     kube = FakeKube(make_body({"model": {}}))
     assert autoscale_once(kube, kube.body(), default_image=DEFAULT_IMAGE, scrape=list) is None
     assert kube.writes == []
+
+
+def test_autoscale_rounds_remember_recommendations_through_the_status():
+    spec = {**BUILTIN, "replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 6}}
+    kube = FakeKube(make_body(spec))
+
+    def round_at(now: float, kv: float, waiting: int) -> int:
+        replicas = kube.body()["spec"]["replicas"]
+        samples = [PodSample(f"p{i}", True, kv, waiting) for i in range(replicas)]
+        decision = autoscale_once(
+            kube,
+            kube.body(),
+            default_image=DEFAULT_IMAGE,
+            scrape=lambda _: samples,
+            clock=lambda: now,
+        )
+        return decision.replicas
+
+    assert round_at(1e9, 0.95, 10) == 4  # recommends 5, at most doubling
+    # Idle 15 s later: the busy recommendation is still in the 300 s down-window, which
+    # only the status carries from one round to the next.
+    assert round_at(1e9 + 15, 0.0, 0) == 4
+    assert round_at(1e9 + 300, 0.0, 0) == 4
+    assert round_at(1e9 + 301, 0.0, 0) == 1
+    kept = kube.body()["status"]["autoscaler"]["recentRecommendations"]
+    assert [item["replicas"] for item in kept] == [1, 1, 1]
