@@ -63,10 +63,85 @@ def test_max_num_seqs_bounds_the_running_set():
 
 def test_priority_then_arrival():
     s = make_scheduler(max_num_seqs=1)
-    s.add(make_seq("late-urgent", 4, priority=-1))
-    s.add(make_seq("early", 4, first_token=50))
-    s.add(make_seq("urgent-2", 4, priority=-1, first_token=90))
+    s.add(make_seq("early", 4, max_tokens=2))
+    s.add(make_seq("late-urgent", 4, max_tokens=2, priority=-1, first_token=50))
+    s.add(make_seq("urgent-2", 4, max_tokens=2, priority=-1, first_token=90))
     assert [q.request_id for q in s.waiting] == ["late-urgent", "urgent-2", "early"]
+    # One at a time, each to the end: the run order is the waiting order.
+    runs = []
+    while s.has_unfinished():
+        runs += [r for r in run_step(s)[0] if r not in runs]
+    assert runs == ["late-urgent", "urgent-2", "early"]
+    s.block_manager.check_no_leaks()
+
+
+def place(s, seq, num_computed):
+    """Put `seq` in the running set with `num_computed` tokens computed (a mid-flight state
+    that steps reach only through long, fragile sequences of budgets)."""
+    assert s.block_manager.allocate(seq, num_computed) is not None
+    seq.num_computed_tokens = num_computed
+    seq.status = SequenceStatus.RUNNING
+    s.running.append(seq)
+
+
+def test_victim_is_the_lowest_priority_even_when_older():
+    s = make_scheduler(num_blocks=4)
+    old = make_seq("old-background", 9, priority=1)
+    new = make_seq("new-urgent", 9, priority=0, first_token=50)
+    place(s, old, 8)
+    place(s, new, 8)  # both now need a third block; the pool is full
+    scheduled, out = run_step(s)
+    assert out.preempted == [old] and scheduled == {"new-urgent": 1}
+    assert old.status is SequenceStatus.WAITING and old.block_table == []
+    assert s.waiting == [old] and s.block_manager.num_free_blocks == 1
+
+
+def test_a_sequence_that_is_the_victim_preempts_itself():
+    s = make_scheduler(num_blocks=4)
+    old = make_seq("old", 7)
+    new = make_seq("new", 9, first_token=50)
+    place(s, old, 6)  # its next token fits its second block
+    place(s, new, 8)  # its next token needs a third block, and it is the newest
+    scheduled, out = run_step(s)
+    assert out.preempted == [new] and scheduled == {"old": 1}
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
+    assert s.running == [old] and s.waiting == [new]
+    # Nothing is admitted in a step that preempted, even with blocks free now.
+    assert s.block_manager.num_free_blocks == 2
+
+
+def test_budget_of_an_already_scheduled_victim_is_given_back():
+    s = make_scheduler(num_blocks=4, max_num_batched_tokens=5)
+    low = make_seq("low-decode", 5, priority=2)
+    low.token_ids.append(7)  # its first output token: now a decode
+    p = make_seq("p", 12, priority=1, first_token=100)
+    q = make_seq("q", 12, priority=1, first_token=200)
+    place(s, low, 5)  # a decode: scheduled first, needs no block
+    place(s, p, 4)  # prefills: p's next 4 tokens need a block the full pool lacks
+    place(s, q, 4)
+    scheduled, out = run_step(s)
+    # low (1 token) is preempted after it was scheduled: its token goes back to the budget,
+    # and q, after p's 4, gets the 1 token left.
+    assert out.preempted == [low]
+    assert scheduled == {"p": 4, "q": 1} and out.num_batched_tokens == 5
+    assert s.block_manager.num_free_blocks == 0
+
+
+def test_a_prompt_that_will_fork_counts_all_its_samples_against_max_num_seqs():
+    s = make_scheduler(max_num_seqs=3, max_num_batched_tokens=8)
+    forking = make_seq("n3", 12, max_tokens=4)
+    forking.sibling_generators = [None, None]
+    s.add(forking)
+    s.add(make_seq("single", 4, first_token=50))
+    # The n=3 prompt is prefilled in two chunks; the single request must wait for a seat
+    # even though only one sequence runs: the prompt will be three.
+    assert run_step(s)[0] == {"n3": 8}
+    assert run_step(s)[0] == {"n3": 4}
+    assert len(s.running) == 3 and [q.request_id for q in s.waiting] == ["single"]
+    while [q.request_id for q in s.waiting] == ["single"]:
+        run_step(s)
+        assert len(s.running) <= 3
+    assert s.sequences_of("single")[0].status is SequenceStatus.RUNNING
 
 
 def test_newest_is_preempted_when_blocks_run_out_and_resumes():
