@@ -20,13 +20,12 @@ import sys
 import time
 import uuid
 
+import aiohttp
+import kmock
 import pytest
+import pytest_asyncio
 from operator_samples import REPO
 from test_operator_metrics import BODY, MetricsServer
-
-kmock = pytest.importorskip("kmock")
-aiohttp = pytest.importorskip("aiohttp")
-pytest_asyncio = pytest.importorskip("pytest_asyncio")
 
 ISVC = "pagefleet.dev/v1alpha1/inferenceservices"
 _versions = itertools.count(1)
