@@ -142,6 +142,16 @@ def test_finish_ends_only_the_unfinished_samples(tokenizer):
     assert processor.finish("r", "abort", 6.0) is None  # already gone
 
 
+def test_finish_ends_a_running_sample(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams())
+    (running,) = feed(processor, seq, encode(tokenizer, "Hello"))
+    assert (running.request_id, running.prompt_token_ids) == ("r", seq.token_ids[:-1])
+    out = processor.finish("r", "error", 3.0, error="device fell over")
+    assert [(c.index, c.text, c.finish_reason) for c in out.outputs] == [(0, "", "error")]
+    assert out.finished and out.request_id == "r" and "r" not in processor.requests
+
+
 def test_logprobs_and_timestamps(tokenizer):
     processor = OutputProcessor(tokenizer)
     (seq,) = start(processor, tokenizer, SamplingParams(logprobs=1), arrival=10.0)

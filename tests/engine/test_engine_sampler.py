@@ -99,6 +99,13 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
     assert penalized(repetition_penalty=2.0) == [1.0, -2.0, 0.5, 1.5, -2.0, 0.0]
 
 
+def test_repetition_penalty_divides_a_seen_logit_below_one():
+    logits = torch.tensor([[0.5, 0.5, -0.5]])
+    params = SamplingParams(repetition_penalty=2.0)
+    out = _apply_penalties(logits.clone(), [row(params, output=[0], prompt=[2])])
+    assert out.tolist() == [[0.25, 0.5, -1.0]]
+
+
 def test_frequency_penalty_counts_output_tokens_only():
     # Token 1 appeared once, 3 twice in the output; the prompt's tokens are not counted.
     assert penalized(frequency_penalty=0.5) == [2.0, -1.5, 0.5, 2.0, -2.0, 0.0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pagefleet_operator.autoscale import PodSample, Recommendation, decide
+from pagefleet_operator.autoscale import Decision, PodSample, Recommendation, decide
 from pagefleet_operator.scaler import get_autoscaler_status, read_history
 from pagefleet_operator.spec import AutoscalingSpec
 
@@ -59,8 +59,9 @@ def test_single_decision(current, samples, expected, reason_start):
 
 def test_disabled_autoscaling_never_changes_replicas():
     policy = AutoscalingSpec(enabled=False)
-    decision = decide(3, pods((1.0, 100)), policy, (), now=0.0)
-    assert (decision.replicas, decision.reason) == (3, "autoscaling is disabled")
+    history = (Recommendation(0.0, 5),)
+    decision = decide(3, pods((1.0, 100)), policy, history, now=0.0)
+    assert decision == Decision(3, 3, "autoscaling is disabled", 3, history)
 
 
 def test_spike_scales_up_at_once_then_down_only_after_the_window():
@@ -138,8 +139,18 @@ def test_scale_up_stabilization_takes_the_lowest_recent_recommendation():
 def test_scrape_failures_do_not_count_as_idle():
     # One pod idle, one unreachable: no scale-down on missing data.
     decision = decide(2, pods((0.0, 0), unscraped=1), POLICY, (), now=0.0)
-    assert decision.replicas == 2
-    assert "only 1/2 pods report metrics" in decision.reason
+    assert (decision.current, decision.replicas, decision.recommended) == (2, 2, 2)
+    assert decision.reason == (
+        "hold 2: KV cache 0% on 1 pod(s) (target 80%), 0 waiting (target 4/replica); "
+        "holding at 2: only 1/2 pods report metrics"
+    )
+    # Exactly at the current count, nothing is being held back: no "holding" note.
+    decision = decide(2, pods((1.0, 0), unscraped=1), POLICY, (), now=0.0)
+    assert decision.reason == (
+        "hold 2: KV cache 100% on 1 pod(s) (target 80%), 0 waiting (target 4/replica)"
+    )
+    decision = decide(2, pods(unscraped=2), POLICY, (), now=0.0)
+    assert decision.reason == "hold 2: no metrics from any ready pod"
     # ...but what was scraped can still drive a scale-up.
     decision = decide(2, pods((1.0, 20), unscraped=1), POLICY, (), now=0.0)
     assert decision.replicas == 4
@@ -159,7 +170,11 @@ def test_history_is_trimmed_to_the_longest_window():
     assert [h.time for h in decision.history] == [950.0, 1000.0]
     # The 3 from 50 s ago is still in the scale-down window: no change from 2 upward
     # is recommended now, so it holds.
-    assert decision.replicas == 2
+    assert (decision.current, decision.replicas, decision.recommended) == (2, 2, 2)
+    # A lower recommendation held back by the window says so.
+    decision = decide(3, pods((0.1, 0), (0.1, 0), (0.1, 0)), POLICY, old, now=1000.0)
+    assert (decision.replicas, decision.recommended) == (3, 1)
+    assert decision.reason.startswith("hold 3 (recommended 1, stabilizing): KV cache 10%")
 
 
 def test_observation_is_reported():
