@@ -28,12 +28,15 @@ serve: install
 test: install
 	$(PY) -m pytest -q -p no:randomly -m "not slow and not gpu" tests e2e/test_e2e_local.py
 
-# The same tests in a random order (pytest-randomly prints the seed it used; rerun one with
-# `make test-random RANDOM_SEED=<seed>`): tests must not depend on one another.
-RANDOM_SEED ?=
+# The same tests in a random order (pytest-randomly): tests must not depend on one another.
+# The seed is printed first; `make test-random RANDOM_SEED=<seed>` replays an order.
+ifndef RANDOM_SEED
+RANDOM_SEED := $(shell $(PYTHON) -c "import random; print(random.randrange(2**32))")
+endif
 test-random: install
-	$(PY) -m pytest -q $(if $(RANDOM_SEED),--randomly-seed=$(RANDOM_SEED)) \
-		-m "not slow and not gpu" tests e2e/test_e2e_local.py
+	@echo "random order seed: $(RANDOM_SEED)"
+	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu" \
+		tests e2e/test_e2e_local.py
 
 # Mutation testing of the engine core, the output processor and the autoscaling decision
 # against their fast tests (a few minutes on one core; not part of `make test`). mutmut 3
