@@ -49,6 +49,8 @@ def run(current, rounds, policy=POLICY, interval=15.0):
         (2, pods(unscraped=2), 2, "hold 2"),
         # Below minReplicas (e.g. set by hand): raised to the minimum.
         (0, [], 1, "scale up 0 -> 1"),
+        # From 0, busy pods still draining: doubling from nothing is one replica.
+        (0, pods((1.0, 20), (1.0, 20)), 1, "scale up 0 -> 1"),
     ],
 )
 def test_single_decision(current, samples, expected, reason_start):
