@@ -42,6 +42,8 @@ test-random: install
 # against their fast tests (a few minutes on one core; not part of `make test`). mutmut 3
 # wants the code under src/: a copy is staged in $(MUTATION_DIR). Prints the score and
 # the surviving mutants; mutation/equivalent-mutants.md explains the ones that cannot die.
+# One torch thread: mutmut forks a process per mutant, and torch's thread pool hangs in a
+# forked child.
 MUTATION_DIR := .mutation
 mutation: install
 	rm -rf $(MUTATION_DIR)
@@ -50,7 +52,8 @@ mutation: install
 	cp -r tests/engine tests/operator $(MUTATION_DIR)/tests/
 	cp mutation/setup.cfg $(MUTATION_DIR)/
 	find $(MUTATION_DIR) -name __pycache__ -prune -exec rm -rf {} +
-	cd $(MUTATION_DIR) && PYTHONPATH=$(CURDIR)/kernels $(CURDIR)/$(VENV)/bin/mutmut run --max-children 1 >/dev/null
+	cd $(MUTATION_DIR) && OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR)/kernels \
+		$(CURDIR)/$(VENV)/bin/mutmut run --max-children 1 >/dev/null
 	cd $(MUTATION_DIR) && $(CURDIR)/$(VENV)/bin/mutmut export-cicd-stats >/dev/null
 	$(PY) mutation/report.py $(MUTATION_DIR)
 
