@@ -41,14 +41,22 @@ def run_step(scheduler, token=7):
     return {item.seq.request_id: item.num_new_tokens for item in out.scheduled}, out
 
 
+def steps_while(scheduler, condition, max_steps=100):
+    """Step while `condition()` holds; a scheduler that stops making progress fails here
+    instead of looping forever. Returns each step's {request_id: num_new_tokens}."""
+    steps = []
+    while condition():
+        assert len(steps) < max_steps, f"no progress after {max_steps} steps"
+        steps.append(run_step(scheduler)[0])
+    return steps
+
+
 def test_long_prompt_is_chunked_and_decodes_go_first():
     s = make_scheduler(max_num_batched_tokens=16)
     s.add(make_seq("short", 3, max_tokens=50))
     assert run_step(s)[0] == {"short": 3}
     s.add(make_seq("long", 40, first_token=100))
-    steps = []
-    while s.sequences_of("long")[0].num_computed_tokens < 40:
-        steps.append(run_step(s)[0])
+    steps = steps_while(s, lambda: s.sequences_of("long")[0].num_computed_tokens < 40)
     # The running decode gets its token in every step; the prompt takes the rest.
     assert steps == [{"short": 1, "long": 15}, {"short": 1, "long": 15}, {"short": 1, "long": 10}]
 
@@ -69,8 +77,8 @@ def test_priority_then_arrival():
     assert [q.request_id for q in s.waiting] == ["late-urgent", "urgent-2", "early"]
     # One at a time, each to the end: the run order is the waiting order.
     runs = []
-    while s.has_unfinished():
-        runs += [r for r in run_step(s)[0] if r not in runs]
+    for step in steps_while(s, s.has_unfinished):
+        runs += [r for r in step if r not in runs]
     assert runs == ["late-urgent", "urgent-2", "early"]
     s.block_manager.check_no_leaks()
 
@@ -138,9 +146,8 @@ def test_a_prompt_that_will_fork_counts_all_its_samples_against_max_num_seqs():
     assert run_step(s)[0] == {"n3": 8}
     assert run_step(s)[0] == {"n3": 4}
     assert len(s.running) == 3 and [q.request_id for q in s.waiting] == ["single"]
-    while [q.request_id for q in s.waiting] == ["single"]:
-        run_step(s)
-        assert len(s.running) <= 3
+    steps_while(s, lambda: [q.request_id for q in s.waiting] == ["single"])
+    assert len(s.running) <= 3
     assert s.sequences_of("single")[0].status is SequenceStatus.RUNNING
 
 
@@ -155,14 +162,12 @@ def test_newest_is_preempted_when_blocks_run_out_and_resumes():
     assert out.preempted == [new] and new.status is SequenceStatus.WAITING
     assert new.num_computed_tokens == 0 and new.num_preemptions == 1
     assert scheduled == {"old": 1}
-    while not old.is_finished:
-        run_step(s)
+    steps_while(s, lambda: not old.is_finished)
     # The preempted one resumes, recomputing prompt + its first output token (old's growth
     # evicted its cached blocks).
     scheduled, _ = run_step(s)
     assert scheduled == {"new": 9}
-    while not new.is_finished:
-        run_step(s)
+    steps_while(s, lambda: not new.is_finished)
     assert new.output_token_ids == [7] * 8 and s.num_preemptions == 1
     s.block_manager.check_no_leaks()
 
