@@ -161,10 +161,20 @@ def sha256_chain(blocks):
 
 def test_block_hashes_chain_each_block_to_its_parent():
     bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
-    seq = make_seq([*range(8), 50])
+    seq = make_seq([*range(12), 50])
     bm.update_block_hashes(seq)
-    # Two full blocks are named; the partial third is not.
-    assert seq.block_hashes == sha256_chain([[0, 1, 2, 3], [4, 5, 6, 7]])
+    # Three full blocks are named, each after its own parent; the partial fourth is not.
+    assert seq.block_hashes == sha256_chain([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+
+
+def test_leak_check_names_the_held_blocks():
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(5))
+    compute(bm, seq, 5)
+    with pytest.raises(AssertionError, match=r"blocks still referenced: \[0, 1\] \(2 in all\)"):
+        bm.check_no_leaks()
+    bm.free(seq)
+    bm.check_no_leaks()
 
 
 def test_the_same_tokens_at_another_position_miss_the_prefix_cache():

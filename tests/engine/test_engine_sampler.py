@@ -53,6 +53,12 @@ def test_filters_leave_exactly_these_tokens_drawable(params, survivors):
     assert drawn(LOGITS, params) == survivors
 
 
+def test_unseeded_rows_draw_independently_from_the_filtered_distribution():
+    batch = torch.tensor([LOGITS] * NUM_DRAWS, dtype=torch.float32)
+    rows = [row(SamplingParams(top_k=3)) for _ in range(NUM_DRAWS)]
+    assert {t.token_id for t in sample(batch, rows)} == {2, 0, 3}
+
+
 def test_temperature_applies_before_top_p():
     # At temperature 1 the masses before each rank are 0, 0.4, 0.7, 0.9: top_p=0.8 keeps
     # three. At temperature 0.5 the probabilities go as p^2 (16, 9, 4, 1 over 30), the masses

@@ -213,3 +213,60 @@ def test_fork_into_n_samples_after_the_prompt():
     for f in family:
         s.finish(f, "abort")
     s.block_manager.check_no_leaks()
+
+
+def test_token_budget_bounds_admissions_and_decodes():
+    s = make_scheduler(max_num_batched_tokens=9)
+    for i in range(3):
+        s.add(make_seq(f"r{i}", 4, first_token=10 * i))
+    # 4 + 4 + the one token left: r2's prompt is chunked.
+    assert run_step(s)[0] == {"r0": 4, "r1": 4, "r2": 1}
+    s.max_num_batched_tokens = 2
+    assert run_step(s)[0] == {"r0": 1, "r1": 1}  # no budget left for r2's next chunk
+
+
+def test_admission_takes_prefix_cache_hits_and_counts_them():
+    s = make_scheduler()
+    first = make_seq("first", 9, max_tokens=1)
+    s.add(first)
+    run_step(s)
+    assert first.finish_reason == "length"
+    again = make_seq("again", 9, max_tokens=1)
+    s.add(again)
+    # The first two blocks (8 tokens) are reused: only the ninth token is computed.
+    assert run_step(s)[0] == {"again": 1}
+    assert again.num_prefix_hit_tokens == 8
+    bm = s.block_manager
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (18, 8)
+    bm.check_no_leaks()
+
+
+def test_stop_token_ids_and_max_model_len_end_a_sequence():
+    stop = make_seq("stop", 3)
+    stop.params = SamplingParams(max_tokens=16, stop_token_ids=[7])
+    s = make_scheduler()
+    s.add(stop)
+    run_step(s, token=7)
+    assert stop.finish_reason == "stop"
+    config = EngineConfig(model="builtin://tiny-random", block_size=BS)
+    s = Scheduler(config, BlockManager(64, BS, True), max_model_len=6)
+    full = make_seq("full", 4)
+    s.add(full)
+    steps_while(s, lambda: not full.is_finished)
+    assert (full.num_tokens, full.finish_reason) == (6, "length")
+
+
+def test_update_returns_each_new_token_and_forks_with_the_sibling_generators():
+    import torch
+
+    s = make_scheduler()
+    seq = make_seq("n", 3)
+    generators = [torch.Generator(), torch.Generator()]
+    seq.sibling_generators = list(generators)
+    s.add(seq)
+    out = s.schedule()
+    tokens = [SampledToken(5), SampledToken(6), SampledToken(7)]
+    new = s.update(out, {seq: tokens})
+    family = s.sequences_of("n")
+    assert new == list(zip(family, tokens, strict=True))
+    assert [f.generator for f in family[1:]] == generators
