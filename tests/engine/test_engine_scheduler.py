@@ -223,6 +223,12 @@ def test_token_budget_bounds_admissions_and_decodes():
     assert run_step(s)[0] == {"r0": 4, "r1": 4, "r2": 1}
     s.max_num_batched_tokens = 2
     assert run_step(s)[0] == {"r0": 1, "r1": 1}  # no budget left for r2's next chunk
+    # A budget spent exactly leaves the next request waiting (not admitted with 0 tokens).
+    s = make_scheduler(max_num_batched_tokens=8)
+    for i in range(3):
+        s.add(make_seq(f"r{i}", 4, first_token=10 * i))
+    assert run_step(s)[0] == {"r0": 4, "r1": 4}
+    assert [q.request_id for q in s.waiting] == ["r2"]
 
 
 def test_admission_takes_prefix_cache_hits_and_counts_them():
