@@ -126,3 +126,25 @@ def test_repeated_failures_mark_the_engine_dead(engine, monkeypatch):
             await collect(engine, "late", [1, 2, 3])
 
     asyncio.run(main())
+
+
+def test_a_duplicate_request_id_is_refused_and_the_first_request_carries_on(engine):
+    async def main():
+        first = engine.generate("dup", [3, 4, 5], PARAMS)
+        outputs = [await anext(first)]
+        with pytest.raises(ValueError, match="request_id 'dup' is already in use"):
+            await anext(engine.generate("dup", [6, 7], PARAMS))
+        outputs += [out async for out in first]
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 20
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    # The engine core refuses one too (the step thread is stopped first: see above).
+    engine.shutdown()
+    core = engine.engine
+    core.add_request("twice", [3, 4], PARAMS)
+    with pytest.raises(ValueError, match="request_id 'twice' is already running"):
+        core.add_request("twice", [5, 6], PARAMS)
+    core.abort_request("twice")
+    core.block_manager.check_no_leaks()

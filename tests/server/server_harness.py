@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "builtin://smollm2-135m"
 START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (kept for tests that run their own listeners; the
+    servers here bind port 0 instead, as another process may take this one first)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
