@@ -4,8 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint format bench bench-offline bench-kvquant bench-kernels \
-	test-kernels test-kernels-gpu e2e e2e-local
+.PHONY: install serve test test-random mutation lint format bench bench-offline bench-kvquant \
+	bench-kernels test-kernels test-kernels-gpu e2e e2e-local
 
 install: $(STAMP)
 
@@ -24,8 +24,38 @@ serve: install
 
 # The unit and integration tests, then the user's walk with no cluster (the operator and
 # real serving pods against an API emulator and a simulated kubelet).
+# In file order (pytest-randomly off), so a failure reproduces as is.
 test: install
-	$(PY) -m pytest -q -m "not slow and not gpu" tests e2e/test_e2e_local.py
+	$(PY) -m pytest -q -p no:randomly -m "not slow and not gpu" tests e2e/test_e2e_local.py
+
+# The same tests in a random order (pytest-randomly): tests must not depend on one another.
+# The seed is printed first; `make test-random RANDOM_SEED=<seed>` replays an order.
+ifndef RANDOM_SEED
+RANDOM_SEED := $(shell $(PYTHON) -c "import random; print(random.randrange(2**32))")
+endif
+test-random: install
+	@echo "random order seed: $(RANDOM_SEED)"
+	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu" \
+		tests e2e/test_e2e_local.py
+
+# Mutation testing of the engine core, the output processor and the autoscaling decision
+# against their fast tests (a few minutes on one core; not part of `make test`). mutmut 3
+# wants the code under src/: a copy is staged in $(MUTATION_DIR). Prints the score and
+# the surviving mutants; mutation/equivalent-mutants.md explains the ones that cannot die.
+# One torch thread: mutmut forks a process per mutant, and torch's thread pool hangs in a
+# forked child.
+MUTATION_DIR := .mutation
+mutation: install
+	rm -rf $(MUTATION_DIR)
+	mkdir -p $(MUTATION_DIR)/src $(MUTATION_DIR)/tests
+	cp -r servingpod/pagefleet_serve operator/pagefleet_operator $(MUTATION_DIR)/src/
+	cp -r tests/engine tests/operator $(MUTATION_DIR)/tests/
+	cp mutation/setup.cfg $(MUTATION_DIR)/
+	find $(MUTATION_DIR) -name __pycache__ -prune -exec rm -rf {} +
+	cd $(MUTATION_DIR) && OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR)/kernels \
+		$(CURDIR)/$(VENV)/bin/mutmut run --max-children 1 >/dev/null
+	cd $(MUTATION_DIR) && $(CURDIR)/$(VENV)/bin/mutmut export-cicd-stats >/dev/null
+	$(PY) mutation/report.py $(MUTATION_DIR)
 
 # The walk on the cluster in the current kubeconfig (kind, k3d, real); skipped without one.
 e2e: install

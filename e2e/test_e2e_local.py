@@ -21,15 +21,12 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 import walk
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "operator"))
-
-kmock = pytest.importorskip("kmock")
-aiohttp = pytest.importorskip("aiohttp")
-pytest.importorskip("pytest_asyncio")
 
 # The emulator adapter and the operator-process fixture, written once for the operator tests.
 from kubelet_sim import Forwarder, KubeletSimulation  # noqa: E402

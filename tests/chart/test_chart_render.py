@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 from chart_render import (
@@ -24,12 +26,9 @@ from pagefleet_operator.__main__ import get_parser
 from pagefleet_operator.config import DEFAULT_IMAGE
 from pagefleet_operator.rbac import RULES
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-
 # Values that are whole Kubernetes objects passed through to a manifest: their fields are
 # Kubernetes', documented by the comment on the key itself.
 PASSTHROUGH_KEYS = {"resources", "podSecurityContext", "securityContext"}
-jsonschema = pytest.importorskip("jsonschema")
 
 OVERRIDES = {
     "defaults": {},

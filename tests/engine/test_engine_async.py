@@ -18,6 +18,7 @@ def engine():
         LLMEngine(
             EngineConfig(
                 model="builtin://tiny-random",
+                dtype="float32",
                 max_model_len=256,
                 kv_cache_memory_bytes=4 << 20,
                 block_size=4,
@@ -53,6 +54,10 @@ def test_streams_one_token_per_step_and_matches_offline(engine):
         return results
 
     results = asyncio.run(main())
+    # The step thread must be gone before this thread steps the same engine: two threads
+    # stepping one engine corrupt the scheduler (it failed once with a KeyError).
+    engine.shutdown()
+    assert not engine.is_healthy
     offline = engine.engine
     offline.add_request("again", [3, 4, 5], PARAMS)
     tokens = []
@@ -121,3 +126,25 @@ def test_repeated_failures_mark_the_engine_dead(engine, monkeypatch):
             await collect(engine, "late", [1, 2, 3])
 
     asyncio.run(main())
+
+
+def test_a_duplicate_request_id_is_refused_and_the_first_request_carries_on(engine):
+    async def main():
+        first = engine.generate("dup", [3, 4, 5], PARAMS)
+        outputs = [await anext(first)]
+        with pytest.raises(ValueError, match="request_id 'dup' is already in use"):
+            await anext(engine.generate("dup", [6, 7], PARAMS))
+        outputs += [out async for out in first]
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 20
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    # The engine core refuses one too (the step thread is stopped first: see above).
+    engine.shutdown()
+    core = engine.engine
+    core.add_request("twice", [3, 4], PARAMS)
+    with pytest.raises(ValueError, match="request_id 'twice' is already running"):
+        core.add_request("twice", [5, 6], PARAMS)
+    core.abort_request("twice")
+    core.block_manager.check_no_leaks()

@@ -1,5 +1,8 @@
 """The block allocator on its own: exact block ids, free-queue order, ref counts."""
 
+import hashlib
+from array import array
+
 import pytest
 from pagefleet_serve.engine.block_manager import BlockManager, hash_block
 from pagefleet_serve.engine.sequence import Sequence
@@ -145,3 +148,86 @@ def test_hash_chain_covers_the_parent():
         hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8]
     )
     assert hash_block(None, [1, 2, 3, 4]) == first
+
+
+def sha256_chain(blocks):
+    """The hash chain computed independently of `hash_block`: sha256(parent + int64 ids)."""
+    hashes, parent = [], b""
+    for tokens in blocks:
+        parent = hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def test_block_hashes_chain_each_block_to_its_parent():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq([*range(12), 50])
+    bm.update_block_hashes(seq)
+    # Three full blocks are named, each after its own parent; the partial fourth is not.
+    assert seq.block_hashes == sha256_chain([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+
+
+def test_leak_check_names_the_held_blocks():
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(5))
+    compute(bm, seq, 5)
+    with pytest.raises(AssertionError, match=r"blocks still referenced: \[0, 1\] \(2 in all\)"):
+        bm.check_no_leaks()
+    bm.free(seq)
+    bm.check_no_leaks()
+
+
+def test_the_same_tokens_at_another_position_miss_the_prefix_cache():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    first = make_seq([*range(8), 50], "first")
+    compute(bm, first, 9)
+    assert first.block_table == [0, 1, 2]
+    bm.free(first)
+    # Block 1 of `first` holds tokens 4-7 at positions 4-7; these sequences hold the same
+    # four tokens at positions 0-3 or after another first block. Their K/V differs (the
+    # positions and the attended prefix differ), so nothing may be reused.
+    moved = make_seq([4, 5, 6, 7, 8, 9, 10, 11, 12], "moved")
+    assert bm.find_cached_prefix(moved) == []
+    other_parent = make_seq([9, 9, 9, 9, 4, 5, 6, 7, 12], "other-parent")
+    assert bm.find_cached_prefix(other_parent) == []
+    # The whole chain still hits, with its exact blocks.
+    same = make_seq([*range(8), 60], "same")
+    assert [b.block_id for b in bm.find_cached_prefix(same)] == [0, 1]
+    bm.check_no_leaks()
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "block_table"),
+    [(1, [0]), (4, [0]), (5, [0, 1]), (8, [0, 1]), (9, [0, 1, 2]), (12, [0, 1, 2])],
+)
+def test_exact_block_table_around_block_boundaries(num_tokens, block_table):
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    seq = make_seq(range(num_tokens))
+    compute(bm, seq, num_tokens)
+    assert seq.block_table == block_table
+    assert bm.num_free_blocks == 4 - len(block_table)
+    bm.free(seq)
+    bm.check_no_leaks()
+
+
+def test_decode_takes_a_new_block_exactly_one_past_the_boundary():
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(3))
+    compute(bm, seq, 3)
+    tables = []
+    for token in range(10, 16):  # grow from 3 to 9 tokens, one decode step at a time
+        seq.token_ids.append(token)
+        compute(bm, seq, 1)
+        tables.append(list(seq.block_table))
+    assert tables == [[0], [0, 1], [0, 1], [0, 1], [0, 1], [0, 1, 2]]
+    # A pool that is exactly full refuses the token one past its last block.
+    full = make_seq(range(100, 104), "full")
+    assert compute(bm, full, 4) == [] and bm.num_free_blocks == 0
+    for token in range(16, 19):  # tokens 10-12 still fit block 2
+        seq.token_ids.append(token)
+        assert compute(bm, seq, 1) == []
+    seq.token_ids.append(19)  # token 13 needs a fourth block: none is free
+    assert bm.allocate(seq, 1) is None and seq.block_table == [0, 1, 2]
+    bm.free(seq)
+    bm.free(full)
+    bm.check_no_leaks()

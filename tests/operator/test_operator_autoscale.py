@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pagefleet_operator.autoscale import PodSample, Recommendation, decide
+from pagefleet_operator.autoscale import Decision, PodSample, Recommendation, decide
+from pagefleet_operator.scaler import get_autoscaler_status, read_history
 from pagefleet_operator.spec import AutoscalingSpec
 
 POLICY = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=8)
@@ -48,6 +49,8 @@ def run(current, rounds, policy=POLICY, interval=15.0):
         (2, pods(unscraped=2), 2, "hold 2"),
         # Below minReplicas (e.g. set by hand): raised to the minimum.
         (0, [], 1, "scale up 0 -> 1"),
+        # From 0, busy pods still draining: doubling from nothing is one replica.
+        (0, pods((1.0, 20), (1.0, 20)), 1, "scale up 0 -> 1"),
     ],
 )
 def test_single_decision(current, samples, expected, reason_start):
@@ -58,20 +61,64 @@ def test_single_decision(current, samples, expected, reason_start):
 
 def test_disabled_autoscaling_never_changes_replicas():
     policy = AutoscalingSpec(enabled=False)
-    decision = decide(3, pods((1.0, 100)), policy, (), now=0.0)
-    assert (decision.replicas, decision.reason) == (3, "autoscaling is disabled")
+    history = (Recommendation(0.0, 5),)
+    decision = decide(3, pods((1.0, 100)), policy, history, now=0.0)
+    assert decision == Decision(3, 3, "autoscaling is disabled", 3, history)
 
 
 def test_spike_scales_up_at_once_then_down_only_after_the_window():
     spike = [pods((0.95, 12), (0.95, 12))] * 2
     idle = [lambda n: pods(*[(0.1, 0)] * n)] * 30  # 30 rounds x 15 s = 450 s > 300 s window
     trace = run(2, spike + idle)
-    assert trace[:2] == [4, 6]  # doubling, then the queue's 6 (24 waiting / 4)
-    # Idle starts at t=30 s; the spike's recommendations leave the 300 s window at t=315 s.
-    first_down = trace.index(min(trace))
-    assert all(r == 6 for r in trace[1:first_down])
-    assert 15 * first_down >= 300
-    assert trace[-1] == 1
+    # Doubling, then the queue's 6 (24 waiting / 4). The last spike round (t=15 s) stays in
+    # the 300 s down-window through t=315 s: the first round after it (t=330 s, round 22)
+    # goes down to the idle recommendation.
+    assert trace == [4, 6] + [6] * 20 + [1] * 10
+
+
+def run_through_status(current, rounds, policy=POLICY, interval=15.0):
+    """Like `run`, but each round reads its history back from the status the previous round
+    wrote, as the operator does (the status is its only memory between rounds)."""
+    status: dict = {}
+    trace = []
+    for i, samples in enumerate(rounds):
+        now = 1_700_000_000.0 + i * interval
+        decision = decide(current, samples(current), policy, read_history(status), now)
+        status = {"autoscaler": get_autoscaler_status(decision, now)}
+        current = decision.replicas
+        trace.append(current)
+    return trace, status
+
+
+def test_status_carries_the_window_between_rounds():
+    spike = [lambda n: pods((0.95, 12), (0.95, 12))] * 2
+    idle = [lambda n: pods(*[(0.1, 0)] * n)] * 30
+    trace, status = run_through_status(2, spike + idle)
+    assert trace == [4, 6] + [6] * 20 + [1] * 10
+    # The status keeps the last 300 s of recommendations (21 rounds), oldest first.
+    kept = status["autoscaler"]["recentRecommendations"]
+    assert [item["replicas"] for item in kept] == [1] * 21
+    assert kept[0]["time"] == "2023-11-14T22:16:05Z" and kept[-1]["time"] == "2023-11-14T22:21:05Z"
+
+
+def test_history_entries_that_do_not_parse_are_dropped():
+    status = {
+        "autoscaler": {
+            "recentRecommendations": [
+                {"time": "2023-11-14T22:13:20Z", "replicas": 3},
+                {"time": "yesterday", "replicas": 4},
+                {"time": "2023-11-14T22:13:35Z"},
+                {"time": "2023-11-14T22:13:50Z", "replicas": "many"},
+                {"time": None, "replicas": 2},
+                {"time": "2023-11-14T22:14:05Z", "replicas": "5"},
+            ]
+        }
+    }
+    assert read_history(status) == [
+        Recommendation(1_700_000_000.0, 3),
+        Recommendation(1_700_000_045.0, 5),
+    ]
+    assert read_history({}) == [] and read_history({"autoscaler": None}) == []
 
 
 def test_sawtooth_load_does_not_flap():
@@ -94,8 +141,18 @@ def test_scale_up_stabilization_takes_the_lowest_recent_recommendation():
 def test_scrape_failures_do_not_count_as_idle():
     # One pod idle, one unreachable: no scale-down on missing data.
     decision = decide(2, pods((0.0, 0), unscraped=1), POLICY, (), now=0.0)
-    assert decision.replicas == 2
-    assert "only 1/2 pods report metrics" in decision.reason
+    assert (decision.current, decision.replicas, decision.recommended) == (2, 2, 2)
+    assert decision.reason == (
+        "hold 2: KV cache 0% on 1 pod(s) (target 80%), 0 waiting (target 4/replica); "
+        "holding at 2: only 1/2 pods report metrics"
+    )
+    # Exactly at the current count, nothing is being held back: no "holding" note.
+    decision = decide(2, pods((1.0, 0), unscraped=1), POLICY, (), now=0.0)
+    assert decision.reason == (
+        "hold 2: KV cache 100% on 1 pod(s) (target 80%), 0 waiting (target 4/replica)"
+    )
+    decision = decide(2, pods(unscraped=2), POLICY, (), now=0.0)
+    assert decision.reason == "hold 2: no metrics from any ready pod"
     # ...but what was scraped can still drive a scale-up.
     decision = decide(2, pods((1.0, 20), unscraped=1), POLICY, (), now=0.0)
     assert decision.replicas == 4
@@ -115,7 +172,11 @@ def test_history_is_trimmed_to_the_longest_window():
     assert [h.time for h in decision.history] == [950.0, 1000.0]
     # The 3 from 50 s ago is still in the scale-down window: no change from 2 upward
     # is recommended now, so it holds.
-    assert decision.replicas == 2
+    assert (decision.current, decision.replicas, decision.recommended) == (2, 2, 2)
+    # A lower recommendation held back by the window says so.
+    decision = decide(3, pods((0.1, 0), (0.1, 0), (0.1, 0)), POLICY, old, now=1000.0)
+    assert (decision.replicas, decision.recommended) == (3, 1)
+    assert decision.reason.startswith("hold 3 (recommended 1, stabilizing): KV cache 10%")
 
 
 def test_observation_is_reported():

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import copy
 
+import celpy
+import jsonschema
+import kubernetes_validate
 import pytest
 from operator_samples import CRD_PATH, DEFAULT_IMAGE, EXAMPLES, load_yaml, make_body
 from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.spec import parse_spec
-
-jsonschema = pytest.importorskip("jsonschema")
-celpy = pytest.importorskip("celpy")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 K8S_VERSIONS = ["1.30", "1.33"]
 CRD = load_yaml(CRD_PATH)

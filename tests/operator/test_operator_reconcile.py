@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 
+import kopf
 import pytest
 from operator_samples import DEFAULT_IMAGE, make_body
+from pagefleet_operator import handlers
 from pagefleet_operator.autoscale import PodSample
+from pagefleet_operator.config import OperatorConfig
 from pagefleet_operator.kube import KubeError
 from pagefleet_operator.reconcile import reconcile
 from pagefleet_operator.scaler import autoscale_once
@@ -232,3 +236,108 @@ def test_autoscale_once_ignores_disabled_and_invalid():
     kube = FakeKube(make_body({"model": {}}))
     assert autoscale_once(kube, kube.body(), default_image=DEFAULT_IMAGE, scrape=list) is None
     assert kube.writes == []
+
+
+def test_autoscale_rounds_remember_recommendations_through_the_status():
+    spec = {**BUILTIN, "replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 6}}
+    kube = FakeKube(make_body(spec))
+
+    def round_at(now: float, kv: float, waiting: int) -> int:
+        replicas = kube.body()["spec"]["replicas"]
+        samples = [PodSample(f"p{i}", True, kv, waiting) for i in range(replicas)]
+        decision = autoscale_once(
+            kube,
+            kube.body(),
+            default_image=DEFAULT_IMAGE,
+            scrape=lambda _: samples,
+            clock=lambda: now,
+        )
+        return decision.replicas
+
+    assert round_at(1e9, 0.95, 10) == 4  # recommends 5, at most doubling
+    # Idle 15 s later: the busy recommendation is still in the 300 s down-window, which
+    # only the status carries from one round to the next.
+    assert round_at(1e9 + 15, 0.0, 0) == 4
+    assert round_at(1e9 + 300, 0.0, 0) == 4
+    assert round_at(1e9 + 301, 0.0, 0) == 1
+    kept = kube.body()["status"]["autoscaler"]["recentRecommendations"]
+    assert [item["replicas"] for item in kept] == [1, 1, 1]
+
+
+# -- the kopf handlers over the same test double ------------------------------------------
+@pytest.fixture
+def warnings(monkeypatch):
+    """The Events the handlers post (kopf posts them only inside a running operator)."""
+    posted = []
+    monkeypatch.setattr(
+        handlers.kopf, "warn", lambda body, reason, message: posted.append((reason, message))
+    )
+    return posted
+
+
+def memo_of(kube: FakeKube) -> kopf.Memo:
+    return kopf.Memo(kube=kube, config=OperatorConfig(default_image=DEFAULT_IMAGE))
+
+
+def owned_deployment(kube: FakeKube, **owner_changes) -> dict:
+    deployment = kube.get("Deployment", "ml", "demo")
+    deployment["metadata"]["ownerReferences"] = [
+        {**deployment["metadata"]["ownerReferences"][0], **owner_changes}
+    ]
+    return deployment
+
+
+@pytest.mark.parametrize(
+    "owner_changes",
+    [
+        {"uid": "uid-of-an-older-demo"},  # the owner was deleted and recreated
+        {"controller": False},  # an owner, but not the controlling one
+        {"kind": "Deployment"},  # someone else's controller
+    ],
+)
+def test_deployment_events_reconcile_only_the_controlling_owner(owner_changes):
+    kube = FakeKube(make_body(BUILTIN))
+    run(kube)
+    # Drift that a reconcile of demo would put back: it must not happen for this event.
+    kube.objects[("Deployment", "ml", "demo")]["spec"]["replicas"] = 5
+    kube.writes.clear()
+    event = owned_deployment(kube, **owner_changes)
+    handlers.deployment_changed(body=event, memo=memo_of(kube), logger=logging.getLogger())
+    assert kube.writes == []
+
+
+def test_deployment_events_reconcile_the_owner_unless_it_is_being_deleted():
+    kube = FakeKube(make_body(BUILTIN))
+    run(kube)
+    kube.objects[("Deployment", "ml", "demo")]["spec"]["replicas"] = 5  # drift
+    event = owned_deployment(kube)
+    kube.writes.clear()
+    handlers.deployment_changed(body=event, memo=memo_of(kube), logger=logging.getLogger())
+    assert ("apply", "Deployment", "demo") in kube.writes
+    assert kube.get("Deployment", "ml", "demo")["spec"]["replicas"] == 1
+
+    kube.objects[("InferenceService", "ml", "demo")]["metadata"]["deletionTimestamp"] = "T"
+    kube.objects[("Deployment", "ml", "demo")]["spec"]["replicas"] = 5
+    kube.writes.clear()
+    handlers.deployment_changed(body=event, memo=memo_of(kube), logger=logging.getLogger())
+    assert kube.writes == []
+    no_owner = {"metadata": {"name": "x", "namespace": "ml"}}
+    handlers.deployment_changed(body=no_owner, memo=memo_of(kube), logger=logging.getLogger())
+    assert kube.writes == []
+
+
+def test_api_errors_become_a_warning_and_a_delayed_retry(warnings):
+    kube = FakeKube(make_body(BUILTIN))
+    kube.fail_apply = KubeError(503, "etcd is sad")
+    with pytest.raises(kopf.TemporaryError) as raised:
+        handlers.reconcile_service(body=kube.body(), memo=memo_of(kube), logger=logging.getLogger())
+    assert raised.value.delay == handlers.RETRY_DELAY_SECONDS
+    assert "etcd is sad" in str(raised.value)
+    assert warnings == [("ReconcileFailed", "HTTP 503: etcd is sad")]
+
+
+def test_a_new_problem_is_warned_once(warnings):
+    kube = FakeKube(make_body({"model": {"uri": "pvc://weights/llama"}}))
+    for _ in range(2):
+        handlers.reconcile_service(body=kube.body(), memo=memo_of(kube), logger=logging.getLogger())
+    assert [reason for reason, _ in warnings] == ["PVCNotFound"]

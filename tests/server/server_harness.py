@@ -1,11 +1,13 @@
 """Real servers for the server tests: a `pagefleet serve` subprocess, or a uvicorn server
-in a thread of the test process (so a test can reach into its engine), both on a free
-loopback port with the built-in model; plus helpers to read /metrics and to poll."""
+in a thread of the test process (so a test can reach into its engine), both on port 0
+(the OS picks a free loopback port and the server reports the one it bound, so no other
+process can take it between a check and the bind) with the built-in model; plus helpers to read /metrics and to poll."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +26,8 @@ START_TIMEOUT_S = 240.0
 
 
 def free_port() -> int:
+    """A port that was free a moment ago (kept for tests that run their own listeners; the
+    servers here bind port 0 instead, as another process may take this one first)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -48,26 +52,43 @@ def _is_ready(base_url: str) -> bool:
         return False
 
 
+# The startup line of `DrainingServer`: "serving <names> on http://<host>:<port>".
+_SERVING_LINE = re.compile(r"serving .* on http://[^\s:]+:(\d+)")
+
+
 class ServerProcess:
     """`python -m pagefleet_serve.cli serve ...` with its log in a temporary file."""
 
     def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._port: int | None = None
         self.log = Path(tempfile.mkstemp(prefix="pagefleet-serve-", suffix=".log")[1])
-        command = [
-            sys.executable,
-            "-m",
-            "pagefleet_serve.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            *flags,
-        ]
+        command = [sys.executable, "-m", "pagefleet_serve.cli", "serve", "--port", "0", *flags]
+        # float32 unless a test says otherwise: the same tokens on every CPU (auto would
+        # pick bfloat16 only where the CPU has native bfloat16).
+        env = {**os.environ, "PAGEFLEET_DTYPE": "float32", **(env or {})}
         with self.log.open("wb") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def port(self) -> int:
+        """The port the server bound, from its startup line (waits for it)."""
+        if self._port is None:
+            self._port = wait_until(
+                self._bound_port, START_TIMEOUT_S, "the server to bind a port", interval=0.2
             )
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _bound_port(self) -> int | None:
+        if self.process.poll() is not None:
+            raise AssertionError(
+                f"server exited with {self.process.returncode}:\n{self.log_text()}"
+            )
+        found = _SERVING_LINE.search(self.log_text())
+        return int(found.group(1)) if found else None
 
     def wait_ready(self) -> ServerProcess:
         def ready() -> bool:
@@ -103,17 +124,23 @@ class ThreadServer:
         from pagefleet_serve.server.settings import ServerSettings
         from pagefleet_serve.server.uvicorn_server import create_server
 
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        engine = LLMEngine(EngineConfig(model=MODEL, **engine_config))
+        engine = LLMEngine(EngineConfig(model=MODEL, **{"dtype": "float32"} | engine_config))
         self.engine = AsyncEngine(engine)
         self.server = create_server(
-            ServerSettings(served_model_names=(engine.model_name,), port=self.port, **settings),
+            ServerSettings(served_model_names=(engine.model_name,), port=0, **settings),
             self.engine,
             log_level="warning",
         )
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.thread.start()
+        wait_until(
+            lambda: self.server.started or not self.thread.is_alive(),
+            START_TIMEOUT_S,
+            "the server to bind a port",
+        )
+        assert self.server.started, "the uvicorn thread ended before the server started"
+        self.port = self.server.bound_port
+        self.base_url = f"http://127.0.0.1:{self.port}"
         wait_until(lambda: _is_ready(self.base_url), START_TIMEOUT_S, "the server to start")
 
     @property

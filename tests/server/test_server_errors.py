@@ -17,10 +17,9 @@ MAX_MODEL_LEN = 256
 MAX_QUEUED = 2
 
 
-@pytest.fixture(scope="module")
-def server():
+def start_server() -> ThreadServer:
     # One sequence at a time, so a second request is queued behind a running one.
-    running = ThreadServer(
+    return ThreadServer(
         {
             "api_key": API_KEY,
             "max_num_queued_requests": MAX_QUEUED,
@@ -31,13 +30,30 @@ def server():
         max_model_len=MAX_MODEL_LEN,
         kv_cache_memory_bytes=64 << 20,
     )
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = start_server()
     yield running
     running.stop()
 
 
 @pytest.fixture
+def own_server():
+    """A server of this test's own, for a test that kills its engine."""
+    running = start_server()
+    yield running
+    running.stop()
+
+
+def client_of(server: ThreadServer) -> httpx.Client:
+    return httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60)
+
+
+@pytest.fixture
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as client:
+    with client_of(server) as client:
         yield client
 
 
@@ -290,7 +306,26 @@ def test_coalesced_stream_equals_non_stream(server, http, idle):
         events = sse_events(response.iter_lines())
     chunks = [e for e in events if isinstance(e, dict)]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert len(chunks) <= 12 and events[-1] == "DONE"
+    # 12 tokens but fewer chunks: tokens a step apart (well under the 0.2 s interval on
+    # this model) are merged; without coalescing each token would be its own chunk.
+    assert 1 < len(chunks) < 12 and events[-1] == "DONE"
+    assert all(c["choices"][0]["text"] for c in chunks[:-1])  # no empty chunk is sent
+
+
+def test_unexpected_error_is_a_500_in_openai_form(server, http, idle, monkeypatch):
+    from pagefleet_serve.server import app
+
+    def broken(*_):
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(app, "list_models", broken)
+    error = assert_error(http.get("/v1/models"), 500)
+    assert error["type"] == "server_error" and error["message"] == "internal server error"
+    monkeypatch.undo()
+    # A new connection: uvicorn closes the one the unhandled exception went through.
+    with client_of(server) as fresh:
+        assert fresh.get("/v1/models").status_code == 200
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
 # -- engine failures ----------------------------------------------------------------------
@@ -360,16 +395,18 @@ def test_health_is_503_while_a_step_hangs(server, http, idle, monkeypatch):
         )
 
 
-def test_dead_engine_turns_health_503(server, http):
-    """Last in this module: it kills the engine."""
+def test_dead_engine_turns_health_503(own_server):
+    server = own_server  # it kills the engine: never the module's shared one
     failures = server.engine.MAX_CONSECUTIVE_FAILURES
     fail_next_steps(server, failures)
-    for _ in range(failures):  # each request's first step fails; the last failure is fatal
-        assert_error(post(http, "/v1/completions", {"prompt": "Hello", "max_tokens": 4}), 500)
-    wait_until(
-        lambda: httpx.get(f"{server.base_url}/health").status_code == 503,
-        10,
-        "/health to report the dead engine",
-    )
-    assert httpx.get(f"{server.base_url}/ready").status_code == 503
-    assert_error(post(http, "/v1/completions", {"prompt": "hi"}), 503, code="engine_unhealthy")
+    with client_of(server) as http:
+        for _ in range(failures):  # each request's first step fails; the last is fatal
+            assert_error(post(http, "/v1/completions", {"prompt": "Hello", "max_tokens": 4}), 500)
+        wait_until(
+            lambda: httpx.get(f"{server.base_url}/health").status_code == 503,
+            10,
+            "/health to report the dead engine",
+        )
+        assert httpx.get(f"{server.base_url}/ready").status_code == 503
+        error = assert_error(post(http, "/v1/completions", {"prompt": "hi"}), 503)
+        assert error["code"] == "engine_unhealthy"

@@ -200,7 +200,6 @@ def test_n2_gives_two_choices(client):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     assert texts[0] and texts[1]
-    assert chunks[-1].usage.completion_tokens >= 2
 
 
 def test_logprobs(client):
@@ -210,8 +209,14 @@ def test_logprobs(client):
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 3
     assert "".join(logprobs.tokens) == completion.choices[0].text
-    assert all(len(top) == 2 for top in logprobs.top_logprobs)
-    assert logprobs.text_offset[0] == 0
+    offsets = [sum(len(t) for t in logprobs.tokens[:i]) for i in range(3)]
+    assert logprobs.text_offset == offsets
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        # Greedy: the chosen token is the most likely one, with the very same logprob.
+        assert len(top) == 2 and max(top, key=top.get) == token
+        assert top[token] == logprob and logprob <= 0 and min(top.values()) < logprob
     chat = client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": QUESTION}],
@@ -221,16 +226,80 @@ def test_logprobs(client):
         top_logprobs=3,
     )
     content = chat.choices[0].logprobs.content
-    assert len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
-    assert content[0].logprob <= 0 and content[0].bytes == list(content[0].token.encode())
-
-
-def test_stop_string_ends_the_text_before_it(client):
-    whole = client.completions.create(
-        model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"]
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    for entry in content:
+        ranked = [t.logprob for t in entry.top_logprobs]
+        assert len(ranked) == 3 and ranked == sorted(ranked, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode())
+    # The same token at the same position has the same logprob in both APIs.
+    again = client.completions.create(
+        model=MODEL_NAME, prompt="The sky is", max_tokens=1, temperature=0, logprobs=0
     )
-    assert whole.choices[0].finish_reason == "stop"
-    assert " 7" not in whole.choices[0].text and whole.choices[0].text.startswith(" 5")
+    assert again.choices[0].logprobs.token_logprobs[0] == pytest.approx(
+        logprobs.token_logprobs[0], abs=1e-5
+    )
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client):
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=9,
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.usage.completion_tokens == 4
+
+
+def test_choices_of_several_prompts_with_n_are_numbered_prompt_major(client):
+    prompts = ["The capital of Italy is", "Water boils at"]
+    alone = [
+        client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4, temperature=0)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+    whole = client.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=4, temperature=0, n=2
+    )
+    # OpenAI's numbering: choice index = prompt index x n + sample index.
+    assert [(c.index, c.text) for c in whole.choices] == [
+        (0, alone[0]),
+        (1, alone[0]),
+        (2, alone[1]),
+        (3, alone[1]),
+    ]
+    streamed = {i: "" for i in range(4)}
+    for chunk in client.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=4, temperature=0, n=2, stream=True
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == {c.index: c.text for c in whole.choices}
+
+
+def test_stop_string_ends_the_text_and_is_never_streamed(client):
+    body = {"model": MODEL_NAME, "prompt": "1, 2, 3, 4,", "max_tokens": 16, "temperature": 0}
+    whole = client.completions.create(**body, stop=[" 7"])
+    pieces, reasons = [], []
+    for chunk in client.completions.create(**body, stop=[" 7"], stream=True):
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == whole.choices[0].text and whole.choices[0].text.startswith(" 5")
+    assert reasons[-1] == "stop" and set(reasons[:-1]) <= {None}
+    assert whole.choices[0].finish_reason == "stop" and "7" not in "".join(pieces)
 
 
 def test_utf8_streams_without_replacement_characters(server, client):

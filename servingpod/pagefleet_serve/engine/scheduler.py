@@ -111,7 +111,9 @@ class Scheduler:
         # Admit waiting requests, unless this step had to preempt (no room to grow).
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if len(self.running) + seq.num_samples > self.max_num_seqs:
+            # A running prompt that has not forked yet will take num_samples seats.
+            seats = sum(s.num_samples for s in self.running)
+            if seats + seq.num_samples > self.max_num_seqs:
                 break
             prefix = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)

@@ -118,8 +118,13 @@ class DrainingServer(uvicorn.Server):
                 "serving %s on http://%s:%d",
                 ", ".join(settings.served_model_names),
                 settings.host,
-                settings.port,
+                self.bound_port,
             )
+
+    @property
+    def bound_port(self) -> int:
+        """The port the listener got (the OS picks one when started with port 0)."""
+        return self.servers[0].sockets[0].getsockname()[1]
 
     def handle_exit(self, sig: int, frame) -> None:
         # Not uvicorn's: it would re-raise the signal after shutdown (exit code 143).

@@ -1,0 +1,186 @@
+"""The output processor on its own (the real tokenizer, no model): incremental text, UTF-8
+characters split over tokens, stop strings held back and cut, finish reasons, n > 1,
+aborts, logprobs and timestamps, fed token by token as the engine would."""
+
+import pytest
+from pagefleet_serve.engine.sampler import SampledToken
+from pagefleet_serve.engine.sequence import Sequence, SequenceStatus
+from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.output_processor import OutputProcessor
+from pagefleet_serve.outputs import TokenLogprob
+from pagefleet_serve.sampling_params import SamplingParams
+
+ANSWER = " The answer is 42. Done"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin://smollm2-135m")
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def start(processor, tokenizer, params, request_id="r", arrival=100.0):
+    prompt = encode(tokenizer, "Question:")
+    processor.add_request(request_id, prompt, params, arrival)
+    return [
+        Sequence(request_id, i, list(prompt), len(prompt), params, None, arrival)
+        for i in range(params.n)
+    ]
+
+
+def feed(processor, seq, token_ids, first_time=1.0):
+    """One step per token; returns each step's RequestOutput."""
+    outputs = []
+    for step, token_id in enumerate(token_ids):
+        seq.token_ids.append(token_id)
+        step_outputs, _ = processor.process([(seq, SampledToken(token_id))], first_time + step)
+        outputs += step_outputs
+    return outputs
+
+
+def texts(outputs):
+    return [o.outputs[0].text for o in outputs]
+
+
+def test_text_is_released_token_by_token(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams())
+    outputs = feed(processor, seq, encode(tokenizer, ANSWER))
+    assert texts(outputs) == [" The", " answer", " is", " ", "4", "2", ".", " Done"]
+    assert all(not o.finished and o.outputs[0].finish_reason is None for o in outputs)
+    assert [o.outputs[0].token_ids for o in outputs] == [[t] for t in encode(tokenizer, ANSWER)]
+
+
+def test_a_character_split_over_tokens_is_released_whole(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams())
+    outputs = feed(processor, seq, encode(tokenizer, " café 日本"))
+    # 日 is three byte-level tokens: nothing is released until its last one.
+    assert texts(outputs) == [" café", "", "", " 日", "本"]
+
+
+def test_stop_string_is_held_back_then_cut(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams(stop=["42."]))
+    ids = encode(tokenizer, ANSWER)
+    stopped_at = None
+    outputs = []
+    for step, token_id in enumerate(ids):
+        seq.token_ids.append(token_id)
+        step_outputs, stopped = processor.process([(seq, SampledToken(token_id))], float(step))
+        outputs += step_outputs
+        if stopped:
+            assert stopped == [seq]
+            stopped_at = step
+            break
+    # The last two characters (len("42.") - 1) are held back until they cannot start "42.".
+    assert texts(outputs) == [" T", "he answ", "er ", "i", "s", " ", ""]
+    assert "".join(texts(outputs)) == " The answer is "
+    assert stopped_at == ids.index(encode(tokenizer, ".")[0])
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "stop"
+    assert "r" not in processor.requests
+
+
+def test_a_stop_string_on_an_already_finished_sequence_is_not_reported_again(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams(stop=[" is"]))
+    ids = encode(tokenizer, " The answer is")
+    for token_id in ids[:-1]:
+        seq.token_ids.append(token_id)
+        processor.process([(seq, SampledToken(token_id))], 1.0)
+    seq.token_ids.append(ids[-1])
+    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"  # the scheduler ended it
+    outputs, stopped = processor.process([(seq, SampledToken(ids[-1]))], 2.0)
+    assert stopped == [] and outputs[0].outputs[0].finish_reason == "stop"
+
+
+def test_length_finish_flushes_the_held_back_text(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams(stop=["never seen"]))
+    ids = encode(tokenizer, " The answer")
+    outputs = feed(processor, seq, ids[:-1])
+    seq.token_ids.append(ids[-1])
+    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+    last, stopped = processor.process([(seq, SampledToken(ids[-1]))], 9.0)
+    assert texts(outputs) == [""] and stopped == []
+    assert last[0].outputs[0].text == " The answer" and last[0].outputs[0].finish_reason == "length"
+    assert last[0].finished and last[0].metrics.finished_time == 9.0
+
+
+def test_n_samples_finish_the_request_only_together(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    first, second = start(processor, tokenizer, SamplingParams(n=2))
+    hello, world = encode(tokenizer, "Hello")[0], encode(tokenizer, " world")[0]
+    first.token_ids.append(hello)
+    second.token_ids.append(world)
+    first.status, first.finish_reason = SequenceStatus.FINISHED, "length"
+    (out,), _ = processor.process([(first, SampledToken(hello)), (second, SampledToken(world))], 1)
+    assert [(c.index, c.text, c.finish_reason) for c in out.outputs] == [
+        (0, "Hello", "length"),
+        (1, " world", None),
+    ]
+    assert not out.finished and "r" in processor.requests
+    second.token_ids.append(hello)
+    second.status, second.finish_reason = SequenceStatus.FINISHED, "stop"
+    (out,), _ = processor.process([(second, SampledToken(hello))], 2)
+    assert [(c.index, c.finish_reason) for c in out.outputs] == [(1, "stop")]
+    assert out.finished and "r" not in processor.requests
+
+
+def test_finish_ends_only_the_unfinished_samples(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    first, _second, _third = start(processor, tokenizer, SamplingParams(n=3))
+    first.status, first.finish_reason = SequenceStatus.FINISHED, "stop"
+    feed(processor, first, encode(tokenizer, "Hello"))
+    out = processor.finish("r", "abort", 5.0, error="client went away")
+    # Sample 0 had finished; 1 had not started; 2 neither: both end with the reason.
+    assert [(c.index, c.finish_reason) for c in out.outputs] == [(1, "abort"), (2, "abort")]
+    assert out.finished and out.error == "client went away" and out.metrics.finished_time == 5.0
+    assert processor.finish("r", "abort", 6.0) is None  # already gone
+
+
+def test_finish_ends_a_running_sample(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams())
+    (running,) = feed(processor, seq, encode(tokenizer, "Hello"))
+    assert (running.request_id, running.prompt_token_ids) == ("r", seq.token_ids[:-1])
+    out = processor.finish("r", "error", 3.0, error="device fell over")
+    assert [(c.index, c.text, c.finish_reason) for c in out.outputs] == [(0, "", "error")]
+    assert out.finished and out.request_id == "r" and "r" not in processor.requests
+
+
+def test_logprobs_and_timestamps(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams(logprobs=1), arrival=10.0)
+    seq.num_prefix_hit_tokens = 16
+    processor.mark_scheduled(seq, 11.0)
+    seq.num_prefix_hit_tokens = 32  # a later admission (after preemption) does not count
+    processor.mark_scheduled(seq, 12.0)
+    token = encode(tokenizer, "Hello")[0]
+    seq.token_ids.append(token)
+    seq.num_preemptions = 2
+    sampled = SampledToken(token, -0.25, [(token, -0.25), (7, -1.5)])
+    (first,), _ = processor.process([(seq, sampled)], 13.0)
+    (second,), _ = processor.process([(seq, SampledToken(token, -0.5))], 14.0)
+    assert first.outputs[0].logprobs == [TokenLogprob(token, -0.25, [(token, -0.25), (7, -1.5)])]
+    assert second.outputs[0].logprobs == [TokenLogprob(token, -0.5, [])]
+    assert first.num_cached_tokens == 16
+    metrics = second.metrics
+    assert (metrics.arrival_time, metrics.first_scheduled_time) == (10.0, 11.0)
+    assert (metrics.first_token_time, metrics.last_token_time) == (13.0, 14.0)
+    assert metrics.num_preemptions == 2 and metrics.finished_time is None
+    # Each output holds a copy of the metrics as they were at its step.
+    assert first.metrics.last_token_time == 13.0
+
+
+def test_without_a_tokenizer_there_is_no_text():
+    processor = OutputProcessor(None)
+    params = SamplingParams(stop=["x"])
+    processor.add_request("ids", [1, 2], params, 0.0)
+    seq = Sequence("ids", 0, [1, 2], 2, params, None, 0.0)
+    seq.token_ids.append(5)
+    (out,), stopped = processor.process([(seq, SampledToken(5))], 1.0)
+    assert out.outputs[0].text == "" and out.outputs[0].token_ids == [5] and stopped == []

@@ -1,0 +1,180 @@
+"""The sampler on hand-made logits (no model): which tokens top-k, top-p and min-p leave
+drawable, the exact logits the repetition, presence and frequency penalties produce, and
+exact logprobs."""
+
+import math
+
+import pytest
+import torch
+from pagefleet_serve.engine.sampler import SampleRow, _apply_penalties, sample
+from pagefleet_serve.sampling_params import SamplingParams
+
+# Probabilities 0.4, 0.3, 0.2, 0.1 at token ids 2, 0, 3, 1 (shuffled so that survivors must
+# be mapped back from sorted order to token ids).
+PROBS = [0.3, 0.1, 0.4, 0.2]
+LOGITS = [math.log(p) for p in PROBS]
+NUM_DRAWS = 300  # P(a token of probability >= 0.1 is never drawn) < 1e-13
+
+
+def row(params, seed=None, output=(), prompt=()):
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return SampleRow(params, generator, list(output), list(prompt))
+
+
+def drawn(logits, params) -> set[int]:
+    """The tokens drawn in NUM_DRAWS seeded draws of one distribution (one batched call)."""
+    batch = torch.tensor([logits] * NUM_DRAWS, dtype=torch.float32)
+    return {t.token_id for t in sample(batch, [row(params, seed) for seed in range(NUM_DRAWS)])}
+
+
+@pytest.mark.parametrize(
+    ("params", "survivors"),
+    [
+        (SamplingParams(), {0, 1, 2, 3}),
+        (SamplingParams(top_k=1), {2}),
+        (SamplingParams(top_k=2), {2, 0}),
+        (SamplingParams(top_k=3), {2, 0, 3}),
+        (SamplingParams(top_k=-1), {0, 1, 2, 3}),
+        # top-p keeps the smallest prefix (by probability) whose mass reaches top_p.
+        (SamplingParams(top_p=0.35), {2}),
+        (SamplingParams(top_p=0.65), {2, 0}),
+        (SamplingParams(top_p=0.85), {2, 0, 3}),
+        (SamplingParams(top_p=0.95), {0, 1, 2, 3}),
+        # min-p keeps tokens with at least min_p x the top probability (0.4).
+        (SamplingParams(min_p=0.3), {2, 0, 3}),  # threshold 0.12 drops 0.1
+        (SamplingParams(min_p=0.6), {2, 0}),  # threshold 0.24
+        (SamplingParams(min_p=0.9), {2}),  # threshold 0.36
+        # Combined: each filter removes what it would alone.
+        (SamplingParams(top_k=3, top_p=0.65), {2, 0}),
+        (SamplingParams(top_k=2, min_p=0.9), {2}),
+    ],
+)
+def test_filters_leave_exactly_these_tokens_drawable(params, survivors):
+    assert drawn(LOGITS, params) == survivors
+
+
+def test_unseeded_rows_draw_independently_from_the_filtered_distribution():
+    batch = torch.tensor([LOGITS] * NUM_DRAWS, dtype=torch.float32)
+    rows = [row(SamplingParams(top_k=3)) for _ in range(NUM_DRAWS)]
+    assert {t.token_id for t in sample(batch, rows)} == {2, 0, 3}
+
+
+def test_temperature_applies_before_top_p():
+    # At temperature 1 the masses before each rank are 0, 0.4, 0.7, 0.9: top_p=0.8 keeps
+    # three. At temperature 0.5 the probabilities go as p^2 (16, 9, 4, 1 over 30), the masses
+    # before are 0, 0.53, 0.83: it keeps two.
+    assert drawn(LOGITS, SamplingParams(top_p=0.8)) == {2, 0, 3}
+    assert drawn(LOGITS, SamplingParams(top_p=0.8, temperature=0.5)) == {2, 0}
+
+
+def test_each_row_uses_its_own_filters():
+    reversed_logits = list(reversed(LOGITS))  # 0.2, 0.4, 0.1, 0.3: the most likely is 1
+    logits = torch.tensor([LOGITS, reversed_logits, reversed_logits, LOGITS])
+    rows = [
+        row(SamplingParams(top_k=1), 0),
+        row(SamplingParams(top_p=0.35), 1),
+        row(SamplingParams(min_p=0.9), 2),
+        row(SamplingParams(temperature=0.0), 3),
+    ]
+    assert [t.token_id for t in sample(logits, rows)] == [2, 1, 1, 2]
+
+
+def test_seeded_draw_is_the_same_whatever_shares_the_batch():
+    alone = sample(torch.tensor([LOGITS]), [row(SamplingParams(), 1234)])[0].token_id
+    others = [row(SamplingParams(), None), row(SamplingParams(top_k=1), 5)]
+    batch = torch.tensor([LOGITS, list(reversed(LOGITS)), LOGITS])
+    rows = [others[0], row(SamplingParams(), 1234), others[1]]
+    assert sample(batch, rows)[1].token_id == alone
+
+
+# -- penalties ------------------------------------------------------------------------------
+PENALTY_LOGITS = [2.0, -1.0, 0.5, 3.0, -2.0, 0.0]
+PROMPT = [0, 5]
+OUTPUT = [1, 3, 3]
+
+
+def penalized(**penalties) -> list[float]:
+    params = SamplingParams(**penalties)
+    logits = torch.tensor([PENALTY_LOGITS])
+    return _apply_penalties(logits.clone(), [row(params, output=OUTPUT, prompt=PROMPT)])[0].tolist()
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    # Seen: the prompt's 0 and 5 and the output's 1 and 3. Positive logits are divided by
+    # 2, negative (and zero) ones multiplied; unseen 2 and 4 are untouched.
+    assert penalized(repetition_penalty=2.0) == [1.0, -2.0, 0.5, 1.5, -2.0, 0.0]
+
+
+def test_repetition_penalty_divides_a_seen_logit_below_one():
+    logits = torch.tensor([[0.5, 0.5, -0.5]])
+    params = SamplingParams(repetition_penalty=2.0)
+    out = _apply_penalties(logits.clone(), [row(params, output=[0], prompt=[2])])
+    assert out.tolist() == [[0.25, 0.5, -1.0]]
+
+
+def test_frequency_penalty_counts_output_tokens_only():
+    # Token 1 appeared once, 3 twice in the output; the prompt's tokens are not counted.
+    assert penalized(frequency_penalty=0.5) == [2.0, -1.5, 0.5, 2.0, -2.0, 0.0]
+
+
+def test_presence_penalty_is_once_per_output_token():
+    assert penalized(presence_penalty=0.25) == [2.0, -1.25, 0.5, 2.75, -2.0, 0.0]
+
+
+def test_negative_penalties_reward_repeats():
+    assert penalized(presence_penalty=-1.0, frequency_penalty=-0.5) == [
+        2.0,
+        0.5,
+        0.5,
+        5.0,
+        -2.0,
+        0.0,
+    ]
+
+
+def test_penalties_combine_repetition_first():
+    # 1: -1 x 2 = -2, then -0.5 x 1 - 0.25 = -2.75; 3: 3 / 2 = 1.5, then -0.5 x 2 - 0.25.
+    combined = penalized(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    assert combined == [1.0, -2.75, 0.5, 0.25, -2.0, 0.0]
+
+
+def test_penalties_apply_to_their_own_row_only():
+    logits = torch.tensor([PENALTY_LOGITS, PENALTY_LOGITS])
+    rows = [
+        row(SamplingParams(), output=OUTPUT, prompt=PROMPT),
+        row(SamplingParams(presence_penalty=1.0), output=[0], prompt=PROMPT),
+    ]
+    out = _apply_penalties(logits.clone(), rows).tolist()
+    assert out == [PENALTY_LOGITS, [1.0, -1.0, 0.5, 3.0, -2.0, 0.0]]
+
+
+def test_a_penalty_changes_the_greedy_choice_and_logprobs_stay_unpenalized():
+    params = SamplingParams(temperature=0.0, repetition_penalty=4.0, logprobs=1)
+    logits = torch.tensor([PENALTY_LOGITS])
+    # 3 (logit 3.0) was generated: 3 / 4 = 0.75 < 2.0, so token 0 wins. With 0 in the
+    # prompt as well (2 / 4 = 0.5), 3's 0.75 is the largest again.
+    assert sample(logits, [row(params, output=[3])])[0].token_id == 0
+    out = sample(logits, [row(params, output=[3], prompt=[0])])[0]
+    assert out.token_id == 3
+    # Logprobs describe the model's distribution, before penalties.
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert out.logprob == pytest.approx(float(expected[3]), abs=1e-6)
+    assert out.top_logprobs == [(3, pytest.approx(float(expected[3]), abs=1e-6))]
+
+
+# -- logprobs -------------------------------------------------------------------------------
+def test_logprobs_are_exact_and_ranked():
+    # Probabilities 1/8, 2/8, 5/8: logprobs ln(1/8), ln(1/4), ln(5/8).
+    logits = torch.tensor([[math.log(1), math.log(2), math.log(5)]])
+    out = sample(logits, [row(SamplingParams(temperature=0.0, logprobs=2))])[0]
+    assert out.token_id == 2
+    assert out.logprob == pytest.approx(math.log(5 / 8), abs=1e-6)
+    assert [t for t, _ in out.top_logprobs] == [2, 1]
+    assert [v for _, v in out.top_logprobs] == pytest.approx(
+        [math.log(5 / 8), math.log(1 / 4)], abs=1e-6
+    )
+    # logprobs=0: the sampled token's logprob, no alternatives; None: nothing.
+    zero = sample(logits, [row(SamplingParams(temperature=0.0, logprobs=0))])[0]
+    assert zero.logprob == pytest.approx(math.log(5 / 8), abs=1e-6) and zero.top_logprobs == []
+    off = sample(logits, [row(SamplingParams(temperature=0.0))])[0]
+    assert off.logprob is None and off.top_logprobs is None
