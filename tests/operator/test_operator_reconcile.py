@@ -17,6 +17,7 @@ from pagefleet_operator.config import OperatorConfig
 from pagefleet_operator.kube import KubeError
 from pagefleet_operator.reconcile import reconcile
 from pagefleet_operator.scaler import autoscale_once
+from pagefleet_operator.telemetry import OperatorMetrics
 from server_side_apply import merge_applied
 
 BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
@@ -261,7 +262,8 @@ def test_autoscale_rounds_remember_recommendations_through_the_status():
     assert round_at(1e9 + 300, 0.0, 0) == 4
     assert round_at(1e9 + 301, 0.0, 0) == 1
     kept = kube.body()["status"]["autoscaler"]["recentRecommendations"]
-    assert [item["replicas"] for item in kept] == [1, 1, 1]
+    # Compacted to the latest recommendation per replica count: the 4 left the window.
+    assert [item["replicas"] for item in kept] == [1]
 
 
 # -- the kopf handlers over the same test double ------------------------------------------
@@ -276,7 +278,9 @@ def warnings(monkeypatch):
 
 
 def memo_of(kube: FakeKube) -> kopf.Memo:
-    return kopf.Memo(kube=kube, config=OperatorConfig(default_image=DEFAULT_IMAGE))
+    return kopf.Memo(
+        kube=kube, config=OperatorConfig(default_image=DEFAULT_IMAGE), metrics=OperatorMetrics()
+    )
 
 
 def owned_deployment(kube: FakeKube, **owner_changes) -> dict:
@@ -333,7 +337,8 @@ def test_api_errors_become_a_warning_and_a_delayed_retry(warnings):
         handlers.reconcile_service(body=kube.body(), memo=memo_of(kube), logger=logging.getLogger())
     assert raised.value.delay == handlers.RETRY_DELAY_SECONDS
     assert "etcd is sad" in str(raised.value)
-    assert warnings == [("ReconcileFailed", "HTTP 503: etcd is sad")]
+    # The apply error names the kind the API server refused to write.
+    assert warnings == [("ReconcileFailed", "HTTP 503: Deployment: etcd is sad")]
 
 
 def test_a_new_problem_is_warned_once(warnings):
