@@ -446,8 +446,15 @@ async def test_autoscaler_against_loopback_pods(kmock, operator):
         def replicas():
             return (stored(kmock, ISVC, "scaled") or {}).get("spec", {}).get("replicas")
 
-        # 2 pods, 95% KV and 24 waiting: ceil(24 / 4) = 6, at most doubling -> 4.
-        await eventually(lambda: replicas() == 4, what="scale up to 4")
+        def autoscaler_status() -> dict:
+            return ((stored(kmock, ISVC, "scaled") or {}).get("status") or {}).get("autoscaler", {})
+
+        # 2 pods, 95% KV and 24 waiting: ceil(24 / 4) = 6, at most doubling -> 4. The scale
+        # subresource is written before the status, so wait for both.
+        await eventually(
+            lambda: replicas() == 4 and "lastScaleReason" in autoscaler_status(),
+            what="scale up to 4",
+        )
         isvc = stored(kmock, ISVC, "scaled")
         assert isvc["status"]["autoscaler"]["kvCacheUsagePercent"] == 95
         assert isvc["status"]["autoscaler"]["lastScaleReason"].startswith("scale up 2 -> 4")
@@ -463,7 +470,14 @@ async def test_autoscaler_against_loopback_pods(kmock, operator):
         await add_pod(2)
         await add_pod(3)
         await add_pod(4, owned=False)
-        await eventually(lambda: replicas() == 1, timeout=40, what="scale down to 1")
+        await eventually(
+            lambda: (
+                replicas() == 1
+                and autoscaler_status().get("lastScaleReason", "").startswith("scale down")
+            ),
+            timeout=40,
+            what="scale down to 1",
+        )
         # By the operator's own clock, the scale-down came a full window (10 s) after the
         # scale-up: the recommendation of 4 was remembered between rounds.
         scaled_down_at = stored(kmock, ISVC, "scaled")["status"]["autoscaler"]["lastScaleTime"]
