@@ -26,7 +26,7 @@ serve: install
 # real serving pods against an API emulator and a simulated kubelet).
 # In file order (pytest-randomly off), so a failure reproduces as is.
 test: install
-	$(PY) -m pytest -q -p no:randomly -m "not slow and not gpu" tests e2e/test_e2e_local.py
+	$(PY) -m pytest -q -p no:randomly -m "not slow and not gpu" tests e2e/test_e2e_local.py e2e/test_e2e_hf.py
 
 # The same tests in a random order (pytest-randomly): tests must not depend on one another.
 # The seed is printed first; `make test-random RANDOM_SEED=<seed>` replays an order.
@@ -36,7 +36,7 @@ endif
 test-random: install
 	@echo "random order seed: $(RANDOM_SEED)"
 	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu" \
-		tests e2e/test_e2e_local.py
+		tests e2e/test_e2e_local.py e2e/test_e2e_hf.py
 
 # Mutation testing of the engine core, the output processor and the autoscaling decision
 # against their fast tests (a few minutes on one core; not part of `make test`). mutmut 3

@@ -11,25 +11,17 @@ set by the operator).
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 import walk
+from hub_server import LocalHub, Repo, save_tiny_llama
+from kubelet_sim import Forwarder, KubeletSimulation
+from test_e2e_local import START_TIMEOUT_S, condition, read, until
+from test_operator_emulator import ApiServerEmulator, operator  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "operator"))
-sys.path.insert(0, str(REPO / "tests" / "engine"))
-
-kmock = pytest.importorskip("kmock")
-aiohttp = pytest.importorskip("aiohttp")
-pytest.importorskip("pytest_asyncio")
-
-from hub_server import LocalHub, Repo, save_tiny_llama  # noqa: E402
-from kubelet_sim import Forwarder, KubeletSimulation  # noqa: E402
-from test_e2e_local import START_TIMEOUT_S, condition, read, until  # noqa: E402
-from test_operator_emulator import ApiServerEmulator, operator  # noqa: E402, F401 (fixture)
-
 pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]
 
 NAMESPACE = "e2e-hf"

@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import urllib.request
 from pathlib import Path
 
 import aiohttp
 import pytest
 import walk
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "operator"))
+from kubelet_sim import Forwarder, KubeletSimulation
 
 # The emulator adapter and the operator-process fixture, written once for the operator tests.
-from kubelet_sim import Forwarder, KubeletSimulation  # noqa: E402
-from test_operator_emulator import ApiServerEmulator, operator  # noqa: E402, F401 (fixture)
+from test_operator_emulator import ApiServerEmulator, operator  # noqa: F401 (fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+
 
 pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]
 

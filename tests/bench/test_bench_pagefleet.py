@@ -4,14 +4,11 @@ vllm:prompt_tokens_total), the saved JSON has vLLM's keys, and requests the serv
 are counted as failures with their errors kept."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from pagefleet_serve.cli import main
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_harness import ServerProcess, read_metrics  # noqa: E402
+from server_harness import ServerProcess, read_metrics
 
 VLLM_KEYS = {
     "date",

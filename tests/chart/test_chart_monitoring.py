@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 from chart_render import (
@@ -22,9 +24,6 @@ from chart_render import (
 from pagefleet_operator.__main__ import get_parser
 from pagefleet_operator.podmonitor import get_pod_monitor
 from pagefleet_operator.spec import parse_spec
-
-jsonschema = pytest.importorskip("jsonschema")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 SCHEMAS = yaml.safe_load((Path(__file__).parent / "prometheus_operator_crds.yaml").read_text())
 MONITORING_KINDS = ("ServiceMonitor", "PodMonitor")

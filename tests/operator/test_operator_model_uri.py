@@ -4,14 +4,13 @@ models land on the model cache volume."""
 
 from __future__ import annotations
 
+import jsonschema
 import pytest
 from operator_samples import CRD_PATH, DEFAULT_IMAGE, example_body, load_yaml, make_body
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.env import get_pod_model_uri
 from pagefleet_operator.spec import SpecError, parse_spec
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURIError, parse_model_uri
-
-jsonschema = pytest.importorskip("jsonschema")
 
 MODEL_SCHEMA = load_yaml(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
     "properties"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import logging
 
+import celpy
+import jsonschema
 import pytest
 from operator_samples import DEFAULT_IMAGE, REPO, load_yaml, make_body
 from pagefleet_operator.deployment import get_deployment
@@ -15,9 +17,6 @@ from pagefleet_operator.reconcile import reconcile
 from pagefleet_operator.spec import parse_spec
 from test_operator_crd import SCHEMA, admit, resource
 from test_operator_reconcile import BUILTIN, FakeKube, run
-
-celpy = pytest.importorskip("celpy")
-jsonschema = pytest.importorskip("jsonschema")
 
 
 def schema_nodes(schema: dict, path: str = ""):

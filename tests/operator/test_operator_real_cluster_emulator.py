@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 
+import aiohttp
 import pytest
 from operator_samples import REPO
 from pagefleet_operator import FINALIZER
@@ -24,7 +25,6 @@ from test_operator_emulator import (
     write_kubeconfig,
 )
 
-aiohttp = pytest.importorskip("aiohttp")
 pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]
 
 BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}

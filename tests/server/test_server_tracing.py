@@ -11,12 +11,8 @@ import threading
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_service
 from server_harness import ThreadServer, wait_until
-
-trace_service = pytest.importorskip(
-    "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
-    reason="pip install 'pagefleet[tracing]'",
-)
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
