@@ -754,8 +754,8 @@ def hf_generate_baseline(
     work = PEERS / "hf_generate.json"
     work.write_text(json.dumps(requests))
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); "
-        "from bench_offline import run_transformers; "
+        "import json, runpy, sys; "
+        "run_transformers = runpy.run_path(sys.argv[1])['run_transformers']; "
         "print(json.dumps(run_transformers(json.load(open(sys.argv[2])), batch_size=16, "
         "dtype=sys.argv[3])))"
     )
@@ -763,7 +763,7 @@ def hf_generate_baseline(
         sys.executable,
         "-c",
         code,
-        str(REPO / "benchmarks"),
+        str(REPO / "benchmarks" / "bench_offline.py"),
         str(work),
         torch_dtype_name(),
     ]

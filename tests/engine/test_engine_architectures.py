@@ -118,16 +118,18 @@ def reference_tokens(model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def load(path, **overrides) -> LLM:
+    """PageFleet on a saved tiny model: float32, small pool, 4-token blocks."""
+    settings = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, block_size=4)
+    return LLM(str(path), **(settings | overrides))
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_greedy_parity_with_transformers(arch, tmp_path):
     family, extra = ARCHITECTURES[arch]
     reference = build(family, extra, tmp_path)
-    llm = LLM(
-        str(tmp_path),
-        dtype="float32",
-        max_model_len=128,
-        kv_cache_memory_bytes=4 << 20,
-        block_size=4,
+    llm = load(
+        tmp_path,
         # 16 tokens a step: the long prompts prefill in chunks while others decode.
         max_num_batched_tokens=16,
         enable_prefix_caching=False,
@@ -160,14 +162,7 @@ def test_sliding_window_changes_the_answer(tmp_path):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def generate() -> list[int]:
-        llm = LLM(
-            str(tmp_path),
-            dtype="float32",
-            max_model_len=128,
-            kv_cache_memory_bytes=4 << 20,
-            block_size=4,
-        )
-        return llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+        return load(tmp_path).generate([PROMPTS[0]], params)[0].outputs[0].token_ids
 
     windowed = generate()
     config_file.write_text(
@@ -183,14 +178,9 @@ def test_generation_config_eos_list_ends_generation(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop_at]}))
     loaded = load_model(str(tmp_path), torch.float32)
     assert loaded.config.eos_token_ids == (2, stop_at)
-    llm = LLM(
-        str(tmp_path),
-        dtype="float32",
-        max_model_len=128,
-        kv_cache_memory_bytes=4 << 20,
-        block_size=4,
+    out = load(tmp_path).generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
     )
-    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     first = expected.index(stop_at)
     assert out[0].outputs[0].token_ids == expected[: first + 1]
     assert out[0].outputs[0].finish_reason == "stop"
