@@ -1,45 +1,60 @@
-"""The `pagefleet` command. Each subcommand lives in its own module and registers itself
-with `add_parser(commands)`, setting `handler`."""
+"""The `pagefleet` command. Each subcommand lives in its own module, imported only when that
+subcommand runs: `pagefleet operator` and `pagefleet router` must start without torch or
+the serving stack (the operator's image has neither), and `pagefleet --help` imports none.
+
+`serve` and `bench` register themselves with `add_parser(commands)`, setting `handler`;
+`operator` and `router` have their own parsers and are handed their arguments whole."""
 
 import argparse
+import importlib
 import sys
-
-from pagefleet_serve.bench import serve as bench
-from pagefleet_serve.server import serve
+from dataclasses import dataclass
 
 
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class Subcommand:
+    module: str
+    help: str
+    # True: the module's main(argv) parses its own flags; False: add_parser(commands).
+    owns_parser: bool = False
+
+
+SUBCOMMANDS = {
+    "serve": Subcommand(
+        "pagefleet_serve.server.serve", "serve a model over an OpenAI-compatible HTTP API"
+    ),
+    "bench": Subcommand("pagefleet_bench.serve", "benchmark an OpenAI-compatible server"),
+    "operator": Subcommand(
+        "pagefleet_operator.__main__", "run the Kubernetes operator (kopf)", owns_parser=True
+    ),
+    "router": Subcommand(
+        "pagefleet_router.cli",
+        "route OpenAI requests to pods by prefix and load",
+        owns_parser=True,
+    ),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand listed; only `command`'s module is imported and
+    given its full flags."""
     parser = argparse.ArgumentParser(prog="pagefleet", description="PageFleet LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve.add_parser(commands)
-    bench.add_parser(commands)
-    # Listed for --help; main() hands its arguments to the operator's own parser.
-    commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
-    commands.add_parser("router", help="route OpenAI requests to pods by prefix and load")
+    for name, sub in SUBCOMMANDS.items():
+        if name == command and not sub.owns_parser:
+            importlib.import_module(sub.module).add_parser(commands)
+        else:
+            commands.add_parser(name, help=sub.help)
     return parser
-
-
-def _run_operator(argv: list[str]) -> int:
-    # The operator is its own package with its own flags; imported only when asked for.
-    from pagefleet_operator.__main__ import main as operator_main
-
-    return operator_main(argv)
-
-
-def _run_router(argv: list[str]) -> int:
-    # The router ships in the operator's torch-free image; imported only when asked for.
-    from pagefleet_router.cli import main as router_main
-
-    return router_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["operator"]:
-        return _run_operator(argv[1:])
-    if argv[:1] == ["router"]:
-        return _run_router(argv[1:])
-    args = build_parser().parse_args(argv)
+    command = argv[0] if argv else None
+    sub = SUBCOMMANDS.get(command)
+    if sub is not None and sub.owns_parser:
+        return importlib.import_module(sub.module).main(argv[1:])
+    args = build_parser(command).parse_args(argv)
     return args.handler(args)
 
 

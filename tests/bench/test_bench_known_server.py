@@ -9,9 +9,9 @@ import time
 
 import pytest
 from aiohttp import web
-from pagefleet_serve.bench.backend import RequestSettings
-from pagefleet_serve.bench.datasets import SampleRequest
-from pagefleet_serve.bench.runner import RunSettings, run_requests
+from pagefleet_bench.backend import RequestSettings
+from pagefleet_bench.datasets import SampleRequest
+from pagefleet_bench.runner import RunSettings, run_requests
 
 FIRST_S, GAP_S, TOKENS = 0.3, 0.1, 4
 

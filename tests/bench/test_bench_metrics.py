@@ -9,15 +9,15 @@ import math
 import random
 
 import pytest
-from pagefleet_serve.bench.backend import RequestOutput, read_stream
-from pagefleet_serve.bench.datasets import (
+from pagefleet_bench.backend import RequestOutput, read_stream
+from pagefleet_bench.datasets import (
     PromptShaper,
     prefix_repetition_requests,
     random_requests,
     sharegpt_requests,
 )
-from pagefleet_serve.bench.metrics import compute_metrics, format_result
-from pagefleet_serve.bench.runner import send_times
+from pagefleet_bench.metrics import compute_metrics, format_result
+from pagefleet_bench.runner import send_times
 from pagefleet_serve.model.loader import load_tokenizer
 
 

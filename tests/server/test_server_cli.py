@@ -8,7 +8,7 @@ from pagefleet_serve.cli import build_parser
 def parse(monkeypatch, env: dict[str, str], *argv: str):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    return build_parser().parse_args(["serve", *argv])
+    return build_parser("serve").parse_args(["serve", *argv])
 
 
 def test_defaults_serve_the_builtin_model_on_loopback(monkeypatch):

@@ -56,14 +56,14 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pagefleet_serve.bench.backend import RequestSettings
-from pagefleet_serve.bench.datasets import (
+from pagefleet_bench.backend import RequestSettings
+from pagefleet_bench.datasets import (
     PromptShaper,
     SampleRequest,
     prefix_repetition_requests,
     random_requests,
 )
-from pagefleet_serve.bench.runner import RunSettings, run_requests
+from pagefleet_bench.runner import RunSettings, run_requests
 from pagefleet_serve.model.loader import builtin_gguf_path, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent

@@ -13,7 +13,7 @@ from collections import Counter
 
 import numpy as np
 
-from pagefleet_serve.bench.backend import RequestOutput
+from pagefleet_bench.backend import RequestOutput
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _HEADERS = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from pagefleet_serve.bench.datasets import SampleRequest
+from pagefleet_bench.datasets import SampleRequest
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 Clock = Callable[[], float]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import aiohttp
 from tqdm import tqdm
 
-from pagefleet_serve.bench.backend import Clock, RequestOutput, RequestSettings, send_request
-from pagefleet_serve.bench.datasets import SampleRequest
-from pagefleet_serve.bench.metrics import METRICS, compute_metrics
+from pagefleet_bench.backend import Clock, RequestOutput, RequestSettings, send_request
+from pagefleet_bench.datasets import SampleRequest
+from pagefleet_bench.metrics import METRICS, compute_metrics
 
 # A request may legitimately run for a long time under a heavy load; vLLM waits 6 hours.
 _REQUEST_TIMEOUT_S = 6 * 3600

@@ -15,8 +15,8 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from pagefleet_serve.bench.backend import ENDPOINTS, RequestSettings
-from pagefleet_serve.bench.datasets import (
+from pagefleet_bench.backend import ENDPOINTS, RequestSettings
+from pagefleet_bench.datasets import (
     DATASETS,
     PromptShaper,
     SampleRequest,
@@ -24,8 +24,8 @@ from pagefleet_serve.bench.datasets import (
     random_requests,
     sharegpt_requests,
 )
-from pagefleet_serve.bench.metrics import DETAIL_KEYS, METRICS, format_result
-from pagefleet_serve.bench.runner import RunSettings, check_server, run_requests
+from pagefleet_bench.metrics import DETAIL_KEYS, METRICS, format_result
+from pagefleet_bench.runner import RunSettings, check_server, run_requests
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
