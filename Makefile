@@ -73,20 +73,19 @@ test-kernels-gpu: install
 	$(PY) -m pytest -q -m gpu tests/kernels
 
 lint: install
-	$(VENV)/bin/ruff check servingpod kernels operator tests e2e
-	$(VENV)/bin/ruff format --check servingpod kernels operator tests e2e
+	$(VENV)/bin/ruff check servingpod kernels operator tests e2e benchmarks
+	$(VENV)/bin/ruff format --check servingpod kernels operator tests e2e benchmarks
 
 format: install
-	$(VENV)/bin/ruff format servingpod kernels operator tests e2e
-	$(VENV)/bin/ruff check --fix servingpod kernels operator tests e2e
+	$(VENV)/bin/ruff format servingpod kernels operator tests e2e benchmarks
+	$(VENV)/bin/ruff check --fix servingpod kernels operator tests e2e benchmarks
 
 # Side by side on loopback: PageFleet vs transformers serve and llama.cpp (built once into
-# bench/.peers/), writing bench/results/.
-# Side by side with llama.cpp and transformers (~15 min once the peers are built; the
+# benchmarks/.peers/), writing benchmarks/results/ (~15 min once the peers are built; the
 # first run builds llama.cpp, ~15 min more). Larger runs: make bench BENCH_ARGS="--level-limit 240".
 bench: install
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) bench/side_by_side.py $(BENCH_ARGS)
+	$(PY) benchmarks/side_by_side.py $(BENCH_ARGS)
 
 bench-offline: install
 	$(PY) benchmarks/bench_offline.py --output bench-offline.json

@@ -4,13 +4,13 @@ Each server is started on loopback in turn with the built-in SmolLM2-135M-Instru
 same Q4_1 GGUF file: dequantized by PageFleet and transformers, which both compute in the
 dtype PageFleet's `auto` picks here (bfloat16 on CPUs with native bfloat16, else float32),
 run quantized by llama.cpp), sent the same workloads with the same seed by `pagefleet bench serve`'s
-client, and stopped. Results go to bench/results/: results.md (tables), results.json
+client, and stopped. Results go to benchmarks/results/: results.md (tables), results.json
 (every number) and PNG plots.
 
 Servers: PageFleet (`pagefleet serve`); Hugging Face `transformers serve` without and with
 `--continuous-batching`; llama.cpp's C++ `llama-server` (parallel slots, continuous
 batching); `python -m llama_cpp.server` from llama-cpp-python. The llama.cpp peers are
-built from the llama-cpp-python source distribution into bench/.peers/ (ignored by git,
+built from the llama-cpp-python source distribution into benchmarks/.peers/ (ignored by git,
 kept between runs; the first build takes ~10 minutes on 2 cores). A peer that cannot be
 installed or run is listed in the table with the reason.
 
@@ -111,7 +111,7 @@ class PeerUnavailable(Exception):
     """A peer that cannot be installed or started here; the message says why."""
 
 
-# -- peer installation (cached under bench/.peers) ------------------------------------------
+# -- peer installation (cached under benchmarks/.peers) ------------------------------------------
 def _run_logged(command: list[str], log_path: Path, what: str, **kwargs) -> None:
     with log_path.open("ab") as out:
         out.write(f"\n$ {' '.join(command)}\n".encode())
@@ -235,7 +235,7 @@ def llama_cpp_python_venv(source: Path) -> Path:
     if stamp.exists():
         return python
     log_path = PEERS / "logs" / "venv.log"
-    log("installing llama-cpp-python[server] into bench/.peers/venv")
+    log("installing llama-cpp-python[server] into benchmarks/.peers/venv")
     _run_logged([sys.executable, "-m", "venv", "--clear", str(venv)], log_path, "venv")
     env = os.environ | {"CMAKE_ARGS": "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"}
     _run_logged(
@@ -357,7 +357,7 @@ def server_specs(args: argparse.Namespace, gguf: Path, special_ids: list[int]) -
 
     def transformers(*flags: str):
         def command(port: int):
-            # The directory by a path relative to bench/.peers, the form seen to work here.
+            # The directory by a path relative to benchmarks/.peers, the form seen to work here.
             return (
                 [
                     str(VENV_BIN / "transformers"),
@@ -763,7 +763,7 @@ def hf_generate_baseline(
         sys.executable,
         "-c",
         code,
-        str(REPO / "benchmarks" / "bench_offline.py"),
+        str(ROOT / "bench_offline.py"),
         str(work),
         torch_dtype_name(),
     ]
@@ -955,7 +955,7 @@ def targets(report: dict) -> list[str]:
         )
     run_min = (report["wall_s"] - report.get("setup_s", 0.0)) / 60
     setup = f"not counting {report.get('setup_s', 0.0) / 60:.1f} minutes of one-time peer setup"
-    if report["command"] == "python bench/side_by_side.py":
+    if report["command"] == "python benchmarks/side_by_side.py":
         out.append(
             f"run time {run_min:.1f} minutes, {setup} (target under 15 with the default "
             f"settings): {'met' if run_min < 15 else 'not met'}"
@@ -1129,7 +1129,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": torch_dtype_name(),
         # Other work on the machine slows every server; torch's threads suffer most.
         "load_average_at_start": os.getloadavg(),
-        "command": " ".join(["python bench/side_by_side.py", *sys.argv[1:]]).strip(),
+        "command": " ".join(["python benchmarks/side_by_side.py", *sys.argv[1:]]).strip(),
         "plan": dataclasses.asdict(plan)
         | {"prompts_per_level": {str(c): plan.prompts_per_level(c) for c in plan.concurrencies}},
         "servers": {},
