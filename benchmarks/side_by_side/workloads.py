@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -272,7 +273,7 @@ def vllm_client_level(server: RunningServer, plan: Plan, concurrency: int, work:
                 command,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=vllm_environment(),
+                env=os.environ | vllm_environment(),
                 timeout=timeout,
                 check=False,
             )
