@@ -172,14 +172,12 @@ def vllm_client_table(report: dict) -> list[str]:
             rows.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
     if not rows:
         return []
-    failures = sorted(
-        {
-            f"{name} c={c}: {r['unavailable']}"
-            for name, entry in report["servers"].items()
-            for c, r in entry.get("vllm_client", {}).items()
-            if "unavailable" in r
-        }
-    )
+    failures = [
+        f"{name} c={c}: {r.get('unavailable') or r['first_error']}"
+        for name, entry in report["servers"].items()
+        for c, r in entry.get("vllm_client", {}).items()
+        if "unavailable" in r or "first_error" in r
+    ]
     return [
         "",
         "### The same levels measured by vLLM's client (`vllm bench serve`)",
@@ -190,7 +188,7 @@ def vllm_client_table(report: dict) -> list[str]:
         "| server | " + " | ".join(f"c={c}" for c in concurrencies) + " |",
         "|---" * (len(concurrencies) + 1) + "|",
         *rows,
-        *([""] + [f"- not run: {f}" for f in failures] if failures else []),
+        *([""] + [f"- not run or failed requests: {f}" for f in failures] if failures else []),
     ]
 
 

@@ -283,7 +283,13 @@ def vllm_client_level(server: RunningServer, plan: Plan, concurrency: int, work:
         return {"unavailable": f"exit {done.returncode}: {tail(log_path)}"}
     result = json.loads((work / result_name).read_text())
     result.setdefault("incomplete", 0)
-    return summary(result)
+    # Its JSON counts failures but keeps no reasons; its log prints them as "Error N: why".
+    reasons = [
+        line.partition(": ")[2]
+        for line in log_path.read_text(errors="replace").splitlines()
+        if line.startswith("Error ")
+    ]
+    return summary(result) | ({"first_error": reasons[0][:300]} if reasons else {})
 
 
 def vllm_client_throughput(server: RunningServer, plan: Plan, work: Path, results: dict) -> None:
