@@ -19,6 +19,7 @@ from .config import (
     DEFAULT_PULL_POLICY_ENV,
     PLATFORM_USER_IDS_ENV,
     POD_MONITOR_DEFAULT_ENV,
+    ROUTER_IMAGE_ENV,
     OperatorConfig,
 )
 from .kube import Kube, load_api_client
@@ -80,6 +81,12 @@ def get_parser() -> argparse.ArgumentParser:
             help=f"serving-pod image when spec.engine.image is empty (env {DEFAULT_IMAGE_ENV})",
         )
         target.add_argument(
+            "--router-image",
+            default=OperatorConfig.from_env().router_image,
+            help="`pagefleet router` image when spec.router.image is empty (env "
+            f"{ROUTER_IMAGE_ENV}; the chart passes the operator's own image)",
+        )
+        target.add_argument(
             "--default-image-pull-policy",
             default=OperatorConfig.from_env().default_image_pull_policy,
             choices=PULL_POLICIES,
@@ -131,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 fixed_user_ids=not args.platform_assigns_user_ids,
                 allowed_image_prefixes=tuple(args.allowed_image_prefix),
                 pod_monitor_default=args.pod_monitor_by_default,
+                router_image=args.router_image,
             ),
             metrics=metrics,
         ),

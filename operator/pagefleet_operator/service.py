@@ -5,17 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from .names import HTTP_PORT, HTTP_PORT_NAME, get_object_meta, get_selector_labels
+from .router import get_router_selector_labels
 from .spec import InferenceServiceSpec
 
 
 def get_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The Service clients use: the serving pods, or the router pods in front of them."""
+    name = body["metadata"]["name"]
+    selector = get_router_selector_labels(name) if spec.router.enabled else None
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": get_object_meta(body),
         "spec": {
             "type": "ClusterIP",
-            "selector": get_selector_labels(body["metadata"]["name"]),
+            "selector": selector or get_selector_labels(name),
             "ports": [
                 {
                     "name": HTTP_PORT_NAME,

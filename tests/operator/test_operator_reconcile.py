@@ -346,3 +346,45 @@ def test_a_new_problem_is_warned_once(warnings):
     for _ in range(2):
         handlers.reconcile_service(body=kube.body(), memo=memo_of(kube), logger=logging.getLogger())
     assert [reason for reason, _ in warnings] == ["PVCNotFound"]
+
+
+ROUTER_OBJECTS = [
+    ("Service", "demo-pods"),
+    ("ServiceAccount", "demo-router"),
+    ("Role", "demo-router"),
+    ("RoleBinding", "demo-router"),
+    ("Deployment", "demo-router"),
+]
+
+
+def test_router_objects_come_and_go_with_spec_router():
+    kube = FakeKube(make_body({**BUILTIN, "router": {"enabled": True}}))
+    outcome = run(kube)
+    assert [(c.verb, c.kind, c.name) for c in outcome.changes] == [
+        ("created", "Deployment", "demo"),
+        ("created", "Service", "demo"),
+        *[("created", kind, name) for kind, name in ROUTER_OBJECTS],
+    ]
+    assert kube.get("Service", "ml", "demo")["spec"]["selector"] == {"pagefleet.dev/router": "demo"}
+    run(kube)
+    assert kube.writes == []  # nothing changed: nothing written
+
+    kube.objects[("InferenceService", "ml", "demo")]["spec"]["router"] = {"enabled": False}
+    run(kube)
+    assert [w for w in kube.writes if w[0] == "delete"] == [
+        ("delete", kind, name) for kind, name in ROUTER_OBJECTS
+    ]
+    assert kube.get("Service", "ml", "demo")["spec"]["selector"] == {
+        "pagefleet.dev/inferenceservice": "demo"
+    }
+
+
+def test_a_name_too_long_for_the_router_pod_service_is_degraded():
+    name = "a" * 60  # fits without the router; "-pods" would make a 65-character Service
+    kube = FakeKube(make_body({**BUILTIN, "router": {"enabled": True}}, name=name))
+    reconcile(kube, kube.body(name), default_image=DEFAULT_IMAGE, now=lambda: "T")
+    conditions = kube.body(name)["status"]["conditions"]
+    degraded = next(c for c in conditions if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidName"
+    assert "at most 58 are allowed with the '-pods' Service of spec.router" in degraded["message"]
+    assert [w for w in kube.writes if w[0] == "apply"] == []
