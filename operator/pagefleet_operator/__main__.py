@@ -26,6 +26,7 @@ from .kube import Kube, load_api_client
 from .rbac import get_cluster_role
 from .spec import PULL_POLICIES
 from .telemetry import OperatorMetrics
+from .tracing import get_tracer
 from .uninstall import uninstall
 
 
@@ -107,6 +108,12 @@ def get_parser() -> argparse.ArgumentParser:
             help="refuse spec.engine.image unless it starts with one of these (repeatable; "
             f"env {ALLOWED_IMAGE_PREFIXES_ENV}, comma-separated); unset: any image",
         )
+        target.add_argument(
+            "--otlp-traces-endpoint",
+            default=None,
+            help="send a span per reconcile and autoscaler round to this OTLP/HTTP endpoint "
+            "(e.g. http://collector:4318/v1/traces); unset: no tracing",
+        )
         target.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 router_image=args.router_image,
             ),
             metrics=metrics,
+            tracer=get_tracer(args.otlp_traces_endpoint, "pagefleet-operator"),
         ),
     )
     return 0

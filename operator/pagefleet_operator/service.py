@@ -12,11 +12,16 @@ from .spec import InferenceServiceSpec
 def get_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
     """The Service clients use: the serving pods, or the router pods in front of them."""
     name = body["metadata"]["name"]
-    selector = get_router_selector_labels(name) if spec.router.enabled else None
+    meta = get_object_meta(body)
+    selector = None
+    if spec.router.enabled:
+        selector = get_router_selector_labels(name)
+        # What it fronts: the chart's router ServiceMonitor finds routers by this label.
+        meta["labels"]["app.kubernetes.io/component"] = "router"
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": get_object_meta(body),
+        "metadata": meta,
         "spec": {
             "type": "ClusterIP",
             "selector": selector or get_selector_labels(name),

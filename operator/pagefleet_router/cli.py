@@ -11,10 +11,12 @@ from pathlib import Path
 from aiohttp import web
 from pagefleet_flags import EnvFlags
 from pagefleet_operator.names import HTTP_PORT_NAME
+from pagefleet_operator.tracing import get_tracer
 
 from .discovery import Discovery, ScrapeSettings, StaticEndpoints
 from .policy import PolicyConfig
 from .proxy import Router, RouterSettings, Waker
+from .tracing import RequestTracing
 
 logger = logging.getLogger("pagefleet_router")
 
@@ -125,6 +127,12 @@ def get_parser() -> argparse.ArgumentParser:
         type=float,
         default=router.hold_timeout_s,
     )
+    flag(
+        "--otlp-traces-endpoint",
+        "send a span per request to this OTLP/HTTP endpoint (e.g. "
+        "http://collector:4318/v1/traces) and pass its context on in traceparent",
+        default=None,
+    )
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     return parser
 
@@ -163,7 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.scale_from_zero and not args.service:
         parser.error("--scale-from-zero needs --service (the pods are discovered in the cluster)")
-    router = Router(settings, *_discovery_and_waker(args, parser))
+    try:
+        tracer = get_tracer(args.otlp_traces_endpoint, "pagefleet-router")
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    tracing = None if tracer is None else RequestTracing(tracer)
+    router = Router(settings, *_discovery_and_waker(args, parser), tracing=tracing)
     # handler_cancellation: a client that leaves cancels its handler, which closes the
     # upstream request even while the pod has sent nothing yet (queued, prefilling).
     web.run_app(
@@ -172,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         port=settings.port,
         access_log=None,
         handler_cancellation=True,
-        print=None,
+        # aiohttp's banner, first line only: it names the port bound (with --port 0 too).
+        print=lambda banner: logger.info("%s", banner.splitlines()[0].strip("= ")),
     )
     return 0
 

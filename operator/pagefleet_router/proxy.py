@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -18,6 +18,7 @@ from .discovery import Discovery, PodRegistry, ScrapeSettings, refresh
 from .metrics import RouterMetrics
 from .policy import Decision, PolicyConfig, choose_pod, is_fresh
 from .prefix import PrefixTable, block_hashes, prompt_text
+from .tracing import RequestTracing
 
 logger = logging.getLogger("pagefleet_router.proxy")
 
@@ -92,11 +93,16 @@ class _NotHeld(Exception):
 
 class Router:
     def __init__(
-        self, settings: RouterSettings, discovery: Discovery, waker: Waker | None = None
+        self,
+        settings: RouterSettings,
+        discovery: Discovery,
+        waker: Waker | None = None,
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.settings = settings
         self.discovery = discovery
         self.waker = waker
+        self.tracing = tracing
         self.registry = PodRegistry()
         self.prefix_table = PrefixTable(settings.prefix_table_size)
         self.metrics = RouterMetrics()
@@ -159,6 +165,14 @@ class Router:
         return choose_pod(hashes, pods, self.prefix_table.get, self.settings.policy)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        if self.tracing is None:
+            return await self._forward(request, None)
+        with self.tracing.span(request) as span:
+            response = await self._forward(request, span)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _forward(self, request: web.Request, span: Any | None) -> web.StreamResponse:
         arrived = time.monotonic()
         body = await request.read()
         if self.waker is not None and not self._pod_ready.is_set():
@@ -166,6 +180,9 @@ class Router:
                 await self._hold()
             except _NotHeld as refused:
                 return refused.response
+            finally:
+                if span is not None:
+                    span.set_attribute("pagefleet.router.held_seconds", time.monotonic() - arrived)
         hashes = self._prefix_hashes(request.path, body)
         tried: set[str] = set()
         for attempt in range(_ATTEMPTS):
@@ -176,6 +193,14 @@ class Router:
             if attempt:
                 self.metrics.retries.inc()
             self.metrics.decisions.labels(decision.reason).inc()
+            if span is not None:
+                span.set_attributes(
+                    {
+                        "pagefleet.router.pod": decision.url,
+                        "pagefleet.router.reason": decision.reason,
+                        "pagefleet.router.attempt": attempt,
+                    }
+                )
             self.registry.acquire(decision.url)
             try:
                 upstream = await self._open_upstream(request, decision.url, body, attempt)
@@ -243,6 +268,8 @@ class Router:
         self, request: web.Request, url: str, body: bytes, attempt: int
     ) -> aiohttp.ClientResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        if self.tracing is not None:
+            self.tracing.inject(headers)
         try:
             upstream = await self.session.request(
                 request.method,

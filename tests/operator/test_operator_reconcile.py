@@ -388,3 +388,48 @@ def test_a_name_too_long_for_the_router_pod_service_is_degraded():
     assert degraded["reason"] == "InvalidName"
     assert "at most 58 are allowed with the '-pods' Service of spec.router" in degraded["message"]
     assert [w for w in kube.writes if w[0] == "apply"] == []
+
+
+# -- traces (--otlp-traces-endpoint) --------------------------------------------------------
+@pytest.fixture
+def receiver(monkeypatch):
+    from otlp_receiver import OTLPReceiver
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms, not 5 s
+    found = OTLPReceiver()
+    yield found
+    found.shutdown()
+
+
+def test_each_reconcile_and_autoscaler_round_is_a_span(receiver, warnings):
+    from otlp_receiver import attributes
+    from pagefleet_operator.tracing import get_tracer
+    from server_harness import wait_until
+
+    spec = {**BUILTIN, "autoscaling": {"enabled": True}}
+    kube = FakeKube(make_body(spec))
+    memo = memo_of(kube)
+    memo["tracer"] = get_tracer(receiver.url, "pagefleet-operator")
+    handlers.reconcile_service(body=kube.body(), memo=memo, logger=logging.getLogger())
+    kube.fail_apply = KubeError(503, "etcd is having a day")
+    with pytest.raises(kopf.TemporaryError):
+        handlers.reconcile_service(body=kube.body(), memo=memo, logger=logging.getLogger())
+    decision = handlers._autoscale_round(kube.body(), memo)
+    spans = wait_until(lambda: receiver.spans if len(receiver.spans) == 3 else None, 10, "spans")
+    first, failed, autoscale = spans
+    assert [s.name for s in spans] == ["reconcile", "reconcile", "autoscale"]
+    found = attributes(first)
+    changes = [value.string_value for value in found.pop("pagefleet.changes").values]
+    assert changes == ["created Deployment demo", "created Service demo"]
+    assert found == {
+        "k8s.namespace.name": "ml",
+        "pagefleet.inferenceservice": "demo",
+        "pagefleet.problem": "",
+        "pagefleet.status_written": True,
+    }
+    status_code_error = 2  # opentelemetry.proto.trace.v1.Status.StatusCode
+    assert failed.status.code == status_code_error
+    assert "etcd is having a day" in failed.status.message
+    found = attributes(autoscale)
+    assert found["pagefleet.replicas.decided"] == decision.replicas
+    assert found["pagefleet.autoscaler.signal"] == decision.signal
