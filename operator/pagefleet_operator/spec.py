@@ -177,10 +177,12 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     return ModelSpec(uri=uri, served_name=served_name, parsed=parsed, token_secret_ref=token_ref)
 
 
-def _check_image(image: str | None, allowed_prefixes: tuple[str, ...]) -> None:
+def _check_image(
+    image: str | None, allowed_prefixes: tuple[str, ...], field_path: str = "engine.image"
+) -> None:
     if image and allowed_prefixes and not image.startswith(allowed_prefixes):
         raise SpecError(
-            "engine.image",
+            field_path,
             f"{image!r} is not under an allowed prefix ({', '.join(allowed_prefixes)}); "
             "the operator's --allowed-image-prefix sets them",
         )
@@ -288,9 +290,13 @@ def _parse_autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
     return parsed
 
 
-def _parse_router(spec: Mapping[str, Any], default_image: str) -> RouterSpec:
+def _parse_router(
+    spec: Mapping[str, Any], default_image: str, allowed_image_prefixes: tuple[str, ...]
+) -> RouterSpec:
     section = _get_section(spec, "router")
     path, defaults = "router", RouterSpec()
+    # The same allow-list as the engine's: the router is a pod this resource's author picks.
+    _check_image(_get(section, "image", path, str), allowed_image_prefixes, "router.image")
     return RouterSpec(
         enabled=_get(section, "enabled", path, bool, False),
         image=_get(section, "image", path, str) or default_image,
@@ -366,7 +372,10 @@ def parse_spec(
     size_limit = _get(cache, "sizeLimit", "modelCache", str)
     if pvc_name and size_limit:
         raise SpecError("modelCache", "set either pvcName or sizeLimit, not both")
-    autoscaling, router = _parse_autoscaling(spec), _parse_router(spec, router_image)
+    autoscaling, router = (
+        _parse_autoscaling(spec),
+        _parse_router(spec, router_image, allowed_image_prefixes),
+    )
     _check_scale_to_zero(autoscaling, router)
     return InferenceServiceSpec(
         model=_parse_model(spec),

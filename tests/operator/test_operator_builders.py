@@ -386,3 +386,12 @@ def test_router_image_comes_from_the_operator_unless_the_spec_names_one():
     assert parsed(make_body(spec)).router.image == "registry.local/router:dev"
     from_operator = parse_spec(ROUTED, default_image=DEFAULT_IMAGE, router_image="r.local/op:1")
     assert from_operator.router.image == "r.local/op:1"
+
+
+def test_router_image_obeys_the_allowed_prefixes():
+    spec = {**ROUTED, "router": {"enabled": True, "image": "evil.example/router:1"}}
+    with pytest.raises(SpecError, match=r"spec.router.image: 'evil.example/router:1' is not under"):
+        parse_spec(spec, default_image=DEFAULT_IMAGE, allowed_image_prefixes=("registry.local/",))
+    # The operator's own router image needs no allow-listing.
+    allowed = parse_spec(ROUTED, default_image=DEFAULT_IMAGE, allowed_image_prefixes=("r/",))
+    assert allowed.router.image == "ghcr.io/pagefleet/operator:0.1.0"
