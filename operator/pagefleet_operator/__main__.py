@@ -19,12 +19,14 @@ from .config import (
     DEFAULT_PULL_POLICY_ENV,
     PLATFORM_USER_IDS_ENV,
     POD_MONITOR_DEFAULT_ENV,
+    ROUTER_IMAGE_ENV,
     OperatorConfig,
 )
 from .kube import Kube, load_api_client
 from .rbac import get_cluster_role
 from .spec import PULL_POLICIES
 from .telemetry import OperatorMetrics
+from .tracing import get_tracer
 from .uninstall import uninstall
 
 
@@ -80,6 +82,12 @@ def get_parser() -> argparse.ArgumentParser:
             help=f"serving-pod image when spec.engine.image is empty (env {DEFAULT_IMAGE_ENV})",
         )
         target.add_argument(
+            "--router-image",
+            default=OperatorConfig.from_env().router_image,
+            help="`pagefleet router` image when spec.router.image is empty (env "
+            f"{ROUTER_IMAGE_ENV}; the chart passes the operator's own image)",
+        )
+        target.add_argument(
             "--default-image-pull-policy",
             default=OperatorConfig.from_env().default_image_pull_policy,
             choices=PULL_POLICIES,
@@ -99,6 +107,12 @@ def get_parser() -> argparse.ArgumentParser:
             default=list(OperatorConfig.from_env().allowed_image_prefixes),
             help="refuse spec.engine.image unless it starts with one of these (repeatable; "
             f"env {ALLOWED_IMAGE_PREFIXES_ENV}, comma-separated); unset: any image",
+        )
+        target.add_argument(
+            "--otlp-traces-endpoint",
+            default=None,
+            help="send a span per reconcile and autoscaler round to this OTLP/HTTP endpoint "
+            "(e.g. http://collector:4318/v1/traces); unset: no tracing",
         )
         target.add_argument("-v", "--verbose", action="store_true")
     return parser
@@ -131,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                 fixed_user_ids=not args.platform_assigns_user_ids,
                 allowed_image_prefixes=tuple(args.allowed_image_prefix),
                 pod_monitor_default=args.pod_monitor_by_default,
+                router_image=args.router_image,
             ),
             metrics=metrics,
+            tracer=get_tracer(args.otlp_traces_endpoint, "pagefleet-operator"),
         ),
     )
     return 0

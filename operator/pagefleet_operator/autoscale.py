@@ -4,6 +4,11 @@ Recommendation = max(ceil(ready x meanKV / targetKV), ceil(totalWaiting / target
 clamped to [minReplicas, maxReplicas]. Like the HPA, a scale-up goes to the lowest
 recommendation of the scale-up window (at most doubling), and a scale-down only to the
 highest recommendation of the scale-down window, so a sawtooth load does not flap.
+
+Zero is special: with minReplicas 0 the service goes to zero only after every pod has
+been idle (nothing running, nothing waiting) for scaleToZeroAfterSeconds without a
+break, and from zero only the router raises it (holding the requests that arrive), so
+the autoscaler never recommends leaving zero on its own.
 """
 
 from __future__ import annotations
@@ -46,9 +51,12 @@ class Decision:
     scraped_pods: int = 0
     unscraped_pods: int = 0
     # What set the recommendation, as a short label value: kv_cache, queue_depth,
-    # no_metrics (no pod reported), missing_metrics (held: not every pod reported) or
-    # disabled. `reason` says the same in words, with the numbers.
+    # no_metrics (no pod reported), missing_metrics (held: not every pod reported), idle
+    # (to zero), scaled_to_zero (held at zero) or disabled. `reason` says the same in
+    # words, with the numbers.
     signal: str = "disabled"
+    # Since when every pod has been idle (seconds since the epoch); None when one is busy.
+    idle_since: float | None = None
 
     @property
     def scaled(self) -> bool:
@@ -69,8 +77,18 @@ def _ceil(value: float) -> int:
     return math.ceil(round(value, 6))
 
 
-def _clamp(replicas: int, policy: AutoscalingSpec) -> int:
-    return max(policy.min_replicas, min(policy.max_replicas, replicas))
+def _clamp(replicas: int, policy: AutoscalingSpec, floor: int | None = None) -> int:
+    lowest = policy.min_replicas if floor is None else floor
+    return max(lowest, min(policy.max_replicas, replicas))
+
+
+def _floor(policy: AutoscalingSpec, idle_since: float | None, now: float) -> int:
+    """The fewest replicas allowed now: zero only after the idle window, without a break."""
+    if policy.min_replicas > 0:
+        return policy.min_replicas
+    if idle_since is not None and now - idle_since >= policy.scale_to_zero_after_seconds:
+        return 0
+    return 1
 
 
 def decide(
@@ -79,9 +97,22 @@ def decide(
     policy: AutoscalingSpec,
     history: Sequence[Recommendation],
     now: float,
+    idle_since: float | None = None,
 ) -> Decision:
+    """`idle_since` is the previous decision's: when every pod was last seen to turn idle."""
     if not policy.enabled:
         return Decision(current, current, "autoscaling is disabled", current, tuple(history))
+    if current == 0 and policy.min_replicas == 0:
+        # Only the router wakes a service at zero: it holds the request that needs a pod.
+        return Decision(
+            0,
+            0,
+            "hold 0: scaled to zero until a request arrives",
+            0,
+            tuple(history),
+            signal="scaled_to_zero",
+            idle_since=idle_since,
+        )
 
     ready = [s for s in samples if s.ready]
     scraped = [s for s in ready if s.scraped]
@@ -111,7 +142,12 @@ def decide(
             why += f"; holding at {current}: only {len(scraped)}/{current} pods report metrics"
             observed["signal"] = "missing_metrics"
         raw = max(raw, current)
-    recommended = _clamp(raw, policy)
+    # Idle: every pod ready and reporting (none starting), with nothing running or
+    # waiting (raw 0 means exactly that: any KV usage or queue rounds up to a replica).
+    idle = raw == 0 and len(scraped) == len(samples) >= current
+    observed["idle_since"] = (idle_since if idle_since is not None else now) if idle else None
+    floor = _floor(policy, observed["idle_since"], now)
+    recommended = _clamp(raw, policy, floor)
 
     window = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
     history = tuple(h for h in history if now - h.time <= window) + (
@@ -121,7 +157,11 @@ def decide(
     def within(seconds: int) -> list[int]:
         return [h.replicas for h in history if now - h.time <= seconds]
 
-    if recommended > current:
+    if recommended == 0:
+        # The idle window was the stabilization: the pods are not needed.
+        target = 0
+        observed["signal"] = "idle"
+    elif recommended > current:
         # Lowest recommendation of the up-window (just `recommended` when the window is 0).
         target = max(min(within(policy.scale_up_stabilization_seconds)), current)
         target = min(target, max(2 * current, 1))
@@ -129,9 +169,14 @@ def decide(
         target = min(max(within(policy.scale_down_stabilization_seconds)), current)
     else:
         target = current
-    target = _clamp(target, policy)
+    target = _clamp(target, policy, floor)
 
-    if target > current:
+    if target == 0:
+        reason = (
+            f"scale down {current} -> 0: idle for {policy.scale_to_zero_after_seconds} s "
+            "(nothing running or waiting)"
+        )
+    elif target > current:
         reason = f"scale up {current} -> {target}: {why}"
     elif target < current:
         reason = f"scale down {current} -> {target}: {why}"

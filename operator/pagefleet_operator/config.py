@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 
 DEFAULT_IMAGE = "ghcr.io/pagefleet/servingpod:0.1.0"
+# The operator's own image: it carries `pagefleet router` (aiohttp, no torch).
+DEFAULT_ROUTER_IMAGE = "ghcr.io/pagefleet/operator:0.1.0"
+ROUTER_IMAGE_ENV = "PAGEFLEET_OPERATOR_ROUTER_IMAGE"
 DEFAULT_IMAGE_ENV = "PAGEFLEET_OPERATOR_DEFAULT_IMAGE"
 DEFAULT_PULL_POLICY_ENV = "PAGEFLEET_OPERATOR_DEFAULT_IMAGE_PULL_POLICY"
 PLATFORM_USER_IDS_ENV = "PAGEFLEET_OPERATOR_PLATFORM_ASSIGNS_USER_IDS"
@@ -28,6 +31,8 @@ class OperatorConfig:
     allowed_image_prefixes: tuple[str, ...] = ()
     # spec.monitoring.podMonitor of every InferenceService that leaves it unset.
     pod_monitor_default: bool = False
+    # The router's image for every InferenceService that does not name spec.router.image.
+    router_image: str = DEFAULT_ROUTER_IMAGE
 
     def spec_options(self) -> dict[str, object]:
         """The keyword arguments of spec.parse_spec that come from the operator."""
@@ -37,6 +42,7 @@ class OperatorConfig:
             "fixed_user_ids": self.fixed_user_ids,
             "allowed_image_prefixes": self.allowed_image_prefixes,
             "pod_monitor_default": self.pod_monitor_default,
+            "router_image": self.router_image,
         }
 
     @classmethod
@@ -49,4 +55,5 @@ class OperatorConfig:
                 p for p in os.environ.get(ALLOWED_IMAGE_PREFIXES_ENV, "").split(",") if p
             ),
             pod_monitor_default=os.environ.get(POD_MONITOR_DEFAULT_ENV, "").lower() == "true",
+            router_image=os.environ.get(ROUTER_IMAGE_ENV) or DEFAULT_ROUTER_IMAGE,
         )

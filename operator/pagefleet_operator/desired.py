@@ -1,4 +1,4 @@
-"""Everything one InferenceService should own, by kind; None means "must not exist"."""
+"""Everything one InferenceService should own, by slot; None means "must not exist"."""
 
 from __future__ import annotations
 
@@ -8,11 +8,33 @@ from .deployment import get_deployment
 from .ingress import get_ingress
 from .pdb import get_pdb
 from .podmonitor import get_pod_monitor
+from .router import (
+    POD_SERVICE_SUFFIX,
+    ROUTER_SUFFIX,
+    get_pod_service,
+    get_router_deployment,
+    get_router_role,
+    get_router_role_binding,
+    get_router_service_account,
+)
 from .service import get_service
 from .spec import InferenceServiceSpec
 
-# The kinds the operator manages, in the order they are created.
-MANAGED_KINDS = ("Deployment", "Service", "Ingress", "PodDisruptionBudget", "PodMonitor")
+# Slot -> (kind, suffix of the resource's name), in the order they are created. Slots,
+# not kinds: with the router one resource owns two Deployments and two Services. The
+# router's identity comes before the Deployment that runs as it.
+MANAGED_OBJECTS: dict[str, tuple[str, str]] = {
+    "Deployment": ("Deployment", ""),
+    "Service": ("Service", ""),
+    "Ingress": ("Ingress", ""),
+    "PodDisruptionBudget": ("PodDisruptionBudget", ""),
+    "PodMonitor": ("PodMonitor", ""),
+    "PodService": ("Service", POD_SERVICE_SUFFIX),
+    "RouterServiceAccount": ("ServiceAccount", ROUTER_SUFFIX),
+    "RouterRole": ("Role", ROUTER_SUFFIX),
+    "RouterRoleBinding": ("RoleBinding", ROUTER_SUFFIX),
+    "RouterDeployment": ("Deployment", ROUTER_SUFFIX),
+}
 # Kinds of optional CRDs: planned only when the cluster serves them.
 OPTIONAL_KINDS = ("PodMonitor",)
 
@@ -26,4 +48,9 @@ def get_desired_objects(
         "Ingress": get_ingress(body, spec),
         "PodDisruptionBudget": get_pdb(body, spec),
         "PodMonitor": get_pod_monitor(body, spec),
+        "PodService": get_pod_service(body, spec),
+        "RouterServiceAccount": get_router_service_account(body, spec),
+        "RouterRole": get_router_role(body, spec),
+        "RouterRoleBinding": get_router_role_binding(body, spec),
+        "RouterDeployment": get_router_deployment(body, spec),
     }

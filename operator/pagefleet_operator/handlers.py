@@ -14,12 +14,14 @@ import kopf
 
 from . import API_VERSION, FINALIZER, GROUP, KIND, PLURAL, VERSION
 from .apply import ApplyError
+from .autoscale import Decision
 from .config import OperatorConfig
 from .kube import Kube, KubeError, load_api_client
 from .names import MANAGED_BY
-from .reconcile import reconcile
+from .reconcile import Outcome, reconcile
 from .scaler import autoscale_once
 from .telemetry import OperatorMetrics
+from .tracing import maybe_span
 
 RETRY_DELAY_SECONDS = 10
 # Periodic re-reconcile: puts back manual drift and notices e.g. a PVC created later.
@@ -72,7 +74,28 @@ async def wait_for_crd(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> Non
         await asyncio.sleep(CRD_POLL_SECONDS)
 
 
+def _resource_attributes(body: Any) -> dict[str, str]:
+    meta = body["metadata"]
+    return {"k8s.namespace.name": meta["namespace"], "pagefleet.inferenceservice": meta["name"]}
+
+
 def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, retry: int = 0) -> None:
+    # A span per reconcile (with --otlp-traces-endpoint): a failure ends it as an error.
+    with maybe_span(memo.get("tracer"), "reconcile", _resource_attributes(body)) as span:
+        outcome = _reconcile_once(body, memo, retry)
+        if span is not None:
+            span.set_attributes(
+                {
+                    "pagefleet.changes": [f"{c.verb} {c.kind} {c.name}" for c in outcome.changes],
+                    "pagefleet.problem": outcome.problem.reason if outcome.problem else "",
+                    "pagefleet.status_written": outcome.status_written,
+                }
+            )
+    for change in outcome.changes:
+        logger.info("%s %s %s", change.verb, change.kind, change.name)
+
+
+def _reconcile_once(body: Any, memo: kopf.Memo, retry: int) -> Outcome:
     meta = body["metadata"]
     try:
         config = memo["config"]
@@ -88,8 +111,7 @@ def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, retry: int = 
     memo["metrics"].record_reconcile(meta["namespace"], meta["name"], outcome)
     if outcome.problem is not None and outcome.new_problem:
         kopf.warn(body, reason=outcome.problem.reason, message=outcome.problem.message)
-    for change in outcome.changes:
-        logger.info("%s %s %s", change.verb, change.kind, change.name)
+    return outcome
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -139,6 +161,21 @@ def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
 # Async, with each round in a short-lived thread: a sync daemon holds one of kopf's
 # worker threads (min(32, CPUs + 4)) for its whole life, and from that many autoscaled
 # resources on, no reconcile handler would get a thread again.
+def _autoscale_round(body: Any, memo: kopf.Memo) -> Decision | None:
+    with maybe_span(memo.get("tracer"), "autoscale", _resource_attributes(body)) as span:
+        decision = autoscale_once(memo["kube"], body, default_image=memo["config"].default_image)
+        if span is not None and decision is not None:
+            span.set_attributes(
+                {
+                    "pagefleet.replicas.current": decision.current,
+                    "pagefleet.replicas.decided": decision.replicas,
+                    "pagefleet.autoscaler.signal": decision.signal,
+                    "pagefleet.autoscaler.reason": decision.reason,
+                }
+            )
+        return decision
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, when=_autoscaling_enabled, cancellation_timeout=5)
 async def autoscaler(
     stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
@@ -146,9 +183,7 @@ async def autoscaler(
     last_failure = None
     while not stopped:
         try:
-            decision = await asyncio.to_thread(
-                autoscale_once, memo["kube"], body, default_image=memo["config"].default_image
-            )
+            decision = await asyncio.to_thread(_autoscale_round, body, memo)
         except KubeError as exc:
             # Next round tries again; this resource's trouble must not stop the loop.
             logger.warning("autoscaler round failed: %s", exc)

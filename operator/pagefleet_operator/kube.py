@@ -28,6 +28,11 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ReplicaSet": ("apps/v1", "replicasets"),
     "Pod": ("v1", "pods"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
+    # spec.router: the router's identity, and the pods it discovers.
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices"),
     # Only when the Prometheus Operator's CRDs are installed (see desired.OPTIONAL_KINDS).
     "PodMonitor": ("monitoring.coreos.com/v1", "podmonitors"),
 }

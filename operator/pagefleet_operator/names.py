@@ -20,12 +20,17 @@ MAX_NAME_LENGTH = 63
 _DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
-def check_name(name: str) -> str | None:
-    """Why the children of a resource with this name could not be created, or None."""
-    if len(name) > MAX_NAME_LENGTH:
+def check_name(name: str, longest_suffix: str = "") -> str | None:
+    """Why the children of a resource with this name could not be created, or None.
+    `longest_suffix` is the longest suffix a child's Service name adds (the router's)."""
+    limit = MAX_NAME_LENGTH - len(longest_suffix)
+    if len(name) > limit:
+        with_suffix = (
+            f" with the {longest_suffix!r} Service of spec.router" if longest_suffix else ""
+        )
         return (
             f"metadata.name {name[:20]!r}... has {len(name)} characters; at most "
-            f"{MAX_NAME_LENGTH} are allowed: it becomes the Service name and a label value"
+            f"{limit} are allowed{with_suffix}: it becomes a Service name and a label value"
         )
     if not _DNS_1035_LABEL.match(name):
         return (

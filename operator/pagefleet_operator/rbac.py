@@ -24,9 +24,11 @@ RULES: list[dict[str, Any]] = [
     {
         "apiGroups": ["apps"],
         "resources": ["deployments"],
-        "verbs": ["get", "list", "watch", "create", "patch"],
+        # delete: the router's Deployment, when spec.router goes away.
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch"]},
+    # Services are deleted only when spec.router goes away (its headless pod Service).
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch", "delete"]},
     {
         "apiGroups": ["networking.k8s.io"],
         "resources": ["ingresses"],
@@ -44,6 +46,20 @@ RULES: list[dict[str, Any]] = [
         "resources": ["podmonitors"],
         "verbs": ["get", "create", "patch", "delete"],
     },
+    # spec.router: the router's ServiceAccount, Role and RoleBinding. Granting a Role
+    # needs holding what it grants (RBAC's escalation check): the router lists
+    # EndpointSlices and patches the scale subresource (above), so the operator may too.
+    {
+        "apiGroups": [""],
+        "resources": ["serviceaccounts"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles", "rolebindings"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
     # Ready pods' IPs for scraping /metrics, found through their owners (the
     # Deployment's ReplicaSets); claims are checked before pods need them.
     {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .apply import ApplyError, Change, apply_plan
-from .desired import MANAGED_KINDS, OPTIONAL_KINDS, get_desired_objects
+from .desired import MANAGED_OBJECTS, OPTIONAL_KINDS, get_desired_objects
 from .kube import RESOURCES, Kube
 from .names import check_name
 from .plan import Plan, plan
+from .router import POD_SERVICE_SUFFIX
 from .spec import InferenceServiceSpec, SpecError, parse_spec
 from .status import (
     Problem,
@@ -81,13 +82,17 @@ def _current_degraded_message(body: Mapping[str, Any]) -> str | None:
 def _parse(
     body: Mapping[str, Any], **defaults: Any
 ) -> tuple[InferenceServiceSpec | None, Problem | None]:
-    name_problem = check_name(body["metadata"]["name"])
+    try:
+        spec = parse_spec(body.get("spec") or {}, **defaults)
+    except SpecError as exc:
+        spec, problem = None, Problem("InvalidSpec", str(exc))
+    else:
+        problem = None
+    suffix = POD_SERVICE_SUFFIX if spec is not None and spec.router.enabled else ""
+    name_problem = check_name(body["metadata"]["name"], suffix)
     if name_problem is not None:
         return None, Problem("InvalidName", name_problem)
-    try:
-        return parse_spec(body.get("spec") or {}, **defaults), None
-    except SpecError as exc:
-        return None, Problem("InvalidSpec", str(exc))
+    return spec, problem
 
 
 def _build(
@@ -106,14 +111,17 @@ def _build(
 def drop_unserved_kinds(
     kube: Kube, desired: dict[str, dict[str, Any] | None]
 ) -> dict[str, dict[str, Any] | None]:
-    """Leave out the optional kinds this cluster has no CRD for. Discovery is asked only
+    """Leave out the objects of optional kinds this cluster has no CRD for. Discovery is asked only
     when such an object is wanted: otherwise a GET of it answers 404 (None) either way,
     and an object made while the CRD existed is still deleted. A discovery failure
     raises (a retry), rather than reporting a CRD missing that is not."""
+    kinds = {slot: MANAGED_OBJECTS[slot][0] for slot in desired}
     return {
-        kind: want
-        for kind, want in desired.items()
-        if kind not in OPTIONAL_KINDS or want is None or kube.discovers(*RESOURCES[kind])
+        slot: want
+        for slot, want in desired.items()
+        if kinds[slot] not in OPTIONAL_KINDS
+        or want is None
+        or kube.discovers(*RESOURCES[kinds[slot]])
     }
 
 
@@ -141,9 +149,9 @@ def reconcile(
         served = drop_unserved_kinds(kube, desired)
         monitored = get_monitored_condition(spec, "PodMonitor" in served)
         observed: dict[str, Any] = {"Deployment": observed_deployment}
-        for kind in MANAGED_KINDS[1:]:
-            if kind in served:
-                observed[kind] = kube.get(kind, namespace, name)
+        for slot, (kind, suffix) in MANAGED_OBJECTS.items():
+            if slot in served and slot not in observed:
+                observed[slot] = kube.get(kind, namespace, name + suffix)
         the_plan = plan(served, observed, meta["uid"])
         try:
             changes = apply_plan(kube, the_plan)

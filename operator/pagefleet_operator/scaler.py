@@ -39,6 +39,14 @@ def read_history(status: Mapping[str, Any]) -> list[Recommendation]:
     return history
 
 
+def read_idle_since(status: Mapping[str, Any]) -> float | None:
+    """When every pod last turned idle (minReplicas 0), as the previous round wrote it."""
+    try:
+        return _epoch((status.get("autoscaler") or {})["idleSince"])
+    except (KeyError, TypeError, ValueError):
+        return None  # not idle, or a hand-edited value: the idle window starts again
+
+
 def get_autoscaler_status(decision: Decision, now: float) -> dict[str, Any]:
     status: dict[str, Any] = {
         "recommendedReplicas": decision.recommended,
@@ -50,6 +58,8 @@ def get_autoscaler_status(decision: Decision, now: float) -> dict[str, Any]:
             for h in compact_history(decision.history)
         ],
     }
+    # A merge patch: None removes the field once a pod is busy again.
+    status["idleSince"] = None if decision.idle_since is None else _iso(decision.idle_since)
     if decision.kv_cache_usage is not None:
         status["kvCacheUsagePercent"] = round(decision.kv_cache_usage * 100)
     if decision.queue_depth is not None:
@@ -111,7 +121,14 @@ def autoscale_once(
     pods = list_owned_pods(kube, body)
     now = clock()
     status = body.get("status") or {}
-    decision = decide(spec.replicas, scrape(pods), spec.autoscaling, read_history(status), now)
+    decision = decide(
+        spec.replicas,
+        scrape(pods),
+        spec.autoscaling,
+        read_history(status),
+        now,
+        read_idle_since(status),
+    )
     if decision.scaled:
         kube.scale(namespace, name, decision.replicas)
     status_patch = {"autoscaler": get_autoscaler_status(decision, now)}

@@ -5,17 +5,26 @@ from __future__ import annotations
 from typing import Any
 
 from .names import HTTP_PORT, HTTP_PORT_NAME, get_object_meta, get_selector_labels
+from .router import get_router_selector_labels
 from .spec import InferenceServiceSpec
 
 
 def get_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The Service clients use: the serving pods, or the router pods in front of them."""
+    name = body["metadata"]["name"]
+    meta = get_object_meta(body)
+    selector = None
+    if spec.router.enabled:
+        selector = get_router_selector_labels(name)
+        # What it fronts: the chart's router ServiceMonitor finds routers by this label.
+        meta["labels"]["app.kubernetes.io/component"] = "router"
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": get_object_meta(body),
+        "metadata": meta,
         "spec": {
             "type": "ClusterIP",
-            "selector": get_selector_labels(body["metadata"]["name"]),
+            "selector": selector or get_selector_labels(name),
             "ports": [
                 {
                     "name": HTTP_PORT_NAME,

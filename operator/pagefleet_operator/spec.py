@@ -15,6 +15,8 @@ from typing import Any
 
 from pagefleet_serve.model.uri import ModelURI, ModelURIError, parse_model_uri
 
+from .config import DEFAULT_ROUTER_IMAGE
+
 # The pod parses the same URIs with the same code; the operator only narrows them to what
 # a cluster can serve: no local relative paths, only the built-in model in the image.
 URI_SCHEMES = ("hf://", "pvc://", "file://", "builtin://")
@@ -68,6 +70,22 @@ class AutoscalingSpec:
     scale_up_stabilization_seconds: int = 0
     scale_down_stabilization_seconds: int = 300
     interval_seconds: int = 15
+    # With minReplicas 0: idle (no request running or waiting on any pod) this long, the
+    # service goes to zero replicas; the router wakes it on the next request.
+    scale_to_zero_after_seconds: int = 600
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """`pagefleet router` in front of the pods (spec.router)."""
+
+    enabled: bool = False
+    image: str = ""
+    replicas: int = 1
+    # Requests held while the service has no ready pod (scaled to zero, starting).
+    max_held_requests: int = 256
+    hold_timeout_seconds: int = 300
+    resources: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,7 @@ class InferenceServiceSpec:
     ingress: IngressSpec | None
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
     # Pods run as uid/gid/fsGroup 1000; False leaves them to the platform (OpenShift).
     fixed_user_ids: bool = True
 
@@ -158,10 +177,12 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     return ModelSpec(uri=uri, served_name=served_name, parsed=parsed, token_secret_ref=token_ref)
 
 
-def _check_image(image: str | None, allowed_prefixes: tuple[str, ...]) -> None:
+def _check_image(
+    image: str | None, allowed_prefixes: tuple[str, ...], field_path: str = "engine.image"
+) -> None:
     if image and allowed_prefixes and not image.startswith(allowed_prefixes):
         raise SpecError(
-            "engine.image",
+            field_path,
             f"{image!r} is not under an allowed prefix ({', '.join(allowed_prefixes)}); "
             "the operator's --allowed-image-prefix sets them",
         )
@@ -241,7 +262,7 @@ def _parse_autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
         )
     parsed = AutoscalingSpec(
         enabled=_get(section, "enabled", path, bool, False),
-        min_replicas=_get_int(section, "minReplicas", path, defaults.min_replicas, 1),
+        min_replicas=_get_int(section, "minReplicas", path, defaults.min_replicas, 0),
         max_replicas=_get_int(section, "maxReplicas", path, defaults.max_replicas, 1),
         target_kv_cache_utilization=float(target_kv),
         target_queue_depth=_get_int(
@@ -257,6 +278,9 @@ def _parse_autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
             defaults.scale_down_stabilization_seconds,
         ),
         interval_seconds=_get_int(section, "intervalSeconds", path, defaults.interval_seconds, 5),
+        scale_to_zero_after_seconds=_get_int(
+            section, "scaleToZeroAfterSeconds", path, defaults.scale_to_zero_after_seconds, 0
+        ),
     )
     if parsed.min_replicas > parsed.max_replicas:
         raise SpecError(
@@ -264,6 +288,35 @@ def _parse_autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
             f"{parsed.min_replicas} exceeds maxReplicas {parsed.max_replicas}",
         )
     return parsed
+
+
+def _parse_router(
+    spec: Mapping[str, Any], default_image: str, allowed_image_prefixes: tuple[str, ...]
+) -> RouterSpec:
+    section = _get_section(spec, "router")
+    path, defaults = "router", RouterSpec()
+    # The same allow-list as the engine's: the router is a pod this resource's author picks.
+    _check_image(_get(section, "image", path, str), allowed_image_prefixes, "router.image")
+    return RouterSpec(
+        enabled=_get(section, "enabled", path, bool, False),
+        image=_get(section, "image", path, str) or default_image,
+        replicas=_get_int(section, "replicas", path, defaults.replicas, 1),
+        max_held_requests=_get_int(section, "maxHeldRequests", path, defaults.max_held_requests, 0),
+        hold_timeout_seconds=_get_int(
+            section, "holdTimeoutSeconds", path, defaults.hold_timeout_seconds, 1
+        ),
+        resources=_get(section, "resources", path, dict, {}),
+    )
+
+
+def _check_scale_to_zero(autoscaling: AutoscalingSpec, router: RouterSpec) -> None:
+    # At zero replicas only the router notices a request and raises the service again.
+    if autoscaling.enabled and autoscaling.min_replicas == 0 and not router.enabled:
+        raise SpecError(
+            "autoscaling.minReplicas",
+            "0 needs spec.router.enabled: true (the router holds requests and wakes the "
+            "service); use 1 or more without the router",
+        )
 
 
 def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
@@ -311,6 +364,7 @@ def parse_spec(
     fixed_user_ids: bool = True,
     allowed_image_prefixes: tuple[str, ...] = (),
     pod_monitor_default: bool = False,
+    router_image: str = DEFAULT_ROUTER_IMAGE,
 ) -> InferenceServiceSpec:
     """Validate a raw spec and fill the defaults the CRD would have filled."""
     cache = _get_section(spec, "modelCache")
@@ -318,6 +372,11 @@ def parse_spec(
     size_limit = _get(cache, "sizeLimit", "modelCache", str)
     if pvc_name and size_limit:
         raise SpecError("modelCache", "set either pvcName or sizeLimit, not both")
+    autoscaling, router = (
+        _parse_autoscaling(spec),
+        _parse_router(spec, router_image, allowed_image_prefixes),
+    )
+    _check_scale_to_zero(autoscaling, router)
     return InferenceServiceSpec(
         model=_parse_model(spec),
         engine=_parse_engine(
@@ -330,7 +389,8 @@ def parse_spec(
         model_cache_pvc=pvc_name,
         model_cache_size_limit=size_limit,
         ingress=_parse_ingress(spec),
-        autoscaling=_parse_autoscaling(spec),
+        autoscaling=autoscaling,
         monitoring=_parse_monitoring(spec, pod_monitor_default),
+        router=router,
         fixed_user_ids=fixed_user_ids,
     )

@@ -11,10 +11,12 @@ from pathlib import Path
 from aiohttp import web
 from pagefleet_flags import EnvFlags
 from pagefleet_operator.names import HTTP_PORT_NAME
+from pagefleet_operator.tracing import get_tracer
 
 from .discovery import Discovery, ScrapeSettings, StaticEndpoints
 from .policy import PolicyConfig
-from .proxy import Router, RouterSettings
+from .proxy import Router, RouterSettings, Waker
+from .tracing import RequestTracing
 
 logger = logging.getLogger("pagefleet_router")
 
@@ -107,6 +109,30 @@ def get_parser() -> argparse.ArgumentParser:
         type=float,
         default=router.connect_timeout_s,
     )
+    flag(
+        "--scale-from-zero",
+        "this InferenceService (in --namespace) is raised from 0 to 1 replica through its "
+        "scale subresource when a request arrives and no pod is ready; the request is held",
+        default=None,
+    )
+    flag(
+        "--max-held-requests",
+        "requests held while no pod is ready (with --scale-from-zero); more get a 503",
+        type=int,
+        default=router.max_held_requests,
+    )
+    flag(
+        "--hold-timeout",
+        "seconds a held request waits for a ready pod before its 503",
+        type=float,
+        default=router.hold_timeout_s,
+    )
+    flag(
+        "--otlp-traces-endpoint",
+        "send a span per request to this OTLP/HTTP endpoint (e.g. "
+        "http://collector:4318/v1/traces) and pass its context on in traceparent",
+        default=None,
+    )
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     return parser
 
@@ -137,11 +163,21 @@ def main(argv: list[str] | None = None) -> int:
             max_prefix_blocks=args.max_prefix_blocks,
             prefix_table_size=args.prefix_table_size,
             connect_timeout_s=args.connect_timeout,
+            max_held_requests=args.max_held_requests,
+            hold_timeout_s=args.hold_timeout,
         )
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
-    router = Router(settings, _discovery(args, parser))
+    if args.scale_from_zero and not args.service:
+        parser.error("--scale-from-zero needs --service (the pods are discovered in the cluster)")
+    try:
+        tracer = get_tracer(args.otlp_traces_endpoint, "pagefleet-router")
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    tracing = None if tracer is None else RequestTracing(tracer)
+    router = Router(settings, *_discovery_and_waker(args, parser), tracing=tracing)
     # handler_cancellation: a client that leaves cancels its handler, which closes the
     # upstream request even while the pod has sent nothing yet (queued, prefilling).
     web.run_app(
@@ -150,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         port=settings.port,
         access_log=None,
         handler_cancellation=True,
-        print=None,
+        # aiohttp's banner, first line only: it names the port bound (with --port 0 too).
+        print=lambda banner: logger.info("%s", banner.splitlines()[0].strip("= ")),
     )
     return 0
 
@@ -158,15 +195,18 @@ def main(argv: list[str] | None = None) -> int:
 _POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-def _discovery(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Discovery:
+def _discovery_and_waker(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[Discovery, Waker | None]:
     if args.endpoints:
         endpoints = tuple(url.rstrip("/") for url in args.endpoints)
         logger.info("routing to %s", ", ".join(endpoints))
-        return StaticEndpoints(endpoints)
+        return StaticEndpoints(endpoints), None
     # Imported only here: the kubernetes client is slow to import and unused otherwise.
     from pagefleet_operator.kube import Kube, load_api_client
 
     from .endpointslices import EndpointSliceDiscovery
+    from .wake import ScaleSubresourceWaker
 
     namespace = args.namespace
     if namespace is None and _POD_NAMESPACE_FILE.exists():
@@ -174,4 +214,11 @@ def _discovery(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dis
     if not namespace:
         parser.error("--namespace is required outside a pod (no service account namespace)")
     logger.info("routing to the ready pods of Service %s/%s", namespace, args.service)
-    return EndpointSliceDiscovery(Kube(load_api_client()), namespace, args.service, args.port_name)
+    kube = Kube(load_api_client())
+    discovery = EndpointSliceDiscovery(kube, namespace, args.service, args.port_name)
+    if not args.scale_from_zero:
+        return discovery, None
+    logger.info(
+        "holding requests and waking %s/%s while no pod is ready", namespace, args.scale_from_zero
+    )
+    return discovery, ScaleSubresourceWaker(kube, namespace, args.scale_from_zero)

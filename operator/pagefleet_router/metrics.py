@@ -52,5 +52,25 @@ class RouterMetrics:
             registry=self.registry,
         )
 
+        self.held = Gauge(
+            "pagefleet:router_held_requests",
+            "Requests waiting for the first ready pod (the service scaled to zero or starting).",
+            registry=self.registry,
+        )
+        self.hold_time = Histogram(
+            "pagefleet:router_hold_time_seconds",
+            "Time a request waited for the first ready pod, whatever the outcome.",
+            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )
+        self.not_held = Counter(
+            "pagefleet:router_hold_refusals",
+            "Requests answered 503 while no pod was ready: queue_full or timeout.",
+            ("reason",),
+            registry=self.registry,
+        )
+        for reason in ("queue_full", "timeout"):
+            self.not_held.labels(reason)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

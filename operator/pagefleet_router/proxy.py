@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -17,6 +18,7 @@ from .discovery import Discovery, PodRegistry, ScrapeSettings, refresh
 from .metrics import RouterMetrics
 from .policy import Decision, PolicyConfig, choose_pod, is_fresh
 from .prefix import PrefixTable, block_hashes, prompt_text
+from .tracing import RequestTracing
 
 logger = logging.getLogger("pagefleet_router.proxy")
 
@@ -55,28 +57,61 @@ class RouterSettings:
     max_prefix_blocks: int = 64
     prefix_table_size: int = 100_000
     connect_timeout_s: float = 5.0
+    # While no pod is ready and a waker is set (scale from zero): how many requests wait
+    # for the first pod, and for how long.
+    max_held_requests: int = 256
+    hold_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("block_chars", "max_prefix_blocks", "prefix_table_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.connect_timeout_s <= 0:
-            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+        if self.max_held_requests < 0:
+            raise ValueError(f"max_held_requests must be >= 0, got {self.max_held_requests}")
+        for name in ("connect_timeout_s", "hold_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class _UpstreamUnavailable(Exception):
     """The pod failed before sending a byte of its response."""
 
 
+class Waker(Protocol):
+    """Starts the first pod of a service that has none; returns once asked, not once a
+    pod is ready (the router learns that from discovery and the pod's /metrics)."""
+
+    async def wake(self) -> None: ...
+
+
+class _NotHeld(Exception):
+    """A request that waited for a pod and got none: the 503 to answer it with."""
+
+    def __init__(self, response: web.Response) -> None:
+        self.response = response
+
+
 class Router:
-    def __init__(self, settings: RouterSettings, discovery: Discovery) -> None:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        discovery: Discovery,
+        waker: Waker | None = None,
+        tracing: RequestTracing | None = None,
+    ) -> None:
         self.settings = settings
         self.discovery = discovery
+        self.waker = waker
+        self.tracing = tracing
         self.registry = PodRegistry()
         self.prefix_table = PrefixTable(settings.prefix_table_size)
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self._scrape_task: asyncio.Task | None = None
+        self._wake_task: asyncio.Task | None = None
+        # Set while some pod has fresh metrics; held requests wait on it.
+        self._pod_ready = asyncio.Event()
+        self._held = 0
 
     def create_app(self) -> web.Application:
         app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
@@ -112,6 +147,13 @@ class Router:
             return
         for url in vanished:
             self.prefix_table.forget_pod(url)
+        if self._has_fresh_pod():
+            self._pod_ready.set()
+        else:
+            self._pod_ready.clear()
+
+    def _has_fresh_pod(self) -> bool:
+        return any(is_fresh(p, self.settings.policy) for p in self.registry.states())
 
     async def _scrape_forever(self) -> None:
         while True:
@@ -123,8 +165,24 @@ class Router:
         return choose_pod(hashes, pods, self.prefix_table.get, self.settings.policy)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        if self.tracing is None:
+            return await self._forward(request, None)
+        with self.tracing.span(request) as span:
+            response = await self._forward(request, span)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _forward(self, request: web.Request, span: Any | None) -> web.StreamResponse:
         arrived = time.monotonic()
         body = await request.read()
+        if self.waker is not None and not self._pod_ready.is_set():
+            try:
+                await self._hold()
+            except _NotHeld as refused:
+                return refused.response
+            finally:
+                if span is not None:
+                    span.set_attribute("pagefleet.router.held_seconds", time.monotonic() - arrived)
         hashes = self._prefix_hashes(request.path, body)
         tried: set[str] = set()
         for attempt in range(_ATTEMPTS):
@@ -135,6 +193,14 @@ class Router:
             if attempt:
                 self.metrics.retries.inc()
             self.metrics.decisions.labels(decision.reason).inc()
+            if span is not None:
+                span.set_attributes(
+                    {
+                        "pagefleet.router.pod": decision.url,
+                        "pagefleet.router.reason": decision.reason,
+                        "pagefleet.router.attempt": attempt,
+                    }
+                )
             self.registry.acquire(decision.url)
             try:
                 upstream = await self._open_upstream(request, decision.url, body, attempt)
@@ -152,6 +218,42 @@ class Router:
         self.metrics.no_pod.inc()
         return _error(503, "no pod could take the request", "no_pod_available")
 
+    async def _hold(self) -> None:
+        """Wait, in a bounded queue, for the first pod to become ready, waking the service.
+        A client that leaves cancels this wait (handler cancellation) and so leaves the
+        queue; the pods never see its request."""
+        if self._held >= self.settings.max_held_requests:
+            self.metrics.not_held.labels("queue_full").inc()
+            raise _NotHeld(
+                _error(
+                    503,
+                    f"the model is starting and {self._held} requests already wait for it "
+                    f"(router --max-held-requests {self.settings.max_held_requests}); retry later",
+                    "hold_queue_full",
+                )
+            )
+        self._held += 1
+        self.metrics.held.set(self._held)
+        started = time.monotonic()
+        try:
+            if self._wake_task is None or self._wake_task.done():
+                self._wake_task = asyncio.create_task(self.waker.wake())
+            await asyncio.wait_for(self._pod_ready.wait(), self.settings.hold_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.not_held.labels("timeout").inc()
+            raise _NotHeld(
+                _error(
+                    503,
+                    f"the model is starting: no pod became ready within "
+                    f"{self.settings.hold_timeout_s:g} s (router --hold-timeout); retry later",
+                    "model_starting_timeout",
+                )
+            ) from None
+        finally:
+            self._held -= 1
+            self.metrics.held.set(self._held)
+            self.metrics.hold_time.observe(time.monotonic() - started)
+
     def _prefix_hashes(self, path: str, body: bytes) -> list[bytes]:
         try:
             payload = json.loads(body) if body else None
@@ -166,6 +268,8 @@ class Router:
         self, request: web.Request, url: str, body: bytes, attempt: int
     ) -> aiohttp.ClientResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        if self.tracing is not None:
+            self.tracing.inject(headers)
         try:
             upstream = await self.session.request(
                 request.method,
@@ -229,8 +333,9 @@ class Router:
 
     async def ready(self, _request: web.Request) -> web.Response:
         """Ready once some pod has fresh metrics: before that the router knows of no pod
-        known to answer."""
-        if any(is_fresh(p, self.settings.policy) for p in self.registry.states()):
+        known to answer. A router that wakes the service is ready with no pod at all:
+        it must take the request that starts the first one."""
+        if self.waker is not None or self._has_fresh_pod():
             return web.json_response({"status": "ready"})
         return _error(503, "no pod with fresh metrics yet", "no_pod_available")
 

@@ -23,6 +23,7 @@ from chart_render import (
 )
 from pagefleet_operator.__main__ import get_parser
 from pagefleet_operator.podmonitor import get_pod_monitor
+from pagefleet_operator.service import get_service
 from pagefleet_operator.spec import parse_spec
 
 SCHEMAS = yaml.safe_load((Path(__file__).parent / "prometheus_operator_crds.yaml").read_text())
@@ -68,6 +69,40 @@ def test_the_service_monitor_scrapes_the_operators_metrics_port():
     assert {"name": port["targetPort"], "containerPort": args.metrics_port, "protocol": "TCP"} in (
         container["ports"]
     )
+
+
+def test_the_router_service_monitor_finds_the_operators_router_services():
+    objects = render({"router": {"serviceMonitor": {"enabled": True, "interval": "15s"}}})
+    (monitor,) = [
+        o for o in find(objects, "ServiceMonitor") if o["metadata"]["name"].endswith("-routers")
+    ]
+    validate_monitor(monitor)
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "15s")
+    # The Service the operator builds for a routed InferenceService, and only that one.
+    body = {
+        "apiVersion": "pagefleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "ml", "uid": "u1"},
+    }
+    selector = monitor["spec"]["selector"]["matchLabels"].items()
+    for routed in (True, False):
+        spec = parse_spec(
+            {"model": {"uri": "builtin://smollm2-135m"}, "router": {"enabled": routed}},
+            default_image="x",
+        )
+        service = get_service(body, spec)
+        assert (selector <= service["metadata"]["labels"].items()) is routed
+        assert endpoint["port"] in [p["name"] for p in service["spec"]["ports"]]
+    namespaced = render(
+        {
+            "router": {"serviceMonitor": {"enabled": True}},
+            "operator": {"watchNamespaces": ["team-a"]},
+        }
+    )
+    (monitor,) = [o for o in find(namespaced, "ServiceMonitor")]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
 
 
 def test_the_operators_pod_monitor_is_valid_for_the_crd():
@@ -121,6 +156,7 @@ def test_the_dashboard_config_map_holds_the_repos_dashboard():
         ({"operator": {"metricsPort": 80}}, "metricsPort"),
         ({"grafanaDashboard": {"enabled": "yes"}}, "enabled"),
         ({"servingPod": {"podMonitorByDefault": "true"}}, "podMonitorByDefault"),
+        ({"router": {"serviceMonitor": {"enable": True}}}, "enable"),
     ],
 )
 def test_bad_monitoring_values_fail_and_name_the_key(values, word):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 from chart_render import find, helm, operator_container, render, the
+from pagefleet_operator.router import get_router_deployment
+from pagefleet_operator.spec import parse_spec
 
 HOOK = "helm.sh/hook"
 
@@ -116,8 +118,17 @@ def test_network_policy_admits_only_the_operator_and_the_named_peers():
         "app.kubernetes.io/managed-by": "pagefleet-operator",
     }
     (rule,) = policy["spec"]["ingress"]
-    operator_peer, router_peer = rule["from"]
+    operator_peer, own_router_peer, router_peer = rule["from"]
     assert operator_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    # The operator's router pods (spec.router) in the same namespace, and only those.
+    body = {"metadata": {"name": "chat", "namespace": "ml", "uid": "u"}}
+    body |= {"apiVersion": "pagefleet.dev/v1alpha1", "kind": "InferenceService"}
+    spec = parse_spec(
+        {"model": {"uri": "builtin://smollm2-135m"}, "router": {"enabled": True}}, default_image="x"
+    )
+    router_pod_labels = get_router_deployment(body, spec)["spec"]["template"]["metadata"]["labels"]
+    assert own_router_peer.keys() == {"podSelector"}
+    assert own_router_peer["podSelector"]["matchLabels"].items() <= router_pod_labels.items()
     assert router_peer == router
     assert find(render(), "NetworkPolicy") == []
     with pytest.raises(helm.HelmError, match="networkPolicy"):

@@ -121,6 +121,8 @@ def test_operator_flags_follow_the_values():
     assert default.default_image == DEFAULT_IMAGE  # chart and operator agree on the default
     assert default.namespace == [] and not default.verbose
     assert default.default_image_pull_policy is None  # Kubernetes' own default
+    # The router runs from the operator's image (it carries `pagefleet router`).
+    assert default.router_image == operator_container(render())["image"]
 
     values = OVERRIDES["custom"] | {
         "operator": OVERRIDES["custom"]["operator"] | {"watchNamespaces": ["team-a", "team-b"]}
@@ -133,6 +135,7 @@ def test_operator_flags_follow_the_values():
     assert args.default_image_pull_policy == "Always"
     assert args.liveness == "http://0.0.0.0:9090/healthz"
     assert container["image"] == "registry.local/pf-operator:dev"
+    assert args.router_image == "registry.local/pf-operator:dev"
     assert container["imagePullPolicy"] == "Never"
 
 

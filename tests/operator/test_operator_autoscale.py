@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pagefleet_operator.autoscale import Decision, PodSample, Recommendation, decide
-from pagefleet_operator.scaler import get_autoscaler_status, read_history
+from pagefleet_operator.scaler import get_autoscaler_status, read_history, read_idle_since
 from pagefleet_operator.spec import AutoscalingSpec
 
 POLICY = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=8)
@@ -83,7 +83,9 @@ def run_through_status(current, rounds, policy=POLICY, interval=15.0):
     trace = []
     for i, samples in enumerate(rounds):
         now = 1_700_000_000.0 + i * interval
-        decision = decide(current, samples(current), policy, read_history(status), now)
+        decision = decide(
+            current, samples(current), policy, read_history(status), now, read_idle_since(status)
+        )
         status = {"autoscaler": get_autoscaler_status(decision, now)}
         current = decision.replicas
         trace.append(current)
@@ -184,3 +186,45 @@ def test_observation_is_reported():
     assert decision.kv_cache_usage == pytest.approx(0.6)
     assert decision.queue_depth == 5
     assert (decision.scraped_pods, decision.unscraped_pods) == (2, 0)
+
+
+TO_ZERO = AutoscalingSpec(
+    enabled=True, min_replicas=0, max_replicas=4, scale_to_zero_after_seconds=60
+)
+IDLE = lambda n: pods(*[(0.0, 0)] * n)  # noqa: E731
+BUSY = lambda n: pods(*[(0.05, 0)] * n)  # noqa: E731 (one running request: some KV used)
+
+
+def test_scale_to_zero_after_an_unbroken_idle_window_read_back_from_status():
+    # Idle from t=0: t=60 s is the first round with 60 s of idleness behind it.
+    trace, status = run_through_status(2, [IDLE] * 6, policy=TO_ZERO)
+    assert trace == [1, 1, 1, 1, 0, 0]
+    # At zero the autoscaler holds (only the router wakes it), idleSince kept.
+    assert status["autoscaler"]["idleSince"] == "2023-11-14T22:13:20Z"
+
+
+def test_one_busy_round_restarts_the_idle_window():
+    trace, status = run_through_status(1, [IDLE] * 3 + [BUSY] + [IDLE] * 6, policy=TO_ZERO)
+    # Busy at t=45 s: idle again from t=60 s, so zero at t=120 s (round 8), not t=60 s.
+    assert trace == [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]
+    decision = decide(1, BUSY(1), TO_ZERO, (), now=0.0, idle_since=-1000.0)
+    assert decision.idle_since is None
+    assert get_autoscaler_status(decision, 0.0)["idleSince"] is None  # removed by the patch
+
+
+def test_missing_metrics_or_a_starting_pod_is_not_idleness():
+    for samples in (pods((0.0, 0), unscraped=1), pods((0.0, 0), starting=1), []):
+        decision = decide(1, samples, TO_ZERO, (), now=100.0, idle_since=0.0)
+        assert (decision.replicas, decision.idle_since) == (1, None), samples
+
+
+def test_at_zero_the_autoscaler_waits_for_the_router_and_min_one_still_wakes():
+    at_zero = decide(0, [], TO_ZERO, (), now=0.0)
+    assert (at_zero.replicas, at_zero.signal) == (0, "scaled_to_zero")
+    # With minReplicas 1, zero (someone's `kubectl scale --replicas 0`) is raised again.
+    assert decide(0, [], POLICY, (), now=0.0).replicas == 1
+
+
+def test_idle_pods_with_min_one_never_go_to_zero():
+    trace, _ = run_through_status(1, [IDLE] * 30, policy=POLICY)
+    assert trace == [1] * 30

@@ -283,3 +283,115 @@ def test_image_pull_policy_defaults_to_the_operators(engine, default, expected):
     spec = parse_spec(body["spec"], default_image=DEFAULT_IMAGE, default_image_pull_policy=default)
     container = get_deployment(body, spec)["spec"]["template"]["spec"]["containers"][0]
     assert container.get("imagePullPolicy") == expected
+
+
+ROUTED = {
+    **BUILTIN,
+    "router": {"enabled": True, "maxHeldRequests": 16, "holdTimeoutSeconds": 90},
+    "autoscaling": {"enabled": True, "minReplicas": 0},
+}
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_router_takes_the_service_and_the_pods_get_a_headless_one():
+    body = make_body(ROUTED)
+    desired = get_desired_objects(body, parsed(body))
+    serving_labels = desired["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    router = desired["RouterDeployment"]
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    service, pod_service = desired["Service"], desired["PodService"]
+    # The client-facing Service (and so the Ingress and URL) reaches the router only...
+    assert matches(service["spec"]["selector"], router_labels)
+    assert not matches(service["spec"]["selector"], serving_labels)
+    # ...the headless one lists the serving pods only, for the router's EndpointSlices...
+    assert (pod_service["metadata"]["name"], pod_service["spec"]["clusterIP"]) == (
+        "demo-pods",
+        "None",
+    )
+    assert matches(pod_service["spec"]["selector"], serving_labels)
+    assert not matches(pod_service["spec"]["selector"], router_labels)
+    # ...and neither Deployment's selector takes the other's pods.
+    assert not matches(desired["Deployment"]["spec"]["selector"]["matchLabels"], router_labels)
+    assert not matches(router["spec"]["selector"]["matchLabels"], serving_labels)
+    pod = router["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == desired["RouterServiceAccount"]["metadata"]["name"]
+    assert pod["containers"][0]["image"] == "ghcr.io/pagefleet/operator:0.1.0"
+    assert pod["containers"][0]["args"] == [
+        "--service=demo-pods",
+        "--port-name=http",
+        "--host=0.0.0.0",
+        "--port=8000",
+        "--max-held-requests=16",
+        "--hold-timeout=90",
+        "--scale-from-zero=demo",
+    ]
+    for slot in ("RouterServiceAccount", "RouterRole", "RouterRoleBinding", "RouterDeployment"):
+        assert desired[slot]["metadata"]["name"] == "demo-router"
+        assert desired[slot]["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+
+
+def test_router_role_is_endpointslices_and_its_own_scale_only():
+    body = make_body(ROUTED)
+    desired = get_desired_objects(body, parsed(body))
+    assert desired["RouterRole"]["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
+        {
+            "apiGroups": ["pagefleet.dev"],
+            "resources": ["inferenceservices/scale"],
+            "resourceNames": ["demo"],
+            "verbs": ["patch"],
+        },
+    ]
+    binding = desired["RouterRoleBinding"]
+    assert binding["roleRef"]["name"] == "demo-router"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "demo-router", "namespace": "ml"}
+    ]
+
+
+def test_router_wakes_from_zero_only_when_min_replicas_is_zero():
+    body = make_body({**ROUTED, "autoscaling": {"enabled": True, "minReplicas": 1}})
+    args = get_desired_objects(body, parsed(body))["RouterDeployment"]["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    assert not any(a.startswith("--scale-from-zero") for a in args)
+
+
+def test_without_router_no_router_objects_and_the_service_selects_the_pods():
+    body = make_body(BUILTIN)
+    desired = get_desired_objects(body, parsed(body))
+    assert [slot for slot, obj in desired.items() if obj is None] == [
+        "Ingress",
+        "PodDisruptionBudget",
+        "PodMonitor",
+        "PodService",
+        "RouterServiceAccount",
+        "RouterRole",
+        "RouterRoleBinding",
+        "RouterDeployment",
+    ]
+    assert desired["Service"]["spec"]["selector"] == {"pagefleet.dev/inferenceservice": "demo"}
+
+
+def test_min_replicas_zero_needs_the_router():
+    with pytest.raises(SpecError, match=r"spec.autoscaling.minReplicas: 0 needs spec.router"):
+        parsed(make_body({**BUILTIN, "autoscaling": {"enabled": True, "minReplicas": 0}}))
+
+
+def test_router_image_comes_from_the_operator_unless_the_spec_names_one():
+    spec = {**ROUTED, "router": {"enabled": True, "image": "registry.local/router:dev"}}
+    assert parsed(make_body(spec)).router.image == "registry.local/router:dev"
+    from_operator = parse_spec(ROUTED, default_image=DEFAULT_IMAGE, router_image="r.local/op:1")
+    assert from_operator.router.image == "r.local/op:1"
+
+
+def test_router_image_obeys_the_allowed_prefixes():
+    spec = {**ROUTED, "router": {"enabled": True, "image": "evil.example/router:1"}}
+    with pytest.raises(SpecError, match=r"spec.router.image: 'evil.example/router:1' is not under"):
+        parse_spec(spec, default_image=DEFAULT_IMAGE, allowed_image_prefixes=("registry.local/",))
+    # The operator's own router image needs no allow-listing.
+    allowed = parse_spec(ROUTED, default_image=DEFAULT_IMAGE, allowed_image_prefixes=("r/",))
+    assert allowed.router.image == "ghcr.io/pagefleet/operator:0.1.0"

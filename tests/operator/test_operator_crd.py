@@ -102,7 +102,7 @@ def test_crd_identity_and_subresources():
         "labelSelectorPath": ".status.selector",
     }
     columns = [c["name"] for c in VERSION["additionalPrinterColumns"]]
-    assert columns == ["Model", "Ready", "KV%", "Queue", "URL", "Age"]
+    assert columns == ["Model", "Ready", "KV%", "Queue", "Status", "URL", "Age"]
 
 
 @pytest.mark.parametrize("k8s", K8S_VERSIONS)
@@ -137,6 +137,7 @@ def test_defaults_are_filled():
         "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 300,
         "intervalSeconds": 15,
+        "scaleToZeroAfterSeconds": 600,
     }
 
 
@@ -157,6 +158,10 @@ def test_defaults_are_filled():
             "less than the minimum",
         ),
         ({**BUILTIN, "replicas": -1}, "less than the minimum"),
+        ({**BUILTIN, "autoscaling": {"minReplicas": -1}}, "less than the minimum"),
+        ({**BUILTIN, "router": {"replicas": 0}}, "less than the minimum"),
+        ({**BUILTIN, "router": {"holdTimeoutSeconds": 0}}, "less than the minimum"),
+        ({**BUILTIN, "router": {"maxHeld": 3}}, "unknown field .spec.router.maxHeld"),
         ({**BUILTIN, "engine": {"kvCacheDtype": "fp4"}}, "is not one of"),
         ({**BUILTIN, "engine": {"gpuMemoryUtilization": 1.2}}, "maximum"),
         ({**BUILTIN, "engine": {"maxNumSeq": 8}}, "unknown field .spec.engine.maxNumSeq"),
@@ -188,6 +193,15 @@ BODIES = [
             "nodeSelector": {"pool": "gpu"},
             "modelCache": {"sizeLimit": "20Gi"},
             "ingress": {"host": "llm.example.com", "className": "nginx", "tlsSecretName": "tls"},
+        },
+    ),
+    (
+        "routed",
+        {
+            **BUILTIN,
+            "router": {"enabled": True, "replicas": 2, "resources": {"limits": {"cpu": "1"}}},
+            "autoscaling": {"enabled": True, "minReplicas": 0, "scaleToZeroAfterSeconds": 60},
+            "ingress": {"host": "llm.example.com"},
         },
     ),
 ]

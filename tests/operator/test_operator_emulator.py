@@ -5,7 +5,8 @@ the API server, not of our code. Assertions are about what a real API server wou
 Emulator gaps, adapted once in ApiServerEmulator and declare_resources below: it
 assigns no uid, resourceVersion, generation or creationTimestamp (kopf needs them) and
 ignores generateName (kopf's Events); a JSON patch whose `test` of resourceVersion fails
-is a 500, where kube-apiserver answers 422 (see ApiServerEmulator._handle); server-side
+is a 500, where kube-apiserver answers 422 (see ApiServerEmulator._handle; any failing
+`test` is, e.g. the router's test of spec.replicas); server-side
 apply merges like a merge patch, where the real one removes the fields the manager no
 longer applies and writes nothing when nothing changes (server_side_apply.py), and does
 not create a missing object; its discovery lacks Namespaces and CRDs, which kopf waits
@@ -46,6 +47,14 @@ def _fill_new_object_metadata(data: dict, namespace: str | None) -> None:
     meta["resourceVersion"] = str(next(_versions))
     if namespace:
         meta.setdefault("namespace", namespace)
+
+
+def _pointer(obj, path: str):
+    """The value at a JSON pointer (RFC 6901), or None where the path leads nowhere."""
+    for part in path.lstrip("/").split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
 
 
 class ApiServerEmulator(kmock.KubernetesEmulator):
@@ -104,16 +113,11 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 # exactly that (kopf/_cogs/clients/patching.py catches
                 # APIUnprocessableEntityError and retries on the next cycle); the emulator
                 # alone would answer 500.
-                current = self.objects[key]["metadata"].get("resourceVersion")
+                live = self.objects[key].raw
                 for op in data:
-                    stale = op.get("value") != current
-                    if (
-                        op.get("op") == "test"
-                        and op.get("path") == "/metadata/resourceVersion"
-                        and stale
-                    ):
+                    if op.get("op") == "test" and _pointer(live, op["path"]) != op.get("value"):
                         raise kmock.KubernetesError(
-                            422, "Invalid", "testing value /metadata/resourceVersion failed"
+                            422, "Invalid", f"testing value {op['path']} failed"
                         )
             elif exists and isinstance(data, dict):
                 meta = data.setdefault("metadata", {})
@@ -143,6 +147,10 @@ def declare_resources(server) -> None:
         ("v1/persistentvolumeclaims", "PersistentVolumeClaim"),
         ("networking.k8s.io/v1/ingresses", "Ingress"),
         ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
+        ("v1/serviceaccounts", "ServiceAccount"),
+        ("rbac.authorization.k8s.io/v1/roles", "Role"),
+        ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding"),
+        ("discovery.k8s.io/v1/endpointslices", "EndpointSlice"),
     ]:
         server.resources[key] = info(
             kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}
@@ -491,3 +499,98 @@ async def test_autoscaler_against_loopback_pods(kmock, operator):
     finally:
         for server in servers:
             server.close()
+
+
+async def test_router_objects_against_the_api_emulator(kmock, operator):
+    spec = {
+        "model": {"uri": "builtin://smollm2-135m"},
+        "router": {"enabled": True},
+        "autoscaling": {"enabled": True, "minReplicas": 0},
+    }
+    created = await operator.call("POST", isvc_path(), make_isvc("routed", spec))
+    uid = created["metadata"]["uid"]
+    router = await eventually(
+        lambda: stored(kmock, "apps/v1/deployments", "routed-router"), what="router Deployment"
+    )
+    role = await eventually(
+        lambda: stored(kmock, "rbac.authorization.k8s.io/v1/roles", "routed-router"), what="Role"
+    )
+    binding = await eventually(
+        lambda: stored(kmock, "rbac.authorization.k8s.io/v1/rolebindings", "routed-router"),
+        what="RoleBinding",
+    )
+    account = await eventually(
+        lambda: stored(kmock, "v1/serviceaccounts", "routed-router"), what="ServiceAccount"
+    )
+    pods = await eventually(lambda: stored(kmock, "v1/services", "routed-pods"), what="pods")
+    service = await eventually(lambda: stored(kmock, "v1/services", "routed"), what="Service")
+    for child in (router, role, binding, account, pods, service):
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["uid"], ref["controller"]) == (uid, True)
+    template = router["spec"]["template"]
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    assert template["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    assert "--scale-from-zero=routed" in template["spec"]["containers"][0]["args"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert pods["spec"]["clusterIP"] == "None"
+
+    # Turning the router off removes its objects and points the Service at the pods again.
+    patch = {"spec": {"router": {"enabled": False}, "autoscaling": {"minReplicas": 1}}}
+    await operator.call("PATCH", isvc_path("routed"), patch)
+    await eventually(
+        lambda: stored(kmock, "apps/v1/deployments", "routed-router") is None,
+        what="router Deployment deleted",
+    )
+    for key, name in [
+        ("v1/services", "routed-pods"),
+        ("v1/serviceaccounts", "routed-router"),
+        ("rbac.authorization.k8s.io/v1/roles", "routed-router"),
+        ("rbac.authorization.k8s.io/v1/rolebindings", "routed-router"),
+    ]:
+        await eventually(lambda k=key, n=name: stored(kmock, k, n) is None, what=f"{name} gone")
+    assert stored(kmock, "v1/services", "routed")["spec"]["selector"] == {
+        "pagefleet.dev/inferenceservice": "routed"
+    }
+
+
+async def test_the_routers_cluster_side_against_the_api_emulator(kmock, tmp_path, caplog):
+    """The router's own API calls: EndpointSlices listed, and the wake from zero through
+    the scale subresource, only from zero."""
+    import kubernetes
+    from pagefleet_operator.kube import Kube
+    from pagefleet_router.endpointslices import EndpointSliceDiscovery
+    from pagefleet_router.wake import ScaleSubresourceWaker
+
+    declare_resources(kmock)
+    kube = Kube(kubernetes.config.new_client_from_config(write_kubeconfig(kmock, tmp_path)))
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
+        client = Client(session)
+        spec = {"model": {"uri": "builtin://smollm2-135m"}, "replicas": 0}
+        await client.call("POST", isvc_path(), make_isvc("sleepy", spec))
+        endpoint_slice = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "sleepy-pods-abc",
+                "namespace": "ml",
+                "labels": {"kubernetes.io/service-name": "sleepy-pods"},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8000}],
+            "endpoints": [{"addresses": ["10.1.2.3"], "conditions": {"ready": True}}],
+        }
+        await client.call(
+            "POST", "/apis/discovery.k8s.io/v1/namespaces/ml/endpointslices", endpoint_slice
+        )
+    discovery = EndpointSliceDiscovery(kube, "ml", "sleepy-pods", "http")
+    assert await discovery.endpoints() == ["http://10.1.2.3:8000"]
+
+    waker = ScaleSubresourceWaker(kube, "ml", "sleepy")
+    await waker.wake()
+    assert stored(kmock, ISVC, "sleepy")["spec"]["replicas"] == 1
+    # Raised by someone else meanwhile (say to 3): a wake leaves it alone (the 422 of
+    # the failed test is expected, not an error).
+    await asyncio.to_thread(kube.scale, "ml", "sleepy", 3)  # off the emulator's loop
+    await waker.wake()
+    assert stored(kmock, ISVC, "sleepy")["spec"]["replicas"] == 3
+    assert "failed" not in caplog.text

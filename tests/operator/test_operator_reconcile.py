@@ -346,3 +346,90 @@ def test_a_new_problem_is_warned_once(warnings):
     for _ in range(2):
         handlers.reconcile_service(body=kube.body(), memo=memo_of(kube), logger=logging.getLogger())
     assert [reason for reason, _ in warnings] == ["PVCNotFound"]
+
+
+ROUTER_OBJECTS = [
+    ("Service", "demo-pods"),
+    ("ServiceAccount", "demo-router"),
+    ("Role", "demo-router"),
+    ("RoleBinding", "demo-router"),
+    ("Deployment", "demo-router"),
+]
+
+
+def test_router_objects_come_and_go_with_spec_router():
+    kube = FakeKube(make_body({**BUILTIN, "router": {"enabled": True}}))
+    outcome = run(kube)
+    assert [(c.verb, c.kind, c.name) for c in outcome.changes] == [
+        ("created", "Deployment", "demo"),
+        ("created", "Service", "demo"),
+        *[("created", kind, name) for kind, name in ROUTER_OBJECTS],
+    ]
+    assert kube.get("Service", "ml", "demo")["spec"]["selector"] == {"pagefleet.dev/router": "demo"}
+    run(kube)
+    assert kube.writes == []  # nothing changed: nothing written
+
+    kube.objects[("InferenceService", "ml", "demo")]["spec"]["router"] = {"enabled": False}
+    run(kube)
+    assert [w for w in kube.writes if w[0] == "delete"] == [
+        ("delete", kind, name) for kind, name in ROUTER_OBJECTS
+    ]
+    assert kube.get("Service", "ml", "demo")["spec"]["selector"] == {
+        "pagefleet.dev/inferenceservice": "demo"
+    }
+
+
+def test_a_name_too_long_for_the_router_pod_service_is_degraded():
+    name = "a" * 60  # fits without the router; "-pods" would make a 65-character Service
+    kube = FakeKube(make_body({**BUILTIN, "router": {"enabled": True}}, name=name))
+    reconcile(kube, kube.body(name), default_image=DEFAULT_IMAGE, now=lambda: "T")
+    conditions = kube.body(name)["status"]["conditions"]
+    degraded = next(c for c in conditions if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidName"
+    assert "at most 58 are allowed with the '-pods' Service of spec.router" in degraded["message"]
+    assert [w for w in kube.writes if w[0] == "apply"] == []
+
+
+# -- traces (--otlp-traces-endpoint) --------------------------------------------------------
+@pytest.fixture
+def receiver(monkeypatch):
+    from otlp_receiver import OTLPReceiver
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms, not 5 s
+    found = OTLPReceiver()
+    yield found
+    found.shutdown()
+
+
+def test_each_reconcile_and_autoscaler_round_is_a_span(receiver, warnings):
+    from otlp_receiver import attributes
+    from pagefleet_operator.tracing import get_tracer
+    from server_harness import wait_until
+
+    spec = {**BUILTIN, "autoscaling": {"enabled": True}}
+    kube = FakeKube(make_body(spec))
+    memo = memo_of(kube)
+    memo["tracer"] = get_tracer(receiver.url, "pagefleet-operator")
+    handlers.reconcile_service(body=kube.body(), memo=memo, logger=logging.getLogger())
+    kube.fail_apply = KubeError(503, "etcd is having a day")
+    with pytest.raises(kopf.TemporaryError):
+        handlers.reconcile_service(body=kube.body(), memo=memo, logger=logging.getLogger())
+    decision = handlers._autoscale_round(kube.body(), memo)
+    spans = wait_until(lambda: receiver.spans if len(receiver.spans) == 3 else None, 10, "spans")
+    first, failed, autoscale = spans
+    assert [s.name for s in spans] == ["reconcile", "reconcile", "autoscale"]
+    found = attributes(first)
+    changes = [value.string_value for value in found.pop("pagefleet.changes").values]
+    assert changes == ["created Deployment demo", "created Service demo"]
+    assert found == {
+        "k8s.namespace.name": "ml",
+        "pagefleet.inferenceservice": "demo",
+        "pagefleet.problem": "",
+        "pagefleet.status_written": True,
+    }
+    status_code_error = 2  # opentelemetry.proto.trace.v1.Status.StatusCode
+    assert failed.status.code == status_code_error
+    assert "etcd is having a day" in failed.status.message
+    found = attributes(autoscale)
+    assert found["pagefleet.replicas.decided"] == decision.replicas
+    assert found["pagefleet.autoscaler.signal"] == decision.signal

@@ -45,3 +45,21 @@ def test_the_router_imports_neither_torch_nor_the_serving_package():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_scale_from_zero_needs_the_cluster_and_hold_settings_are_checked(capsys, caplog):
+    with pytest.raises(SystemExit):
+        main(["--endpoints", "http://a:8000", "--scale-from-zero", "chat"])
+    assert "--scale-from-zero needs --service" in capsys.readouterr().err
+    assert main(["--endpoints", "http://a:8000", "--hold-timeout", "0"]) == 2
+    assert "hold_timeout_s must be > 0, got 0.0" in caplog.text
+    assert main(["--endpoints", "http://a:8000", "--max-held-requests", "-1"]) == 2
+    assert "max_held_requests must be >= 0, got -1" in caplog.text
+
+
+def test_hold_and_tracing_flags_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PAGEFLEET_MAX_HELD_REQUESTS", "7")
+    monkeypatch.setenv("PAGEFLEET_OTLP_TRACES_ENDPOINT", "http://collector:4318/v1/traces")
+    args = get_parser().parse_args(["--service", "chat-pods"])
+    assert args.max_held_requests == 7
+    assert args.otlp_traces_endpoint == "http://collector:4318/v1/traces"
