@@ -16,6 +16,7 @@ from pagefleet_serve.engine.scheduler import Scheduler
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
 from pagefleet_serve.engine.spec_decode.ngram import NgramProposer
+from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats, Speculator
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 # Prompts whose answers repeat their input, so that most drafts are accepted.
@@ -47,6 +48,7 @@ def test_speculative_config_reads_vllm_json_and_names_bad_fields():
     assert EngineConfig(speculative_config="{}").speculative_config is None
     for bad, field in (
         ('{"method": "eagle"}', "method"),
+        ('{"model": "builtin://tiny-random"}', "draft-model"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"num_spec_tokens": 4}', "unknown keys ['num_spec_tokens']"),
@@ -56,6 +58,32 @@ def test_speculative_config_reads_vllm_json_and_names_bad_fields():
         with pytest.raises(ValueError, match="speculative_config") as error:
             EngineConfig(speculative_config=bad)
         assert field in str(error.value)
+
+
+def test_speculator_skips_large_batches_and_backs_off_after_rejections():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=2))
+    seqs = [Sequence("r", i, [1, 2, 3, 1, 2], 5, SamplingParams(), None, 0.0) for i in range(3)]
+    for seq in seqs:
+        seq.num_computed_tokens = 4
+    speculator.propose(seqs)
+    assert [seq.spec_token_ids for seq in seqs] == [[], [], []]  # 3 running > 2
+    seq = seqs[0]
+
+    def proposals(steps: int) -> list[bool]:
+        made = []
+        for _ in range(steps):
+            speculator.propose([seq])
+            made.append(bool(seq.spec_token_ids))
+        return made
+
+    assert proposals(1) == [True]
+    speculator.record(seq, 2, 0)
+    assert proposals(2) == [False, True]  # one step off after the first miss
+    speculator.record(seq, 2, 0)
+    assert proposals(3) == [False, False, True]  # two after the second in a row
+    speculator.record(seq, 2, 1)
+    assert proposals(1) == [True]  # an acceptance ends the back-off
+    assert speculator.stats() == SpecDecodeStats(3, 6, 1, (1, 0))
 
 
 # -- the scheduler's draft bookkeeping, no model --------------------------------------------
@@ -150,12 +178,12 @@ def token_ids(results) -> list[list[int]]:
 def test_greedy_tokens_are_those_of_plain_decoding_with_prefix_hits_chunks_and_preemption(
     make_llm, chat_prompts, copy_prompts, kv_bytes_for_blocks
 ):
-    prompts = copy_prompts + chat_prompts
-    greedy = SamplingParams(max_tokens=40, temperature=0.0)
-    # 40 blocks (640 tokens) cannot hold 22 sequences of ~110 tokens: preemption; a 96-token
+    prompts = copy_prompts + chat_prompts[::2]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    # 24 blocks (384 tokens) cannot hold 12 sequences of ~100 tokens: preemption; a 96-token
     # budget chunks the ~75-token prompts while others verify drafts; one system prompt.
     config = dict(
-        max_model_len=256, kv_cache_memory_bytes=kv_bytes_for_blocks(40), max_num_batched_tokens=96
+        max_model_len=256, kv_cache_memory_bytes=kv_bytes_for_blocks(24), max_num_batched_tokens=96
     )
     plain = token_ids(make_llm(**config).generate(prompts, greedy))
     llm = make_llm(**config, speculative_config=NGRAM | {"disable_by_batch_size": None})
@@ -166,3 +194,63 @@ def test_greedy_tokens_are_those_of_plain_decoding_with_prefix_hits_chunks_and_p
     spec = stats.spec_decode
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # both outcomes happened
     assert spec.accepted_per_position[0] >= spec.accepted_per_position[-1] > 0
+
+
+def test_seeded_samples_are_the_tokens_and_logprobs_of_plain_decoding(
+    make_llm, chat_prompts, copy_prompts
+):
+    # Penalties see the drafts before each position as output; top-k/top-p/min-p apply.
+    params = [
+        SamplingParams(
+            max_tokens=32,
+            temperature=0.8,
+            top_p=0.95,
+            top_k=40,
+            presence_penalty=0.2,
+            repetition_penalty=1.05,
+            seed=seed,
+            logprobs=2,
+        )
+        for seed in range(4)
+    ]
+    prompts = copy_prompts + chat_prompts[:2]
+    config = dict(max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    plain = make_llm(**config).generate(prompts, params)
+    llm = make_llm(**config, speculative_config=NGRAM)
+    speculated = llm.generate(prompts, params)
+    assert token_ids(speculated) == token_ids(plain)
+    for ours, theirs in zip(speculated, plain, strict=True):
+        got = [entry.logprob for entry in ours.outputs[0].logprobs]
+        want = [entry.logprob for entry in theirs.outputs[0].logprobs]
+        assert got == pytest.approx(want, abs=1e-3)
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at p = 0.999 (z = 3.09), Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_distribution_at_temperature_0_8_is_that_of_plain_decoding(make_llm, copy_prompts):
+    """300 unseeded samples of the first 4 tokens with and without speculation (global
+    seed fixed); a two-sample chi-square test on the joint 4-token outcomes (those seen
+    fewer than 10 times pooled are lumped) must not reject at p = 0.001."""
+    num_samples = 300
+    params = SamplingParams(n=num_samples, max_tokens=4, temperature=0.8)
+    config = dict(max_model_len=256, max_num_seqs=num_samples, max_num_batched_tokens=2048)
+    counts = []
+    for spec in (None, NGRAM | {"disable_by_batch_size": None}):
+        llm = make_llm(**config, kv_cache_memory_bytes=512 << 20, speculative_config=spec)
+        torch.manual_seed(0)
+        (result,) = llm.generate(copy_prompts[1], params)
+        counts.append(collections.Counter(tuple(s.token_ids) for s in result.outputs))
+    spec = llm.engine.stats().spec_decode
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # accepts and rejections
+    plain, speculated = counts
+    frequent = [k for k in plain.keys() | speculated.keys() if plain[k] + speculated[k] >= 10]
+    assert len(frequent) >= 3  # the outcomes vary: the test has something to compare
+    cells = [(plain[k], speculated[k]) for k in frequent]
+    cells.append((num_samples - sum(a for a, _ in cells), num_samples - sum(b for _, b in cells)))
+    cells = [(a, b) for a, b in cells if a + b]
+    statistic = sum((a - b) ** 2 / (a + b) for a, b in cells)
+    assert statistic < chi_square_critical(len(cells) - 1), (statistic, cells)

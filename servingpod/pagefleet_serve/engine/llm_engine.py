@@ -276,7 +276,8 @@ class LLMEngine:
         succeeded = [item for item in step.scheduled if item.seq.request_id not in failed]
         for item in succeeded:
             if item.spec_token_ids:
-                self.speculator.record(len(item.spec_token_ids), len(sampled[item.seq]) - 1)
+                num_accepted = len(sampled[item.seq]) - 1
+                self.speculator.record(item.seq, len(item.spec_token_ids), num_accepted)
         if not succeeded and not all(isinstance(e, SamplingError) for e in failed.values()):
             first = next(iter(failed.values()))
             raise EngineFault(

@@ -119,11 +119,14 @@ class ModelRunner:
             self.kv_caches,
             attn,
         )
+        return self._sample(step, hidden, query_start_loc[1:].tolist())
 
-        # Logits of each sampling sequence's last position, or of its last 1 + k positions
-        # when it verifies k drafts; one sample row per position and per sample.
+    def _sample(
+        self, step: SchedulerOutput, hidden: torch.Tensor, ends: list[int]
+    ) -> dict[Sequence, list[SampledToken]]:
+        """Logits of each sampling sequence's last position, or of its last 1 + k positions
+        when it verifies k drafts; one sample row per position and per sample."""
         sampling, scored, rows, row_logits = [], [], [], []
-        ends = query_start_loc[1:].tolist()
         for end, item in zip(ends, step.scheduled, strict=True):
             if not item.samples:
                 continue
@@ -141,7 +144,7 @@ class ModelRunner:
             scored.append(end - 1)
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(scored, device=dev)])
+        logits = self.model.compute_logits(hidden[torch.tensor(scored, device=self.device)])
         seeded = {
             item.seq: item.seq.generator.get_state()
             for item in sampling

@@ -55,6 +55,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
         if not text:
             return None
+        if "model" in text:
+            raise ValueError(
+                "speculative_config.model: draft-model proposals are not available; "
+                'use {"method": "ngram"}'
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(text) - known)
         if unknown:
