@@ -8,11 +8,13 @@ turns into a Degraded condition instead of a crash loop.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
 from pagefleet_serve.model.uri import ModelURI, ModelURIError, parse_model_uri
 
 from .config import DEFAULT_ROUTER_IMAGE
@@ -224,6 +226,7 @@ def _parse_engine(
         "gpu-memory-utilization": utilization,
         "kv-cache-memory": kv_memory,
         "enable-prefix-caching": prefix_caching,
+        "speculative-config": _speculative_config(engine),
     }
     secret_ref = _get(engine, "apiKeySecretRef", path, dict)
     if secret_ref is not None and not (secret_ref.get("name") and secret_ref.get("key")):
@@ -243,6 +246,20 @@ def _parse_engine(
         extra_args=tuple(extra_args),
         env=tuple(env),
     )
+
+
+def _speculative_config(engine: Mapping[str, Any]) -> str | None:
+    """spec.engine.speculative (vLLM's --speculative-config keys in camelCase) -> the
+    flag's JSON, checked by the engine's own SpeculativeConfig."""
+    section = _get(engine, "speculative", "engine", dict)
+    if not section:
+        return None
+    snake = {re.sub(r"([A-Z])", r"_\1", key).lower(): value for key, value in section.items()}
+    try:
+        SpeculativeConfig.from_json(snake)
+    except ValueError as exc:
+        raise SpecError("engine.speculative", str(exc)) from exc
+    return json.dumps(snake, sort_keys=True)
 
 
 def _parse_autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:

@@ -3,6 +3,8 @@
 import re
 from dataclasses import dataclass
 
+from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
+
 BUILTIN_MODEL = "builtin://smollm2-135m"
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype; fp8 is float8 e4m3
@@ -54,8 +56,14 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
+    # vLLM's --speculative-config: a SpeculativeConfig, its JSON text or dict; None: off.
+    speculative_config: SpeculativeConfig | str | dict | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.from_json(self.speculative_config)
+        )
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -61,9 +61,14 @@ class OutputProcessor:
         """Returns this step's outputs and the sequences a stop string has ended."""
         deltas: dict[str, dict[int, CompletionOutput]] = {}
         stopped: list[Sequence] = []
-        for seq, token in new_tokens:
+        # A sequence may get several tokens in a step (accepted drafts): its finish reason
+        # belongs to the last of them.
+        last = {seq: i for i, (seq, _) in enumerate(new_tokens)}
+        for i, (seq, token) in enumerate(new_tokens):
             request = self.requests[seq.request_id]
             sample = request.samples.get(seq.sample_index) or self._new_sample(request, seq)
+            if sample.finished:
+                continue  # the rest of an accepted draft run after a stop string
             delta = deltas.setdefault(seq.request_id, {}).setdefault(
                 seq.sample_index, CompletionOutput(seq.sample_index)
             )
@@ -71,7 +76,7 @@ class OutputProcessor:
             if token.logprob is not None:
                 entry = TokenLogprob(token.token_id, token.logprob, token.top_logprobs or [])
                 delta.logprobs = (delta.logprobs or []) + [entry]
-            finish_reason = seq.finish_reason
+            finish_reason = seq.finish_reason if i == last[seq] else None
             if sample.detokenizer is not None:
                 if sample.matcher.feed(sample.detokenizer.add(token.token_id)):
                     finish_reason = "stop"

@@ -41,6 +41,10 @@ def container_of(body) -> dict:
             {"PAGEFLEET_KV_CACHE_DTYPE": "fp8", "PAGEFLEET_BLOCK_SIZE": "32"},
         ),
         ({"shutdownTimeoutSeconds": 90}, {"PAGEFLEET_SHUTDOWN_TIMEOUT": "90"}),
+        (
+            {"speculative": {"method": "ngram", "numSpeculativeTokens": 3}},
+            {"PAGEFLEET_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'},
+        ),
         ({}, {"PAGEFLEET_PORT": "8000", "PAGEFLEET_SERVED_MODEL_NAME": "smollm2-135m"}),
         # A user env entry replaces the operator's own.
         ({"env": [{"name": "PAGEFLEET_HOST", "value": "::"}]}, {"PAGEFLEET_HOST": "::"}),
@@ -249,6 +253,8 @@ def test_desired_objects_cover_every_managed_kind():
         ({**BUILTIN, "engine": {"gpuMemoryUtilization": 1.5}}, "engine.gpuMemoryUtilization"),
         ({**BUILTIN, "engine": {"kvCacheMemory": "lots"}}, "engine.kvCacheMemory"),
         ({**BUILTIN, "engine": {"env": [{"value": "x"}]}}, "engine.env"),
+        ({**BUILTIN, "engine": {"speculative": {"numSpecTokens": 3}}}, "engine.speculative"),
+        ({**BUILTIN, "engine": {"speculative": {"promptLookupMin": 0}}}, "engine.speculative"),
         (
             {**BUILTIN, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
             "autoscaling.minReplicas",

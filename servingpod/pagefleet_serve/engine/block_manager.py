@@ -196,15 +196,25 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first (chain tails are evicted first)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:
-                    self.free_queue.appendleft(block)  # holds nothing reusable
-                else:
-                    self.free_queue.append(block)
+            self._release(self.blocks[block_id])
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past the sequence's computed tokens: those a step allocated
+        for draft tokens that were then rejected (speculative decoding)."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(self.blocks[block_id])
+        del seq.block_table[keep:]
+
+    def _release(self, block: KVBlock) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                self.free_queue.appendleft(block)  # holds nothing reusable
+            else:
+                self.free_queue.append(block)
 
     def _take_free_block(self) -> KVBlock:
         block = self.free_queue.popleft()

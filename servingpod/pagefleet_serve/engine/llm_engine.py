@@ -19,6 +19,7 @@ from pagefleet_serve.engine.model_runner import ModelRunner
 from pagefleet_serve.engine.sampler import SampledToken, SamplingError
 from pagefleet_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
+from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats, Speculator
 from pagefleet_serve.model.loader import load_model
 from pagefleet_serve.output_processor import OutputProcessor
 from pagefleet_serve.outputs import RequestOutput
@@ -70,6 +71,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_kv_tokens: int  # tokens whose K/V the running sequences hold in their blocks
+    spec_decode: SpecDecodeStats = SpecDecodeStats()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -157,6 +159,8 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # aborts, handed out by the next step
 
@@ -258,6 +262,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Raises EngineFault when the step failed for all of its sequences (their
         requests' error outputs are then handed out by `step_pending`)."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         step = self.scheduler.schedule()
         if step.is_empty:
             return self.step_pending()
@@ -268,6 +274,10 @@ class LLMEngine:
         for request_id, exc in failed.items():
             self.abort_request(request_id, reason="error", error=f"{type(exc).__name__}: {exc}")
         succeeded = [item for item in step.scheduled if item.seq.request_id not in failed]
+        for item in succeeded:
+            if item.spec_token_ids:
+                num_accepted = len(sampled[item.seq]) - 1
+                self.speculator.record(item.seq, len(item.spec_token_ids), num_accepted)
         if not succeeded and not all(isinstance(e, SamplingError) for e in failed.values()):
             first = next(iter(failed.values()))
             raise EngineFault(
@@ -308,4 +318,5 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
+            spec_decode=self.speculator.stats() if self.speculator else SpecDecodeStats(),
         )

@@ -14,6 +14,7 @@ from pagefleet_serve.attention import get_attention_backend
 from pagefleet_serve.engine.sampler import SampledToken, SampleRow, sample
 from pagefleet_serve.engine.scheduler import SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
+from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, rewind
 from pagefleet_serve.model.llama import AttentionMetadata, LlamaForCausalLM
 from pagefleet_serve.model.loader import LoadedModel
 
@@ -83,7 +84,7 @@ class ModelRunner:
         query_lens, seq_lens, starts, tables = [], [], [], []
         for item in step.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + item.num_new_tokens])
+            input_ids.extend(item.input_token_ids)
             starts.append(start)
             query_lens.append(item.num_new_tokens)
             seq_lens.append(start + item.num_new_tokens)
@@ -118,27 +119,46 @@ class ModelRunner:
             self.kv_caches,
             attn,
         )
+        return self._sample(step, hidden, query_start_loc[1:].tolist())
 
-        sampling = [(i, item.seq) for i, item in enumerate(step.scheduled) if item.samples]
+    def _sample(
+        self, step: SchedulerOutput, hidden: torch.Tensor, ends: list[int]
+    ) -> dict[Sequence, list[SampledToken]]:
+        """Logits of each sampling sequence's last position, or of its last 1 + k positions
+        when it verifies k drafts; one sample row per position and per sample."""
+        sampling, scored, rows, row_logits = [], [], [], []
+        for end, item in zip(ends, step.scheduled, strict=True):
+            if not item.samples:
+                continue
+            seq, drafts = item.seq, item.spec_token_ids
+            sampling.append(item)
+            if drafts:
+                row_logits.extend(range(len(scored), len(scored) + len(drafts) + 1))
+                scored.extend(range(end - len(drafts) - 1, end))
+                rows.extend(draft_rows(seq, drafts))
+                continue
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            for generator in [seq.generator, *seq.sibling_generators]:
+                rows.append(SampleRow(seq.params, generator, seq.output_token_ids, prompt))
+                row_logits.append(len(scored))
+            scored.append(end - 1)
         if not sampling:
             return {}
-        last_token = query_start_loc[1:] - 1
-        logits = self.model.compute_logits(hidden[last_token[[i for i, _ in sampling]].to(dev)])
-        rows, row_logits = [], []
-        for j, (_, seq) in enumerate(sampling):
-            for generator in [seq.generator, *seq.sibling_generators]:
-                rows.append(
-                    SampleRow(
-                        seq.params,
-                        generator,
-                        seq.output_token_ids,
-                        seq.token_ids[: seq.num_prompt_tokens],
-                    )
-                )
-                row_logits.append(j)
+        logits = self.model.compute_logits(hidden[torch.tensor(scored, device=self.device)])
+        seeded = {
+            item.seq: item.seq.generator.get_state()
+            for item in sampling
+            if item.spec_token_ids and item.seq.generator is not None and not item.seq.params.greedy
+        }
         tokens = sample(logits[row_logits].cpu(), rows)
         result, k = {}, 0
-        for _, seq in sampling:
-            result[seq] = tokens[k : k + seq.num_samples]
-            k += seq.num_samples
+        for item in sampling:
+            seq, drafts = item.seq, item.spec_token_ids
+            num_rows = len(drafts) + 1 if drafts else seq.num_samples
+            result[seq] = tokens[k : k + num_rows]
+            k += num_rows
+            if drafts:
+                result[seq] = accepted_run(result[seq], drafts)
+                if seq in seeded and len(result[seq]) < num_rows:
+                    rewind(seq.generator, seeded[seq], len(result[seq]), logits.shape[1])
         return result

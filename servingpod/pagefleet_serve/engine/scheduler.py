@@ -6,6 +6,10 @@ One rule (as in vLLM v1): a sequence's `num_computed_tokens` catches up with its
 starves them; then ongoing prefills; then waiting requests in (priority, arrival) order.
 When blocks run out the newest running sequence is preempted: its blocks are freed and it
 is recomputed later (its full blocks usually survive in the prefix cache).
+
+Speculative decoding rides on the same rule: a decoding sequence's draft tokens are
+scheduled as extra query tokens within the budget, and `update` counts as computed only
+the drafts the model accepted, handing back the blocks of the rejected ones.
 """
 
 import bisect
@@ -22,11 +26,20 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's tokens (and so samples)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        end = self.seq.num_tokens + len(self.spec_token_ids)
+        return self.seq.num_computed_tokens + self.num_new_tokens == end
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        start = self.seq.num_computed_tokens
+        if self.spec_token_ids:  # a decode: its last token, then the drafts
+            return self.seq.token_ids[start:] + self.spec_token_ids
+        return self.seq.token_ids[start : start + self.num_new_tokens]
 
 
 @dataclass
@@ -94,8 +107,13 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            drafts = self._drafts(seq, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget) + len(drafts)
             while (copies := self.block_manager.allocate(seq, num_new)) is None:
+                if drafts:  # drop the drafts before preempting anyone for them
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 victim = max(self.running, key=lambda s: s.sort_key)
                 if victim in scheduled:
                     budget += scheduled.pop(victim).num_new_tokens
@@ -105,7 +123,7 @@ class Scheduler:
                     break
             if copies is None:
                 continue
-            scheduled[seq] = ScheduledSeq(seq, num_new, copies)
+            scheduled[seq] = ScheduledSeq(seq, num_new, copies, drafts)
             budget -= num_new
 
         # Admit waiting requests, unless this step had to preempt (no room to grow).
@@ -132,6 +150,19 @@ class Scheduler:
 
         return SchedulerOutput(list(scheduled.values()), preempted)
 
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposed drafts a decoding sequence verifies this step: as many as fit the
+        token budget, and that could all be accepted (plus the bonus token) within
+        max_tokens and the context length."""
+        if seq.num_computed_tokens != seq.num_tokens - 1 or seq.sibling_generators:
+            return []
+        room = min(
+            budget - 1,
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        return seq.spec_token_ids[: max(room, 0)]
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
@@ -145,31 +176,63 @@ class Scheduler:
     ) -> list[tuple[Sequence, SampledToken]]:
         """Advance the scheduled sequences by the step's results.
 
-        `sampled[seq]` holds one token, or `num_samples` tokens for a request's first
-        sequence whose prompt just completed (it forks into its siblings here).
+        `sampled[seq]` holds one token; or the accepted drafts plus one token when the
+        step verified drafts; or `num_samples` tokens for a request's first sequence whose
+        prompt just completed (it forks into its siblings here).
         Returns (sequence, new token) pairs, siblings included, in order.
         """
         new_tokens = []
         for item in output.scheduled:
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
+            # Drafts count as computed only once accepted (`_append_run`).
+            seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
             self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
-            tokens = sampled[seq]
-            family = [seq]
-            for index, generator in enumerate(seq.sibling_generators, start=1):
-                child = seq.fork(index, generator)
-                self.block_manager.fork(child)
-                self.running.append(child)
-                family.append(child)
-            seq.sibling_generators = []
-            for member, token in zip(family, tokens, strict=True):
-                member.token_ids.append(token.token_id)
-                new_tokens.append((member, token))
-                reason = self._stop_reason(member, token.token_id)
-                if reason is not None:
-                    self.finish(member, reason)
+            if seq.sibling_generators:
+                new_tokens += self._fork(seq, sampled[seq])
+            else:
+                new_tokens += self._append_run(seq, sampled[seq], item.spec_token_ids)
+        return new_tokens
+
+    def _append_run(
+        self, seq: Sequence, tokens: list[SampledToken], drafts: list[int]
+    ) -> list[tuple[Sequence, SampledToken]]:
+        """Append the step's tokens until one ends the sequence. The accepted drafts' KV
+        becomes computed; the rejected ones' slots lie past num_computed_tokens, where the
+        next step overwrites them, and the blocks holding only those go back."""
+        appended = []
+        for token in tokens:
+            seq.token_ids.append(token.token_id)
+            appended.append((seq, token))
+            reason = self._stop_reason(seq, token.token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                break
+        if drafts and not seq.is_finished:
+            seq.num_computed_tokens += len(appended) - 1
+            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.trim(seq)
+        return appended
+
+    def _fork(
+        self, seq: Sequence, tokens: list[SampledToken]
+    ) -> list[tuple[Sequence, SampledToken]]:
+        """A request's prompt is done: its first sequence forks into its n samples."""
+        new_tokens = []
+        family = [seq]
+        for index, generator in enumerate(seq.sibling_generators, start=1):
+            child = seq.fork(index, generator)
+            self.block_manager.fork(child)
+            self.running.append(child)
+            family.append(child)
+        seq.sibling_generators = []
+        for member, token in zip(family, tokens, strict=True):
+            member.token_ids.append(token.token_id)
+            new_tokens.append((member, token))
+            reason = self._stop_reason(member, token.token_id)
+            if reason is not None:
+                self.finish(member, reason)
         return new_tokens
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

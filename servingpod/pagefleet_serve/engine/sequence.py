@@ -48,6 +48,9 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # Draft tokens proposed for the next step (speculative decoding); never part of
+    # token_ids until the target model has accepted them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def seq_id(self) -> tuple[str, int]:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagefleet_serve.engine.llm_engine import EngineStats
+from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.server.tracing import record_finished
 
@@ -289,5 +290,30 @@ class _EngineCollector:
             "KV cache blocks held by live sequences.",
             stats.num_used_blocks,
         )
+        yield from _spec_decode_counters(label, stats.spec_decode)
         for name, (doc, value) in self.server_gauges().items():
             yield gauge(name, doc, value)
+
+
+def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
+    """vLLM's speculative decoding counters (all zero when it is off)."""
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Sequence-steps that verified drafts.", spec.num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+        (
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            spec.num_accepted_tokens,
+        ),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric(label, value)
+        yield family
+    per_position = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted draft tokens by position in the draft.",
+        labels=["model_name", "position"],
+    )
+    for position, value in enumerate(spec.accepted_per_position):
+        per_position.add_metric([*label, str(position)], value)
+    yield per_position

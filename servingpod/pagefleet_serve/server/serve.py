@@ -91,6 +91,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=engine("attention_backend"),
         choices=ATTENTION_BACKENDS,
     )
+    flag(
+        "--speculative-config",
+        'speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (default: off)',
+        default=None,
+    )
     flag("--dtype", "model dtype: auto, float32, float16 or bfloat16", default=engine("dtype"))
     flag("--device", "auto, cpu or cuda[:N]", default=engine("device"))
     flag("--seed", "engine seed", type=int, default=engine("seed"))
@@ -185,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             attention_backend=args.attention_backend,
             seed=args.seed,
+            speculative_config=args.speculative_config,
         )
         settings = ServerSettings(
             served_model_names=tuple(args.served_model_name or [args.model]),

@@ -1,0 +1,169 @@
+"""Speculative decoding on the built-in model (offline engine, greedy, float32).
+
+Input-grounded workload: chat prompts holding a paragraph, a JSON object or a function
+that the answer repeats with an edit (fix a typo, reformat, rename). At concurrency 1
+(one request at a time) and 8 (eight at once), without speculation and with n-gram
+prompt lookup: output tokens/s, the greedy outputs compared token for token, the mean
+accepted length (tokens per verification: 1 + accepted / drafts) and the acceptance rate
+per draft position. Then concurrency 64 on random prompts (ignore_eos), where proposals
+rarely match, off vs n-gram. Prints a table and writes JSON.
+
+    PYTHONPATH=servingpod:kernels python benchmarks/bench_spec_decode.py --out spec.json
+"""
+
+import argparse
+import json
+import random
+import time
+
+import torch
+from pagefleet_serve import LLM, SamplingParams
+
+MODEL = "builtin://smollm2-135m"
+PARAGRAPH = (
+    "The paged KV cache splits every sequence's keys and values into blocks of sixteen "
+    "tokens. A block table maps each sequence to its blocks, so memory is allocated as a "
+    "sequence grows and freed the moment it finishes. Blocks holding a shared prefix are "
+    "named by a hash and reused by later requests, which saves the prefill of the system "
+    "prompt."
+)
+CODE = (
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
+    "    total = 0\n    for value in values:\n        total += (value - m) ** 2\n"
+    "    return total / len(values)\n"
+)
+RECORD = (
+    '{"name": "smollm2", "layers": 30, "heads": 9, "kv_heads": 3, "vocab": 49152, '
+    '"context": 8192, "tied_embeddings": true, "license": "apache-2.0"}'
+)
+TASKS = [
+    f"Fix the typo in this paragraph and write it out in full:\n\n{PARAGRAPH.replace('allocated', 'alocated')}",
+    f"Rename the variable `total` to `acc` in this code and print the whole code:\n\n{CODE}",
+    f"Reformat this JSON with one key per line:\n\n{RECORD}",
+    f"Repeat this paragraph, replacing 'sixteen' with 'thirty-two':\n\n{PARAGRAPH}",
+    f"Add a docstring to each function and print the whole code:\n\n{CODE}",
+    f"Copy this JSON and change the number of layers to 32:\n\n{RECORD}",
+    f"Rewrite this paragraph in the past tense:\n\n{PARAGRAPH}",
+    f"Convert this code to use the built-in sum() and print it:\n\n{CODE}",
+]
+
+
+def run(llm: LLM, prompts: list, params: SamplingParams, concurrency: int) -> dict:
+    """Generate `prompts` `concurrency` at a time; output tokens/s and spec-decode counts."""
+    before = llm.engine.stats().spec_decode
+    started = time.perf_counter()
+    outputs = []
+    for i in range(0, len(prompts), concurrency):
+        outputs += llm.generate(prompts[i : i + concurrency], params)
+    elapsed = time.perf_counter() - started
+    after = llm.engine.stats().spec_decode
+    drafts = after.num_drafts - before.num_drafts
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_position = [
+        a - b
+        for a, b in zip(
+            after.accepted_per_position,
+            before.accepted_per_position or [0] * len(after.accepted_per_position),
+            strict=True,
+        )
+    ]
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    return {
+        "output_tokens": sum(map(len, tokens)),
+        "seconds": round(elapsed, 2),
+        "output_tok_s": round(sum(map(len, tokens)) / elapsed, 1),
+        "drafts": drafts,
+        "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
+        "accepted_tokens": accepted,
+        "mean_accepted_length": round(1 + accepted / drafts, 2) if drafts else None,
+        "acceptance_per_position": [round(a / drafts, 2) for a in per_position] if drafts else [],
+        "token_ids": tokens,
+    }
+
+
+def _without_tokens(value):
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "token_ids"}
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--random-prompt-len", type=int, default=64)
+    parser.add_argument("--random-max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--out", default="bench_spec_decode.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    }
+    engines = {
+        "off": LLM(MODEL, dtype="float32", max_model_len=1024),
+        "ngram": LLM(MODEL, dtype="float32", max_model_len=1024, speculative_config=ngram),
+    }
+    tokenizer = engines["off"].tokenizer
+    grounded = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": task}], tokenize=False, add_generation_prompt=True
+        )
+        for task in TASKS
+    ]
+    rng = random.Random(0)
+    vocab = engines["off"].engine.model_config.vocab_size
+    random_prompts = [
+        [rng.randrange(1000, vocab) for _ in range(args.random_prompt_len)] for _ in range(64)
+    ]
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    random_params = SamplingParams(
+        max_tokens=args.random_max_tokens, temperature=0.0, ignore_eos=True
+    )
+    for llm in engines.values():  # warm-up: first-call allocations, prefix cache of nothing
+        llm.generate(grounded[0], SamplingParams(max_tokens=4, temperature=0.0))
+
+    workloads = [
+        ("grounded", 1, grounded, greedy),
+        ("grounded", 8, grounded, greedy),
+        ("random", 64, random_prompts, random_params),
+    ]
+    results = []
+    for workload, concurrency, prompts, params in workloads:
+        row = {"workload": workload, "concurrency": concurrency}
+        for mode, llm in engines.items():
+            row[mode] = run(llm, prompts, params, concurrency)
+        row["identical_greedy_output"] = row["off"]["token_ids"] == row["ngram"]["token_ids"]
+        row["speedup"] = round(row["ngram"]["output_tok_s"] / row["off"]["output_tok_s"], 2)
+        results.append(row)
+        print(
+            f"{workload:9s} c={concurrency:<3d} off {row['off']['output_tok_s']:7.1f} tok/s  "
+            f"ngram {row['ngram']['output_tok_s']:7.1f} tok/s  x{row['speedup']:.2f}  "
+            f"identical={row['identical_greedy_output']}  "
+            f"mean accepted length {row['ngram']['mean_accepted_length']}  "
+            f"per position {row['ngram']['acceptance_per_position']}",
+            flush=True,
+        )
+    with open(args.out, "w") as out:
+        json.dump(
+            {
+                "model": MODEL,
+                "dtype": "float32",
+                "torch_threads": torch.get_num_threads(),
+                "speculative_config": ngram,
+                "max_tokens": args.max_tokens,
+                "results": [{k: _without_tokens(v) for k, v in r.items()} for r in results],
+            },
+            out,
+            indent=2,
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Speculative decoding (n-gram prompt lookup): the proposer and the scheduler's draft
+bookkeeping on their own, then the real model in float32, where speculation must give the
+same greedy tokens, the same seeded tokens and the same sampled distribution as plain
+decoding, with prefix hits, chunked prefill and preemption in the same batches."""
+
+import collections
+import json
+import math
+
+import pytest
+import torch
+from pagefleet_serve import EngineConfig, SamplingParams
+from pagefleet_serve.engine.block_manager import BlockManager
+from pagefleet_serve.engine.sampler import SampledToken
+from pagefleet_serve.engine.scheduler import Scheduler
+from pagefleet_serve.engine.sequence import Sequence
+from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
+from pagefleet_serve.engine.spec_decode.ngram import NgramProposer
+from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats, Speculator
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+# Prompts whose answers repeat their input, so that most drafts are accepted.
+COPY_PROMPTS = [
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the "
+    "river bank, and the dog does not move.",
+    "Fix the typo and write the whole line again: Paris is the capitl of France and its "
+    "largest city, on the river Seine.",
+]
+
+
+# -- the proposer and the config, no model --------------------------------------------------
+def test_ngram_proposes_what_followed_the_most_recent_longest_match():
+    proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
+    # [2, 3, 4] last occurred at index 5 (followed by 8, 3, 4), earlier at 1 (then 9).
+    assert proposer.propose([1, 2, 3, 4, 9, 2, 3, 4, 8, 3, 4], 3) == [8, 3, 4]
+    assert proposer.propose([7, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # the 3-gram wins
+    assert proposer.propose([5, 6, 7, 5], 10) == [6, 7, 5]  # as many as there are
+    assert proposer.propose([1, 2, 3], 4) == []  # no earlier occurrence
+    assert proposer.propose([1, 2, 1, 2], 0) == []
+    assert NgramProposer(2, 3).propose([4, 1, 4, 2], 3) == []  # 1-gram matches are too short
+
+
+def test_speculative_config_reads_vllm_json_and_names_bad_fields():
+    config = EngineConfig(speculative_config=json.dumps(NGRAM))
+    assert config.speculative_config == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1
+    )
+    assert EngineConfig(speculative_config="{}").speculative_config is None
+    for bad, field in (
+        ('{"method": "eagle"}', "method"),
+        ('{"model": "builtin://tiny-random"}', "draft-model"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+        ('{"num_spec_tokens": 4}', "unknown keys ['num_spec_tokens']"),
+        ("{method: ngram}", "not valid JSON"),
+        ("[4]", "must be a JSON object"),
+    ):
+        with pytest.raises(ValueError, match="speculative_config") as error:
+            EngineConfig(speculative_config=bad)
+        assert field in str(error.value)
+
+
+def test_speculator_skips_large_batches_and_backs_off_after_rejections():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=2))
+    seqs = [Sequence("r", i, [1, 2, 3, 1, 2], 5, SamplingParams(), None, 0.0) for i in range(3)]
+    for seq in seqs:
+        seq.num_computed_tokens = 4
+    speculator.propose(seqs)
+    assert [seq.spec_token_ids for seq in seqs] == [[], [], []]  # 3 running > 2
+    seq = seqs[0]
+
+    def proposals(steps: int) -> list[bool]:
+        made = []
+        for _ in range(steps):
+            speculator.propose([seq])
+            made.append(bool(seq.spec_token_ids))
+        return made
+
+    assert proposals(1) == [True]
+    speculator.record(seq, 2, 0)
+    assert proposals(2) == [False, True]  # one step off after the first miss
+    speculator.record(seq, 2, 0)
+    assert proposals(3) == [False, False, True]  # two after the second in a row
+    speculator.record(seq, 2, 1)
+    assert proposals(1) == [True]  # an acceptance ends the back-off
+    assert speculator.stats() == SpecDecodeStats(3, 6, 1, (1, 0))
+
+
+# -- the scheduler's draft bookkeeping, no model --------------------------------------------
+def decoding_sequence(block_manager: BlockManager, num_tokens: int) -> Sequence:
+    """A sequence whose prompt is computed but for its last token (a decode)."""
+    seq = Sequence(
+        "r",
+        0,
+        list(range(100, 100 + num_tokens)),
+        num_tokens,
+        SamplingParams(max_tokens=50),
+        None,
+        0.0,
+    )
+    assert block_manager.allocate(seq, num_tokens - 1) == []
+    seq.num_computed_tokens = num_tokens - 1
+    block_manager.cache_full_blocks(seq)
+    return seq
+
+
+def scheduler_with(seq: Sequence, block_manager: BlockManager, budget: int) -> Scheduler:
+    config = EngineConfig(max_num_batched_tokens=budget, block_size=4)
+    scheduler = Scheduler(config, block_manager, max_model_len=64)
+    seq.status = seq.status.RUNNING
+    scheduler.running.append(seq)
+    return scheduler
+
+
+def test_drafts_take_budget_and_blocks_and_rejected_ones_give_them_back():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    seq = decoding_sequence(bm, num_tokens=7)  # 6 computed: blocks [0, 1]
+    seq.spec_token_ids = [1, 2, 3, 4]
+    step = scheduler_with(seq, bm, budget=4).schedule()
+    (item,) = step.scheduled
+    assert (item.num_new_tokens, item.spec_token_ids) == (4, [1, 2, 3])  # budget: 1 + 3
+    assert item.input_token_ids == [106, 1, 2, 3]
+    assert seq.block_table == [0, 1, 2]  # positions 6..9 reach block 2
+
+    # The model accepted draft 1, rejected draft 2 and sampled 9 in its place.
+    accepted = [SampledToken(1), SampledToken(9)]
+    scheduler = scheduler_with(seq, bm, budget=4)
+    scheduler.update(step, {seq: accepted})
+    assert seq.token_ids[-3:] == [106, 1, 9]
+    assert seq.num_computed_tokens == 8  # up to the accepted draft: 9 is the next input
+    assert seq.block_table == [0, 1]  # block 2 held only rejected drafts' slots
+    assert bm.num_free_blocks == 14
+    assert len(bm.cached) == 2  # two full blocks, hashed over accepted tokens only
+    assert seq.block_hashes == [seq.block_hashes[0], seq.block_hashes[1]]
+    bm.free(seq)
+    bm.check_no_leaks()
+
+
+def test_drafts_stop_short_of_max_tokens_and_are_dropped_before_preempting():
+    bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    seq = decoding_sequence(bm, num_tokens=7)
+    seq.spec_token_ids = [1, 2, 3, 4]
+    # Room for one more token but not for a third block: the drafts go, nobody is preempted.
+    step = scheduler_with(seq, bm, budget=64).schedule()
+    assert (step.scheduled[0].num_new_tokens, step.scheduled[0].spec_token_ids, step.preempted) == (
+        1,
+        [],
+        [],
+    )
+    bm.free(seq)
+
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    seq = decoding_sequence(bm, num_tokens=7)
+    seq.params = SamplingParams(max_tokens=2)  # 1 draft + 1 bonus token reach max_tokens
+    seq.spec_token_ids = [1, 2, 3, 4]
+    assert scheduler_with(seq, bm, budget=64).schedule().scheduled[0].spec_token_ids == [1]
+    bm.free(seq)
+
+
+# -- the real model, float32 ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def copy_prompts(chat_prompts):
+    from pagefleet_serve.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin://smollm2-135m")
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        for text in COPY_PROMPTS
+    ]
+
+
+def token_ids(results) -> list[list[int]]:
+    return [sample.token_ids for result in results for sample in result.outputs]
+
+
+def test_greedy_tokens_are_those_of_plain_decoding_with_prefix_hits_chunks_and_preemption(
+    make_llm, chat_prompts, copy_prompts, kv_bytes_for_blocks
+):
+    prompts = copy_prompts + chat_prompts[::2]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    # 24 blocks (384 tokens) cannot hold 12 sequences of ~100 tokens: preemption; a 96-token
+    # budget chunks the ~75-token prompts while others verify drafts; one system prompt.
+    config = dict(
+        max_model_len=256, kv_cache_memory_bytes=kv_bytes_for_blocks(24), max_num_batched_tokens=96
+    )
+    plain = token_ids(make_llm(**config).generate(prompts, greedy))
+    llm = make_llm(**config, speculative_config=NGRAM | {"disable_by_batch_size": None})
+    speculated = token_ids(llm.generate(prompts, greedy))
+    assert speculated == plain
+    stats = llm.engine.stats()
+    assert stats.num_preemptions >= 1 and stats.prefix_cache_hits > 0
+    spec = stats.spec_decode
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # both outcomes happened
+    assert spec.accepted_per_position[0] >= spec.accepted_per_position[-1] > 0
+
+
+def test_seeded_samples_are_the_tokens_and_logprobs_of_plain_decoding(
+    make_llm, chat_prompts, copy_prompts
+):
+    # Penalties see the drafts before each position as output; top-k/top-p/min-p apply.
+    params = [
+        SamplingParams(
+            max_tokens=32,
+            temperature=0.8,
+            top_p=0.95,
+            top_k=40,
+            presence_penalty=0.2,
+            repetition_penalty=1.05,
+            seed=seed,
+            logprobs=2,
+        )
+        for seed in range(4)
+    ]
+    prompts = copy_prompts + chat_prompts[:2]
+    config = dict(max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    plain = make_llm(**config).generate(prompts, params)
+    llm = make_llm(**config, speculative_config=NGRAM)
+    speculated = llm.generate(prompts, params)
+    assert token_ids(speculated) == token_ids(plain)
+    for ours, theirs in zip(speculated, plain, strict=True):
+        got = [entry.logprob for entry in ours.outputs[0].logprobs]
+        want = [entry.logprob for entry in theirs.outputs[0].logprobs]
+        assert got == pytest.approx(want, abs=1e-3)
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at p = 0.999 (z = 3.09), Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_distribution_at_temperature_0_8_is_that_of_plain_decoding(make_llm, copy_prompts):
+    """300 unseeded samples of the first 4 tokens with and without speculation (global
+    seed fixed); a two-sample chi-square test on the joint 4-token outcomes (those seen
+    fewer than 10 times pooled are lumped) must not reject at p = 0.001."""
+    num_samples = 300
+    params = SamplingParams(n=num_samples, max_tokens=4, temperature=0.8)
+    config = dict(max_model_len=256, max_num_seqs=num_samples, max_num_batched_tokens=2048)
+    counts = []
+    for spec in (None, NGRAM | {"disable_by_batch_size": None}):
+        llm = make_llm(**config, kv_cache_memory_bytes=512 << 20, speculative_config=spec)
+        torch.manual_seed(0)
+        (result,) = llm.generate(copy_prompts[1], params)
+        counts.append(collections.Counter(tuple(s.token_ids) for s in result.outputs))
+    spec = llm.engine.stats().spec_decode
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # accepts and rejections
+    plain, speculated = counts
+    frequent = [k for k in plain.keys() | speculated.keys() if plain[k] + speculated[k] >= 10]
+    assert len(frequent) >= 3  # the outcomes vary: the test has something to compare
+    cells = [(plain[k], speculated[k]) for k in frequent]
+    cells.append((num_samples - sum(a for a, _ in cells), num_samples - sum(b for _, b in cells)))
+    cells = [(a, b) for a, b in cells if a + b]
+    statistic = sum((a - b) ** 2 / (a + b) for a, b in cells)
+    assert statistic < chi_square_critical(len(cells) - 1), (statistic, cells)

@@ -1,0 +1,51 @@
+"""Speculative decoding behind the real server: `--speculative-config` from the command
+line, the same greedy text through the OpenAI client as without it, and vLLM's
+spec_decode counters on /metrics."""
+
+import json
+
+import pytest
+from openai import OpenAI
+from server_harness import ServerProcess, read_metrics
+
+PROMPT = (
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the "
+    "river bank, and the dog does not move."
+)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess(
+        "--host", "127.0.0.1", "--max-model-len", "512", "--speculative-config", json.dumps(NGRAM)
+    ).wait_ready()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def test_spec_decode_counters_count_the_drafts_of_a_real_request(server):
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    response = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=40,
+        temperature=0,
+    )
+    assert "quick brown fox" in response.choices[0].message.content
+    metrics = read_metrics(server.base_url)
+    drafts = metrics["vllm:spec_decode_num_drafts_total"]
+    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens_total"]
+    per_position = [
+        metrics[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
+        for i in range(4)
+    ]
+    assert 0 < drafts <= draft_tokens <= 4 * drafts
+    assert 0 < accepted <= draft_tokens
+    assert sum(per_position) == accepted
+    assert per_position == sorted(per_position, reverse=True)  # position i needs i - 1
+    # Accepted drafts are tokens the request produced beyond one per verification step.
+    assert response.usage.completion_tokens >= accepted
