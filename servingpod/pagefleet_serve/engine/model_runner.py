@@ -133,6 +133,7 @@ class ModelRunner:
                         generator,
                         seq.output_token_ids,
                         seq.token_ids[: seq.num_prompt_tokens],
+                        seq.grammar,
                     )
                 )
                 row_logits.append(j)

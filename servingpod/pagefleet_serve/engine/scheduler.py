@@ -166,6 +166,8 @@ class Scheduler:
             seq.sibling_generators = []
             for member, token in zip(family, tokens, strict=True):
                 member.token_ids.append(token.token_id)
+                if member.grammar is not None:
+                    member.grammar.accept(token.token_id)
                 new_tokens.append((member, token))
                 reason = self._stop_reason(member, token.token_id)
                 if reason is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +49,8 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # Advances with output tokens only, so recompute, prefix hits and chunks leave it be.
+    grammar: GrammarMatcher | None = None
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -99,4 +102,5 @@ class Sequence:
             num_cached_blocks=self.num_cached_blocks,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens,
             generator=generator,
+            grammar=None if self.grammar is None else self.grammar.fork(self.output_token_ids),
         )
