@@ -10,6 +10,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagefleet_serve.structured.constraint import StructuredOutputs
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this, a temperature is greedy (as vLLM does): dividing logits by it would overflow.
 SAMPLING_EPS = 1e-5
@@ -39,6 +41,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first; ties go by arrival
+    # What the output must match (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +63,10 @@ class SamplingParams:
         if self.logprobs is not None:
             _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
         _int(self, "priority", lo=INT64_MIN)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputs
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputs")
         _capped(self, "stop", MAX_STOP_STRINGS)
         if any(
             not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop

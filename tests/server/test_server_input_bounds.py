@@ -88,13 +88,25 @@ REFUSED = [
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "does not support"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix", "does not support"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 5}}, "logit_bias", "not support"),
-    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools", "not support"),
-    ("/v1/chat/completions", CHAT | {"tool_choice": "auto"}, "tool_choice", "not support"),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools", "field required"),
+    ("/v1/chat/completions", CHAT | {"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools",
+        "does not support",
+    ),
     (
         "/v1/chat/completions",
-        CHAT | {"response_format": {"type": "json_object"}},
+        CHAT
+        | {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objectx"}},
+            }
+        },
         "response_format",
-        "does not support",
+        "cannot be compiled",
     ),
     (
         "/v1/chat/completions",

@@ -8,6 +8,7 @@ engine's own failure (`EngineFault`), which the caller counts.
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from pagefleet_serve.model.loader import load_model
 from pagefleet_serve.output_processor import OutputProcessor
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.grammar import GrammarCompiler, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +165,13 @@ class LLMEngine:
         self.speculator = Speculator(spec) if spec is not None else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # aborts, handed out by the next step
+        self.grammar_compiler = None
+        if self.tokenizer is not None:
+            config = self.model_config
+            eos = {*config.eos_token_ids, config.eos_token_id} - {None}
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, config.vocab_size, sorted(eos))
+        # Sequences whose grammar is still compiling: they join the scheduler when it is.
+        self._awaiting_grammar: dict[Sequence, Future] = {}
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory_bytes is not None:
@@ -199,6 +208,11 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({self.config.max_num_seqs})")
+        constraint = params.structured_outputs
+        if constraint is not None:
+            if self.grammar_compiler is None:
+                raise ValueError(f"{constraint.field}: model {self.model_name} has no tokenizer")
+            self.grammar_compiler.compile(constraint)  # the caller waits; a bad one raises here
         return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
 
     def add(self, request: Request) -> None:
@@ -227,7 +241,25 @@ class LLMEngine:
         self.output_processor.add_request(
             request.request_id, request.prompt_token_ids, params, request.arrival_time
         )
-        self.scheduler.add(seq)
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)
+            return
+        self._awaiting_grammar[seq] = self.grammar_compiler.compile_async(params.structured_outputs)
+        self._admit_compiled()
+
+    def _admit_compiled(self) -> None:
+        """Hand the scheduler the sequences whose grammar has compiled (fail those whose
+        grammar cannot be); the others keep waiting without holding up a step."""
+        for seq, future in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[seq]
+            try:
+                seq.grammar = GrammarMatcher(future.result())
+            except ValueError as exc:
+                self.abort_request(seq.request_id, reason="error", error=str(exc))
+                continue
+            self.scheduler.add(seq)
 
     def _with_model_eos(self, params: SamplingParams) -> SamplingParams:
         """The model's EOS ids beyond its main one (generation_config's list) end a
@@ -246,6 +278,8 @@ class LLMEngine:
     ) -> None:
         for seq in self.scheduler.sequences_of(request_id):
             self.scheduler.finish(seq, reason)
+        for seq in [s for s in self._awaiting_grammar if s.request_id == request_id]:
+            del self._awaiting_grammar[seq]
         output = self.output_processor.finish(request_id, reason, time.time(), error)
         if output is not None:
             self._pending.append(output)
@@ -256,7 +290,9 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (
+            self.scheduler.has_unfinished() or bool(self._pending) or bool(self._awaiting_grammar)
+        )
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -139,7 +139,9 @@ class ModelRunner:
                 continue
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             for generator in [seq.generator, *seq.sibling_generators]:
-                rows.append(SampleRow(seq.params, generator, seq.output_token_ids, prompt))
+                rows.append(
+                    SampleRow(seq.params, generator, seq.output_token_ids, prompt, seq.grammar)
+                )
                 row_logits.append(len(scored))
             scored.append(end - 1)
         if not sampling:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.grammar import GrammarMatcher, mask_logits
 
 
 @dataclass
@@ -23,6 +24,7 @@ class SampleRow:
     generator: torch.Generator | None
     output_token_ids: list[int]  # for the penalties
     prompt_token_ids: list[int]  # repetition penalty covers the prompt too
+    grammar: GrammarMatcher | None = None  # the sequence's structured-output constraint
 
 
 class SamplingError(RuntimeError):
@@ -53,6 +55,16 @@ def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     num_rows, vocab = logits.shape
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+    # Only constrained rows are masked; a batch without any pays for this one scan.
+    matchers = {
+        i: r.grammar
+        for i, r in enumerate(rows)
+        if r.grammar is not None and not r.grammar.is_terminated
+    }
+    if matchers:
+        logits = logits.clone()  # a retry of the step must find the caller's logits intact
+        mask_logits(logits, matchers)
 
     if any(r.params.needs_penalties for r in rows):
         logits = _apply_penalties(logits.clone(), rows)

@@ -204,6 +204,8 @@ class Scheduler:
         appended = []
         for token in tokens:
             seq.token_ids.append(token.token_id)
+            if seq.grammar is not None:
+                seq.grammar.accept(token.token_id)
             appended.append((seq, token))
             reason = self._stop_reason(seq, token.token_id)
             if reason is not None:
@@ -229,6 +231,8 @@ class Scheduler:
         seq.sibling_generators = []
         for member, token in zip(family, tokens, strict=True):
             member.token_ids.append(token.token_id)
+            if member.grammar is not None:
+                member.grammar.accept(token.token_id)
             new_tokens.append((member, token))
             reason = self._stop_reason(member, token.token_id)
             if reason is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +52,8 @@ class Sequence:
     # Draft tokens proposed for the next step (speculative decoding); never part of
     # token_ids until the target model has accepted them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Advances with output tokens only, so recompute, prefix hits and chunks leave it be.
+    grammar: GrammarMatcher | None = None
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -102,4 +105,5 @@ class Sequence:
             num_cached_blocks=self.num_cached_blocks,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens,
             generator=generator,
+            grammar=None if self.grammar is None else self.grammar.fork(self.output_token_ids),
         )

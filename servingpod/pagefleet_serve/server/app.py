@@ -23,9 +23,15 @@ from pagefleet_serve.server.openai_api import (
     ChatCompletionsEndpoint,
     CompletionsEndpoint,
     list_models,
+    read_json_body,
 )
 from pagefleet_serve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagefleet_serve.server.state import ServerState
+from pagefleet_serve.server.tokenize_api import (
+    DetokenizeRequest,
+    TokenizeEndpoints,
+    TokenizeRequest,
+)
 from pagefleet_serve.server.tracing import install_tracing
 
 _SCHEMA_REF = "#/components/schemas/{model}"
@@ -81,7 +87,28 @@ def build_app(state: ServerState) -> FastAPI:
         return await chat(raw)
 
     app.include_router(api)
-    app.openapi = lambda: _openapi(app, (CompletionRequest, ChatCompletionRequest))
+
+    # vLLM serves these outside /v1; they answer with the server's tokenizer, so they sit
+    # behind the API key too.
+    tokenizing = APIRouter(dependencies=[Depends(require_api_key)])
+    tokenize_endpoints = TokenizeEndpoints(state)
+
+    async def tokenizing_call(raw: Request, work) -> JSONResponse:
+        body = await read_json_body(raw, state.settings.max_request_body_bytes)
+        return JSONResponse(await state.off_loop(lambda: work(body)))
+
+    @tokenizing.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
+    async def tokenize(raw: Request) -> Response:
+        return await tokenizing_call(raw, tokenize_endpoints.tokenize)
+
+    @tokenizing.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize(raw: Request) -> Response:
+        return await tokenizing_call(raw, tokenize_endpoints.detokenize)
+
+    app.include_router(tokenizing)
+    app.openapi = lambda: _openapi(
+        app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    )
 
     @app.get("/health")
     def health() -> Response:

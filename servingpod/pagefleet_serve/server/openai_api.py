@@ -28,6 +28,7 @@ from pagefleet_serve.engine.llm_engine import ContextLengthError
 from pagefleet_serve.engine.llm_engine import Request as EngineRequest
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.server.chat_template import render_chat, template_messages
 from pagefleet_serve.server.errors import APIError, bad_request, server_error, unavailable
 from pagefleet_serve.server.generation import (
     Generation,
@@ -44,6 +45,7 @@ from pagefleet_serve.server.protocol import (
     value_error,
 )
 from pagefleet_serve.server.state import ServerState
+from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, plan_tools, split_output
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = ": keep-alive\n\n"
@@ -77,7 +79,9 @@ class _Run:
     model: str
     request: _GenerationRequest
     generation: Generation
+    tools: ToolPlan | None = None  # chat requests with tools
     text_offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs
+    tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # by choice index
 
     def usage(self, completion_tokens: int) -> dict:
         prompt_tokens = self.generation.num_prompt_tokens
@@ -99,12 +103,12 @@ class _Endpoint(abc.ABC):
         self.state = state
         self.tokenizer = state.engine.engine.tokenizer
         self.max_model_len = state.engine.engine.max_model_len
-        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
 
     async def __call__(self, raw: Request) -> Response:
         body = await read_json_body(raw, self.state.settings.max_request_body_bytes)
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        request, engine_requests = await self.state.off_loop(
+        request, engine_requests, tools = await self.state.off_loop(
             lambda: self._validate(body, request_id)
         )
         generation = Generation(self.state, engine_requests)
@@ -114,6 +118,7 @@ class _Endpoint(abc.ABC):
             request.model or self.state.settings.model_name,
             request,
             generation,
+            tools,
         )
         if request.stream:
             return SSEResponse(generation, self._stream(run))
@@ -121,7 +126,7 @@ class _Endpoint(abc.ABC):
 
     def _validate(
         self, body: bytes, request_id: str
-    ) -> tuple[_GenerationRequest, list[EngineRequest]]:
+    ) -> tuple[_GenerationRequest, list[EngineRequest], ToolPlan | None]:
         """Body -> validated engine requests, one per prompt (frontend thread)."""
         request = parse(self.request_model, body)
         self.state.check_model(request.model)
@@ -132,12 +137,16 @@ class _Endpoint(abc.ABC):
                 "priority only when started with --scheduling-policy priority",
                 param="priority",
             )
-        prompts, params = self.prepare(request)
+        prompts, params, tools = self.prepare(request)
         try:
-            return request, [
-                self.state.engine.make_request(f"{request_id}-{i}", prompt, params)
-                for i, prompt in enumerate(prompts)
-            ]
+            return (
+                request,
+                [
+                    self.state.engine.make_request(f"{request_id}-{i}", prompt, params)
+                    for i, prompt in enumerate(prompts)
+                ],
+                tools,
+            )
         except ContextLengthError as exc:
             raise self._context_error(exc) from None
         except ValueError as exc:
@@ -145,10 +154,17 @@ class _Endpoint(abc.ABC):
 
     # -- what each endpoint defines ---------------------------------------------------------
     @abc.abstractmethod
-    def prepare(self, request) -> tuple[list[list[int]], SamplingParams]:
-        """Prompts as token ids (one engine request each) and the sampling settings."""
+    def prepare(self, request) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+        """Prompts as token ids (one engine request each), the sampling settings and, for
+        chat with tools, how tool calls are constrained and parsed."""
 
     def opening_chunks(self, run: _Run) -> list[dict]:
+        return []
+
+    def choice_chunks(self, run: _Run, delta: CompletionOutput) -> list[dict]:
+        """A choice's entries in stream chunks for one delta (none when it has no news)."""
+        if delta.text or delta.finish_reason or delta.logprobs:
+            return [self.choice_chunk(run, delta)]
         return []
 
     @abc.abstractmethod
@@ -214,11 +230,9 @@ class _Endpoint(abc.ABC):
                     continue
                 for delta in deltas:
                     completion_tokens += len(delta.token_ids)
-                    if delta.text or delta.finish_reason or delta.logprobs:
+                    for choice in self.choice_chunks(run, delta):
                         yield sse_event(
-                            self.envelope(run, chunk=True)
-                            | {"choices": [self.choice_chunk(run, delta)]}
-                            | usage_field
+                            self.envelope(run, chunk=True) | {"choices": [choice]} | usage_field
                         )
             if run.request.include_usage:
                 yield sse_event(
@@ -277,7 +291,9 @@ class CompletionsEndpoint(_Endpoint):
     chunk_object = "text_completion"
     prompt_param = "prompt"
 
-    def prepare(self, request: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+    def prepare(
+        self, request: CompletionRequest
+    ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
         prompt = request.prompt
         if isinstance(prompt, str):
             prompts = [self.encode(prompt)]
@@ -292,7 +308,7 @@ class CompletionsEndpoint(_Endpoint):
         else:
             prompts = [list(p) for p in prompt]
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        return prompts, request.sampling_params(max_tokens, request.logprobs)
+        return prompts, request.sampling_params(max_tokens, request.logprobs), None
 
     def choice_chunk(self, run: _Run, delta: CompletionOutput) -> dict:
         return self.final_choice(run, delta)
@@ -335,7 +351,9 @@ class ChatCompletionsEndpoint(_Endpoint):
     chunk_object = "chat.completion.chunk"
     prompt_param = "messages"
 
-    def prepare(self, request: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+    def prepare(
+        self, request: ChatCompletionRequest
+    ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
         if not request.messages:
             raise bad_request("messages: must not be empty", param="messages")
         if request.top_logprobs is not None and not request.logprobs:
@@ -344,28 +362,18 @@ class ChatCompletionsEndpoint(_Endpoint):
             raise bad_request(
                 "messages: this model has no tokenizer or chat template", param="messages"
             )
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            | ({"name": m.name} if m.name else {})
-            for m in request.messages
-        ]
+        tools = plan_tools(request, self.state.settings)
+        messages = template_messages(request.messages)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages))
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # noqa: BLE001 - a template raises whatever jinja raises
-            raise bad_request(
-                f"messages: the model's chat template rejected them: {exc}", param="messages"
-            ) from None
-        prompt = self.encode(text)
+        prompt = self.encode(render_chat(self.tokenizer, messages, tools.template_tools))
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
         if max_tokens is None:  # OpenAI's default: whatever the context has left
             max_tokens = max(1, self.max_model_len - len(prompt))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        return [prompt], request.sampling_params(max_tokens, logprobs)
+        params = request.sampling_params(max_tokens, logprobs, tools.constraint)
+        return [prompt], params, tools
 
     def opening_chunks(self, run: _Run) -> list[dict]:
         return [
@@ -386,12 +394,42 @@ class ChatCompletionsEndpoint(_Endpoint):
             "finish_reason": delta.finish_reason,
         }
 
+    def choice_chunks(self, run: _Run, delta: CompletionOutput) -> list[dict]:
+        if run.tools is None or run.tools.parser is None:
+            return super().choice_chunks(run, delta)
+        stream = run.tool_streams.setdefault(delta.index, ToolCallStream(run.tools))
+        finished = delta.finish_reason is not None
+        chunks = [
+            {"index": delta.index, "delta": d, "logprobs": None, "finish_reason": None}
+            for d in stream.feed(delta.text, finished)
+        ]
+        logprobs = self._logprobs(delta)
+        if (finished or logprobs) and not chunks:
+            chunks.append(
+                {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": None}
+            )
+        if logprobs:
+            chunks[0]["logprobs"] = logprobs
+        if finished:
+            chunks[-1]["finish_reason"] = _finish_reason(
+                run.tools, delta.finish_reason, stream.calls
+            )
+        return chunks
+
     def final_choice(self, run: _Run, choice: CompletionOutput) -> dict:
+        message = {"role": "assistant", "content": choice.text}
+        finish_reason = choice.finish_reason
+        if run.tools is not None and run.tools.parser is not None:
+            content, calls = split_output(run.tools, choice.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [call.as_message() for call in calls]
+            finish_reason = _finish_reason(run.tools, finish_reason, calls)
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": self._logprobs(choice),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
         }
 
     def _logprobs(self, choice: CompletionOutput) -> dict | None:
@@ -413,6 +451,11 @@ class ChatCompletionsEndpoint(_Endpoint):
                 for e in choice.logprobs
             ]
         }
+
+
+def _finish_reason(tools: ToolPlan, reason: str | None, calls: list) -> str | None:
+    """OpenAI ends a turn that called tools with "tool_calls" (a named function: "stop")."""
+    return tools.finish_reason if calls and reason == "stop" else reason
 
 
 def list_models(state: ServerState, created: int) -> dict:
@@ -469,7 +512,7 @@ def _body_too_large(limit: int) -> APIError:
     )
 
 
-def _max_prompt_chars(tokenizer, max_model_len: int) -> int:
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
     """The most characters a prompt of max_model_len tokens can have: no token's text is
     longer than its vocabulary entry (byte-level and SentencePiece pieces alike)."""
     if tokenizer is None:

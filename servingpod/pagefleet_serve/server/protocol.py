@@ -7,13 +7,15 @@ fields of the API that this server does not implement are refused when they ask 
 something (`tools`, `logit_bias`, ...), so that a client never takes a 200 for a feature.
 """
 
+import json
 from collections.abc import Callable
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import APIError, bad_request
+from pagefleet_serve.structured.constraint import StructuredOutputs
 
 _CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 # Request bodies keep unknown fields, so that unimplemented ones can be refused by name.
@@ -32,11 +34,12 @@ def _absent(*neutral: object) -> Callable[[object], bool]:
 # Fields of OpenAI's and vLLM's APIs that this server does not implement, with the values
 # that ask for nothing; any other value is a 400 naming the field.
 UNSUPPORTED_FIELDS: dict[str, Callable[[object], bool]] = {
+    # Declared on chat only: on completions they are extra fields, refused here.
     "tools": _absent([]),
     "tool_choice": _absent("none"),
+    "parallel_tool_calls": _absent(),
     "functions": _absent([]),
     "function_call": _absent("none"),
-    "response_format": _absent({"type": "text"}),
     "best_of": _absent(1),
     "logit_bias": _absent({}),
     "echo": _absent(False),
@@ -48,17 +51,37 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[object], bool]] = {
     "min_tokens": _absent(0),
     "use_beam_search": _absent(False),
     "include_stop_str_in_output": _absent(False),
-    "guided_json": _absent(),
-    "guided_regex": _absent(),
-    "guided_choice": _absent(),
-    "guided_grammar": _absent(),
-    "structured_outputs": _absent(),
 }
 
 
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: bool | None = None
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = _CONFIG
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _CONFIG
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` object (the fields PageFleet implements)."""
+
+    model_config = _CONFIG
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _GenerationRequest(BaseModel):
@@ -85,6 +108,14 @@ class _GenerationRequest(BaseModel):
     priority: int | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # What the output must match: OpenAI's response_format, vLLM's structured_outputs, or
+    # vLLM's older guided_* fields (one of them per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -102,7 +133,65 @@ class _GenerationRequest(BaseModel):
                     code="unsupported_field",
                 )
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> StructuredOutputs | None:
+        """The structured-output constraint the request asks for; 400 for more than one."""
+        found = [c for c in self._constraints() if c is not None]
+        if len(found) > 1:
+            raise bad_request(
+                f"{found[1].field}: only one structured-output constraint per request, "
+                f"got {found[0].field} too",
+                param=found[1].field,
+            )
+        return found[0] if found else None
+
+    def _constraints(self):
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            yield _constraint("response_format", json_object=True)
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise bad_request(
+                    "response_format: json_schema.schema is required for type json_schema",
+                    param="response_format",
+                )
+            yield _constraint("response_format", json=json.dumps(fmt.json_schema.schema_))
+        so = self.structured_outputs
+        if so is not None:
+            schema = so.json_ if not isinstance(so.json_, dict) else json.dumps(so.json_)
+            yield _constraint(
+                "structured_outputs",
+                json=schema,
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+                json_object=bool(so.json_object),
+            )
+        if self.guided_json is not None:
+            schema = self.guided_json
+            yield _constraint(
+                "guided_json", json=schema if isinstance(schema, str) else json.dumps(schema)
+            )
+        if self.guided_regex is not None:
+            yield _constraint("guided_regex", regex=self.guided_regex)
+        if self.guided_choice is not None:
+            yield _constraint("guided_choice", choice=self.guided_choice)
+        if self.guided_grammar is not None:
+            yield _constraint("guided_grammar", grammar=self.guided_grammar)
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        constraint: StructuredOutputs | None = None,
+    ) -> SamplingParams:
+        """`constraint`: one the endpoint sets (tool calls), else the request's own."""
+        if constraint is not None and self.constraint() is not None:
+            raise bad_request(
+                f"{self.constraint().field}: cannot be combined with tool_choice "
+                '"required" or a named function',
+                param=self.constraint().field,
+            )
+        constraint = constraint or self.constraint()
         given = {
             name: getattr(self, name)
             for name in (
@@ -124,7 +213,9 @@ class _GenerationRequest(BaseModel):
             if getattr(self, name) is not None
         }
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+            return SamplingParams(
+                max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint, **given
+            )
         except ValueError as exc:
             raise value_error(exc, type(self)) from None
 
@@ -134,10 +225,30 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None
 
 
+def _constraint(field: str, **kinds) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(field=field, **kinds)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=field) from None
+
+
 class ContentPart(BaseModel):
     model_config = _CONFIG
     type: str
     text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = _CONFIG
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(BaseModel):
+    model_config = _CONFIG
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
@@ -145,6 +256,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool's result answers this call
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -154,11 +267,39 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = _CONFIG
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _CONFIG
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -210,4 +351,6 @@ _UNION_HELP = {
     "prompt": "a string, an array of strings, an array of token ids or an array of arrays "
     "of token ids",
     "stop": "a string or an array of strings",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "guided_json": "a JSON schema, as an object or as JSON text",
 }

@@ -13,6 +13,7 @@ from pagefleet_flags import EnvFlags
 
 from pagefleet_serve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig, parse_bytes
 from pagefleet_serve.server.settings import SCHEDULING_POLICIES, ServerSettings
+from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("pagefleet_serve.serve")
 
@@ -168,6 +169,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "OTLP/HTTP URL receiving a span per request, e.g. http://collector:4318/v1/traces",
         default=None,
     )
+    flag(
+        "--enable-auto-tool-choice",
+        'let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+        action=argparse.BooleanOptionalAction,
+        default=server("enable_auto_tool_choice"),
+    )
+    flag(
+        "--tool-call-parser",
+        "format of the model's tool calls, parsed into message.tool_calls",
+        default=None,
+        choices=tuple(TOOL_CALL_PARSERS),
+    )
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     parser.set_defaults(handler=run)
 
@@ -209,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
             scheduling_policy=args.scheduling_policy,
             serve_docs=args.serve_docs,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
         )
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)

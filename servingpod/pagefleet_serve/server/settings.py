@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -37,6 +39,10 @@ class ServerSettings:
     serve_docs: bool | None = None
     # OTLP/HTTP endpoint that receives a span per request (server/tracing.py); None: off.
     otlp_traces_endpoint: str | None = None
+    # tool_choice "auto": the model's text is parsed for tool calls in this format (vLLM's
+    # --enable-auto-tool-choice and --tool-call-parser).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -59,6 +65,13 @@ class ServerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {tuple(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "

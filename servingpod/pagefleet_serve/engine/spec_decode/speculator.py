@@ -38,11 +38,14 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Set every running sequence's `spec_token_ids` for the coming step: proposals for
-        those decoding, none for the others or when the batch exceeds disable_by_batch_size."""
+        those decoding without a grammar, none for the others or when the batch exceeds disable_by_batch_size."""
         limit = self.config.disable_by_batch_size
         enabled = limit is None or len(running) <= limit
         for seq in running:
             decoding = seq.num_computed_tokens == seq.num_tokens - 1 and not seq.sibling_generators
+            # A structured-output mask is known for the next position only, so a
+            # constrained sequence decodes one token at a time.
+            decoding = decoding and seq.grammar is None
             seq.spec_token_ids = (
                 self.proposer.propose(seq.token_ids, self.config.num_speculative_tokens)
                 if enabled and decoding and not self._backing_off(seq)

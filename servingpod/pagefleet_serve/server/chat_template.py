@@ -1,0 +1,74 @@
+"""Chat messages -> prompt text through the model's own chat template, as transformers'
+`apply_chat_template` renders it: tool definitions go in as `tools=`, assistant turns
+keep their `tool_calls` (arguments as objects, as templates expect them) and tool results
+keep their `tool_call_id`. A template that does not mention tools (SmolLM2's) leaves them
+out, as it does under transformers and vLLM."""
+
+import json
+
+from pagefleet_serve.server.errors import bad_request
+from pagefleet_serve.server.protocol import ChatMessage
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    return [_template_message(i, m) for i, m in enumerate(messages)]
+
+
+def _template_message(index: int, message: ChatMessage) -> dict:
+    out = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.text(),
+    }
+    if message.name:
+        out["name"] = message.name
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise bad_request(
+                f"messages[{index}].tool_call_id: a tool message must name the call it answers",
+                param="messages",
+            )
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise bad_request(
+                f"messages[{index}].tool_calls: only assistant messages carry tool calls",
+                param="messages",
+            )
+        out["tool_calls"] = [_template_call(index, j, c) for j, c in enumerate(message.tool_calls)]
+    return out
+
+
+def _template_call(index: int, position: int, call) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise bad_request(
+            f"messages[{index}].tool_calls[{position}].function.arguments: not valid JSON",
+            param="messages",
+        ) from None
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    except Exception as exc:  # noqa: BLE001 - a template raises whatever jinja raises
+        raise bad_request(
+            f"messages: the model's chat template rejected them: {exc}", param="messages"
+        ) from None

@@ -1,0 +1,96 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize`: the server's own tokenizer and chat
+template, so that clients count and cut prompts exactly as the server will see them.
+
+/tokenize takes a `prompt` (completions style) or `messages` (chat style, rendered by the
+same template as /v1/chat/completions) and answers `{count, max_model_len, tokens,
+token_strs}`; /detokenize takes `tokens` and answers `{prompt}`."""
+
+from pydantic import BaseModel
+
+from pagefleet_serve.server.chat_template import render_chat, template_messages
+from pagefleet_serve.server.errors import bad_request
+from pagefleet_serve.server.openai_api import max_prompt_chars
+from pagefleet_serve.server.protocol import _CONFIG, ChatMessage, Tool, parse
+from pagefleet_serve.server.state import ServerState
+
+
+class TokenizeRequest(BaseModel):
+    model_config = _CONFIG
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _CONFIG
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeEndpoints:
+    """Both routes' work, run in the frontend thread (the tokenizer is not thread-safe)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.tokenizer = state.engine.engine.tokenizer
+        self.max_model_len = state.engine.engine.max_model_len
+        self.max_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+
+    def tokenize(self, body: bytes) -> dict:
+        request = parse(TokenizeRequest, body)
+        self.state.check_model(request.model)
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        tokens = self._tokens(request)
+        return {
+            "count": len(tokens),
+            "max_model_len": self.max_model_len,
+            "tokens": tokens,
+            "token_strs": (
+                self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+            ),
+        }
+
+    def detokenize(self, body: bytes) -> dict:
+        request = parse(DetokenizeRequest, body)
+        self.state.check_model(request.model)
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        vocab = len(self.tokenizer)
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens: ids must be in [0, {vocab}), got {bad[0]}", param="tokens")
+        return {"prompt": self.tokenizer.decode(request.tokens)}
+
+    def _tokens(self, request: TokenizeRequest) -> list[int]:
+        tokenizer = self.tokenizer
+        if (request.prompt is None) == (request.messages is None):
+            raise bad_request("give exactly one of prompt and messages", param="prompt")
+        if request.prompt is not None:
+            text, special = request.prompt, request.add_special_tokens is not False
+        else:
+            if request.add_generation_prompt and request.continue_final_message:
+                raise bad_request(
+                    "continue_final_message: cannot be combined with add_generation_prompt",
+                    param="continue_final_message",
+                )
+            tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
+            text = render_chat(
+                tokenizer,
+                template_messages(request.messages),
+                tools,
+                request.add_generation_prompt,
+                request.continue_final_message,
+            )
+            special = bool(request.add_special_tokens)
+        if len(text) > self.max_chars:
+            raise bad_request(
+                f"prompt: {len(text)} characters cannot fit in {self.max_model_len} tokens",
+                param="prompt",
+            )
+        return tokenizer.encode(text, add_special_tokens=special)

@@ -1,0 +1,153 @@
+"""Structured outputs in the engine, with the built-in model: every sample matches its
+constraint with n > 1, across preemption (recompute), chunked prefill and prefix-cache
+hits; unconstrained requests in the same batch get the tokens they get alone; EOS comes
+only once the grammar is complete, else "length"; a constraint that cannot compile is a
+ValueError naming the field; a schema is compiled once."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+from conftest import SYSTEM_PROMPT
+from pagefleet_serve import LLM, SamplingParams
+from pagefleet_serve.structured.constraint import StructuredOutputs
+from pagefleet_serve.structured.grammar import GrammarCompiler
+
+DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+# Small on purpose: a handful of tokens per answer keeps these tests fast on a CPU.
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "count"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """One engine for the tests that need no special configuration (loading is slow)."""
+    shared = LLM("builtin://smollm2-135m", dtype="float32", max_num_seqs=8)
+    yield shared
+    assert not shared.engine.has_unfinished_requests()
+    shared.engine.block_manager.check_no_leaks()
+
+
+def chat(llm, question: str) -> str:
+    return llm.chat_prompt(
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    )
+
+
+def test_regex_holds_for_every_sample_of_n(llm):
+    params = SamplingParams(
+        n=4,
+        max_tokens=20,
+        temperature=1.0,
+        seed=7,
+        structured_outputs=StructuredOutputs(regex=DATE),
+    )
+    [out] = llm.generate(chat(llm, "When was the Eiffel Tower finished? Give a date."), params)
+    assert len(out.outputs) == 4
+    for sample in out.outputs:
+        assert re.fullmatch(DATE, sample.text), sample.text
+        assert sample.finish_reason == "stop"
+
+
+def test_unconstrained_rows_get_the_tokens_they_get_alone(llm):
+    free = SamplingParams(max_tokens=8, temperature=0)
+    prompts = [chat(llm, q) for q in ("Name a fruit.", "Name a colour.")]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free)]
+    constrained = SamplingParams(
+        max_tokens=30, temperature=0, structured_outputs=StructuredOutputs(json=json.dumps(ANSWER))
+    )
+    mixed = llm.generate(
+        [prompts[0], chat(llm, "Is the sky blue? Answer in JSON."), prompts[1]],
+        [free, constrained, free],
+    )
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    jsonschema.validate(json.loads(mixed[1].outputs[0].text), ANSWER)
+
+
+def test_constraints_survive_preemption_chunked_prefill_and_prefix_hits(
+    make_llm, kv_bytes_for_blocks
+):
+    # 12 blocks of 16 tokens for 4 sequences of ~90 tokens each: they preempt one another;
+    # 32-token steps prefill every prompt in chunks; the shared system prompt hits the cache.
+    llm = make_llm(
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        kv_cache_memory_bytes=kv_bytes_for_blocks(12),
+        max_model_len=192,
+    )
+    schema = StructuredOutputs(json=json.dumps(ANSWER))
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=3, structured_outputs=schema)
+    questions = [f"Is {i} an even number? Answer in JSON." for i in range(4)]
+    outputs = llm.generate([chat(llm, q) for q in questions], params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.prefix_cache_hits > 0
+    for out in outputs:
+        sample = out.outputs[0]
+        assert sample.finish_reason == "stop", sample
+        jsonschema.validate(json.loads(sample.text), ANSWER)
+
+
+def test_eos_only_once_the_grammar_is_complete(llm):
+    at_least_ten = StructuredOutputs(regex=r"[a-z]{10,12}")
+    [out] = llm.generate(
+        chat(llm, "Say hi."),
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs=at_least_ten),
+    )
+    assert re.fullmatch(r"[a-z]{10,12}", out.outputs[0].text), out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+    [cut] = llm.generate(
+        chat(llm, "Say hi."),
+        SamplingParams(max_tokens=2, temperature=0, structured_outputs=at_least_ten),
+    )
+    assert cut.outputs[0].finish_reason == "length"
+    assert len(cut.outputs[0].text) < 10
+
+
+def test_choice_yields_one_of_the_choices(llm):
+    choices = ("positive", "negative", "neutral")
+    outputs = llm.generate(
+        [chat(llm, f"Sentiment of: {t}") for t in ("I love it", "Awful.", "It is a chair.")],
+        SamplingParams(
+            max_tokens=8,
+            temperature=1.0,
+            seed=1,
+            structured_outputs=StructuredOutputs(choice=choices),
+        ),
+    )
+    assert all(o.outputs[0].text in choices for o in outputs), [o.outputs[0].text for o in outputs]
+
+
+@pytest.mark.parametrize(
+    ("constraint", "words"),
+    [
+        (StructuredOutputs(regex="(unclosed", field="guided_regex"), "guided_regex: the regex"),
+        (StructuredOutputs(json='{"type": "objectx"}'), "objectx"),
+        (StructuredOutputs(json="{not json", field="response_format"), "response_format:"),
+        (StructuredOutputs(grammar='start ::= "a"'), "root"),
+    ],
+)
+def test_a_constraint_that_cannot_compile_is_a_value_error(llm, constraint, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llm.engine.make_request("bad", "Hi", SamplingParams(structured_outputs=constraint))
+
+
+def test_exactly_one_kind_of_constraint():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputs(regex="a", choice=("a",))
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputs()
+
+
+def test_a_schema_compiles_once(llm):
+    compiler: GrammarCompiler = llm.engine.grammar_compiler
+    first = StructuredOutputs(json=json.dumps(ANSWER), field="response_format")
+    again = StructuredOutputs(json=json.dumps(ANSWER), field="guided_json")
+    assert compiler.compile_async(first) is compiler.compile_async(again)
