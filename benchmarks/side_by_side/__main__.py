@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -134,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Servers run in their own sessions: SIGTERM (a `timeout`, a CI cancel) must unwind
+    # through RunningServer.stop like Ctrl-C does, or the server outlives the run.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     plan = make_plan(args)
     started = time.perf_counter()
     out = args.output_dir
