@@ -94,6 +94,13 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--random-prompt-len", type=int, default=64)
     parser.add_argument("--random-max-tokens", type=int, default=32)
+    parser.add_argument("--num-grounded", type=int, default=len(TASKS), help="grounded prompts")
+    parser.add_argument(
+        "--rows",
+        default="grounded:1,grounded:8,random:64",
+        help="workload:concurrency pairs to run, comma-separated",
+    )
+    parser.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes per engine")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--out", default="bench_spec_decode.json")
     args = parser.parse_args()
@@ -105,16 +112,17 @@ def main() -> None:
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 1,
     }
+    config = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=args.kv_cache_memory)
     engines = {
-        "off": LLM(MODEL, dtype="float32", max_model_len=1024),
-        "ngram": LLM(MODEL, dtype="float32", max_model_len=1024, speculative_config=ngram),
+        "off": LLM(MODEL, **config),
+        "ngram": LLM(MODEL, **config, speculative_config=ngram),
     }
     tokenizer = engines["off"].tokenizer
     grounded = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": task}], tokenize=False, add_generation_prompt=True
         )
-        for task in TASKS
+        for task in TASKS[: args.num_grounded]
     ]
     rng = random.Random(0)
     vocab = engines["off"].engine.model_config.vocab_size
@@ -128,13 +136,12 @@ def main() -> None:
     for llm in engines.values():  # warm-up: first-call allocations, prefix cache of nothing
         llm.generate(grounded[0], SamplingParams(max_tokens=4, temperature=0.0))
 
-    workloads = [
-        ("grounded", 1, grounded, greedy),
-        ("grounded", 8, grounded, greedy),
-        ("random", 64, random_prompts, random_params),
-    ]
+    workloads = {"grounded": (grounded, greedy), "random": (random_prompts, random_params)}
     results = []
-    for workload, concurrency, prompts, params in workloads:
+    for pair in args.rows.split(","):
+        workload, concurrency = pair.split(":")
+        concurrency = int(concurrency)
+        prompts, params = workloads[workload]
         row = {"workload": workload, "concurrency": concurrency}
         for mode, llm in engines.items():
             row[mode] = run(llm, prompts, params, concurrency)

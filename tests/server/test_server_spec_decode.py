@@ -8,10 +8,8 @@ import pytest
 from openai import OpenAI
 from server_harness import ServerProcess, read_metrics
 
-PROMPT = (
-    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the "
-    "river bank, and the dog does not move."
-)
+# A pattern the model continues, so that prompt lookup proposes and the model accepts.
+PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4,"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
@@ -28,13 +26,10 @@ def server():
 
 def test_spec_decode_counters_count_the_drafts_of_a_real_request(server):
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
-    response = client.chat.completions.create(
-        model="smollm2-135m",
-        messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=40,
-        temperature=0,
+    response = client.completions.create(
+        model="smollm2-135m", prompt=PROMPT, max_tokens=24, temperature=0
     )
-    assert "quick brown fox" in response.choices[0].message.content
+    assert response.choices[0].text.startswith(" 5, 6, 7, 8")
     metrics = read_metrics(server.base_url)
     drafts = metrics["vllm:spec_decode_num_drafts_total"]
     draft_tokens = metrics["vllm:spec_decode_num_draft_tokens_total"]
