@@ -84,7 +84,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default="bench_structured.json")
     args = parser.parse_args()
-    llm = LLM(MODEL, device=args.device, max_num_seqs=args.concurrency)
+    # No prefix cache: the second run would otherwise skip the prompts' prefill.
+    llm = LLM(MODEL, device=args.device, max_num_seqs=args.concurrency, enable_prefix_caching=False)
     prompts = [
         llm.chat_prompt([{"role": "user", "content": f"List {i + 3} words about the sea as JSON."}])
         for i in range(args.concurrency)
