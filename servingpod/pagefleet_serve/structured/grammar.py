@@ -116,8 +116,8 @@ class GrammarCompiler:
                 alternatives = " | ".join(json.dumps(c) for c in constraint.choice)
                 return compiler.compile_grammar(f"root ::= {alternatives}")
             return compiler.compile_grammar(constraint.grammar)
-        except RuntimeError as exc:
-            message = _NOISE.sub("", str(exc)).strip().splitlines()[0]
+        except Exception as exc:  # noqa: BLE001 - xgrammar's errors for bad input vary by kind
+            message = (_NOISE.sub("", str(exc)).strip().splitlines() or [type(exc).__name__])[0]
             raise ValueError(
                 f"{constraint.field}: the {constraint.kind} constraint cannot be compiled: "
                 f"{message}"

@@ -1,0 +1,330 @@
+"""Structured outputs, tool calling and the tokenizer endpoints through the real `openai`
+SDK against a `pagefleet serve` subprocess with the built-in model: `.parse()` with a
+pydantic model (stream and not) for 20 prompts, json_object, regex and choice on
+/v1/completions, a 400 for a schema that cannot compile, tool calls with
+tool_choice required and named whose arguments validate, a follow-up turn with the tool's
+result, streamed tool calls assembled by the SDK, /tokenize, /detokenize and
+/v1/models' max_model_len."""
+
+import asyncio
+import json
+import re
+from enum import Enum
+from typing import Annotated
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from server_harness import ServerProcess
+
+MODEL_NAME = "smol"
+MAX_MODEL_LEN = 1024
+
+
+class Mood(str, Enum):
+    happy = "happy"
+    sad = "sad"
+    calm = "calm"
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=12)
+    country: str = Field(max_length=12)
+
+
+class Note(BaseModel):
+    """Nested objects, an enum, an array and required fields; strings kept short so that
+    the small model finishes each object well within max_tokens (60 characters of strings
+    at most: about 200 tokens even when it writes them in Japanese)."""
+
+    topic: str = Field(max_length=16)
+    mood: Mood
+    place: Place
+    keywords: list[Annotated[str, Field(max_length=10)]] = Field(max_length=2)
+
+
+PROMPTS = [
+    f"Write a short note about {topic} as JSON."
+    for topic in (
+        "a rainy day in Paris",
+        "a picnic in Rome",
+        "snow in Oslo",
+        "the sea at Lisbon",
+        "a market in Tokyo",
+        "a museum in Madrid",
+        "a bakery in Vienna",
+        "a concert in Berlin",
+        "a storm over Dublin",
+        "spring in Kyoto",
+        "a train to Milan",
+        "a bridge in Prague",
+        "coffee in Istanbul",
+        "a park in London",
+        "a beach in Sydney",
+        "a mountain near Zurich",
+        "a river in Cairo",
+        "a festival in Rio",
+        "a library in Boston",
+        "night in Seoul",
+    )
+]
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    env = {
+        "PAGEFLEET_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "PAGEFLEET_KV_CACHE_MEMORY": "256MiB",
+        "PAGEFLEET_MAX_NUM_SEQS": "20",
+        "PAGEFLEET_SERVED_MODEL_NAME": MODEL_NAME,
+    }
+    process = ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes", env=env)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_parse_with_a_pydantic_model_for_20_prompts_stream_and_not(server):
+    async def run() -> list:
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0
+        )
+
+        async def whole(prompt: str):
+            completion = await client.chat.completions.parse(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": prompt}],
+                response_format=Note,
+                max_tokens=256,
+                temperature=0,
+            )
+            return completion.choices[0]
+
+        async def streamed(prompt: str):
+            async with client.chat.completions.stream(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": prompt}],
+                response_format=Note,
+                max_tokens=256,
+                temperature=0,
+            ) as stream:
+                return (await stream.get_final_completion()).choices[0]
+
+        return await asyncio.gather(*[f(p) for p in PROMPTS for f in (whole, streamed)])
+
+    choices = asyncio.run(run())
+    assert len(choices) == 2 * len(PROMPTS)
+    for choice in choices:
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, Note), choice.message
+        Note.model_validate_json(choice.message.content)
+    # Greedy: the stream carries the same object as the whole response.
+    for whole, streamed in zip(choices[::2], choices[1::2], strict=True):
+        assert whole.message.parsed == streamed.message.parsed
+
+
+def test_json_object_output_always_parses(client):
+    for question in (
+        "Give a JSON object with a name and an age.",
+        'Reply with a JSON object with keys "name" and "age" for Ann, aged 30.',
+        'Output a JSON object with one key "ok" set to true.',
+    ):
+        completion = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": question}],
+            response_format={"type": "json_object"},
+            max_tokens=100,
+            temperature=0,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(json.loads(choice.message.content), dict)
+
+
+def test_regex_and_choice_on_completions_always_match(client):
+    date = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+    regex = client.completions.create(
+        model=MODEL_NAME,
+        prompt=["The moon landing happened on", "The date today is"],
+        max_tokens=16,
+        n=2,
+        temperature=1.0,
+        seed=5,
+        extra_body={"guided_regex": date},
+    )
+    choices = ("yes", "no", "maybe")
+    choice = client.completions.create(
+        model=MODEL_NAME,
+        prompt=["Is water wet? Answer:", "Is fire cold? Answer:"],
+        max_tokens=4,
+        n=2,
+        temperature=1.0,
+        seed=5,
+        extra_body={"structured_outputs": {"choice": list(choices)}},
+    )
+    assert len(regex.choices) == len(choice.choices) == 4
+    for c in regex.choices:
+        assert re.fullmatch(date, c.text) and c.finish_reason == "stop", c
+    for c in choice.choices:
+        assert c.text in choices and c.finish_reason == "stop", c
+
+
+def test_max_tokens_before_the_grammar_completes_is_length(client):
+    completion = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "note", "schema": Note.model_json_schema(), "strict": True},
+        },
+        max_tokens=5,
+        temperature=0,
+    )
+    assert completion.choices[0].finish_reason == "length"
+
+
+def test_a_schema_that_cannot_compile_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt="hi",
+            max_tokens=4,
+            extra_body={"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}},
+        )
+    error = caught.value.body
+    assert error["param"] == "guided_json", error
+    assert "cannot be compiled" in error["message"] and "nope" in error["message"], error
+
+
+def assert_calls_validate(message, names: set[str]) -> None:
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_tool_call_round_trip(client, tool_choice):
+    first = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    named = isinstance(tool_choice, dict)
+    assert_calls_validate(choice.message, {"get_weather"} if named else set(SCHEMAS))
+    assert len(choice.message.tool_calls) == 1
+    assert choice.finish_reason == ("stop" if named else "tool_calls")
+    call = choice.message.tool_calls[0]
+    follow_up = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[
+            *ASK,
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'},
+        ],
+        tools=[WEATHER, TIME],
+        tool_choice="none",
+        max_tokens=12,
+        temperature=0,
+    )
+    answer = follow_up.choices[0]
+    assert answer.finish_reason in ("stop", "length")
+    assert answer.message.content and not answer.message.tool_calls
+
+
+def test_streamed_tool_calls_assemble_into_the_same_calls(client):
+    request = {
+        "model": MODEL_NAME,
+        "messages": ASK,
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**request).choices[0].message
+    with client.chat.completions.stream(**request) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert_calls_validate(streamed.message, set(SCHEMAS))
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls
+    ]
+
+
+def test_auto_tool_choice_answers_without_a_server_error(client):
+    # SmolLM2's template does not render tools, so the model answers in words; the
+    # hermes parser then finds no call and the text is the content.
+    completion = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=[WEATHER], max_tokens=12, temperature=0
+    )
+    message = completion.choices[0].message
+    assert message.content and not message.tool_calls
+
+
+def test_tokenize_detokenize_and_models(server, client):
+    base = server.base_url
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=1, temperature=0
+    )
+    tokenized = httpx.post(f"{base}/tokenize", json={"model": MODEL_NAME, "messages": ASK}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == chat.usage.prompt_tokens
+    assert tokenized["max_model_len"] == MAX_MODEL_LEN
+    text = "Paged attention, tokenized."
+    plain = httpx.post(f"{base}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert len(plain["token_strs"]) == plain["count"]
+    back = httpx.post(f"{base}/detokenize", json={"tokens": plain["tokens"]}).json()
+    assert back == {"prompt": text}
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    [model] = client.models.list().data
+    assert model.model_extra["max_model_len"] == MAX_MODEL_LEN
