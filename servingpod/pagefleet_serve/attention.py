@@ -1,9 +1,8 @@
 """Choose the attention implementation; the rest of the engine is the same on every backend.
 
-A backend is any object with `write_kv_cache(...)` and `paged_attention(...)` of the
-signatures in `pagefleet_kernels.reference`: `torch` is that reference, `triton` the
-kernels of `pagefleet_kernels.triton_attention`; `auto` takes Triton on CUDA, the
-reference elsewhere.
+A backend follows `pagefleet_kernels.backend.AttentionBackend`: `torch` is
+`pagefleet_kernels.torch_attention`, `triton` the kernels of
+`pagefleet_kernels.triton_attention`; `auto` takes Triton on CUDA, torch elsewhere.
 """
 
 import os
@@ -24,7 +23,7 @@ def get_attention_backend(name: str, device: torch.device, model_config=None):
         if getattr(model_config, feature, None) is not None
     ]
     if name == "auto":
-        # The reference runs on CUDA too: slower, but it has every feature.
+        # The torch backend runs on CUDA too: slower, but it has every feature.
         name = "triton" if device.type == "cuda" and not lacking else "torch"
     if name == "triton" and lacking:
         raise ValueError(
@@ -32,9 +31,9 @@ def get_attention_backend(name: str, device: torch.device, model_config=None):
             "not implement; use attention_backend 'torch'"
         )
     if name == "torch":
-        from pagefleet_kernels import reference
+        from pagefleet_kernels import torch_attention
 
-        return reference
+        return torch_attention
     if name == "triton":
         # The interpreter runs the same kernels on CPU tensors (slowly): for tests.
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,22 +1,22 @@
 """Random paged batches for the kernel tests: a block pool with shuffled block ids, each
-sequence's context written through the reference, and the query chunk at its end."""
+sequence's context written through the torch backend, and the query chunk at its end."""
 
 from dataclasses import dataclass
 
 import torch
-from pagefleet_kernels import reference
+from pagefleet_kernels import torch_attention
 from pagefleet_kernels.kv_cache import SCALE_DTYPE, is_quantized
 
 CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
-# Triton kernel vs the reference on the same cache (codes and scales identical): the
+# Triton kernel vs the torch backend on the same cache (codes and scales identical): the
 # difference is summation order and the rounding of the query dtype. (atol, rtol)
 KERNEL_TOLERANCE = {
     torch.float32: (1e-4, 1e-4),
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (1.5e-2, 1e-2),
 }
-# A quantized cache vs the unquantized one, both through the reference, inputs ~ N(0, 1):
+# A quantized cache vs the unquantized one, both through the torch backend, inputs ~ N(0, 1):
 # the error of the stored K/V themselves. (atol, rtol)
 QUANTIZATION_TOLERANCE = {"int8": (3e-2, 3e-2), "fp8": (1.5e-1, 1e-1)}
 
@@ -99,7 +99,7 @@ def make_batch(
         key_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE)
         value_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE)
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
-    reference.write_kv_cache(
+    torch_attention.write_kv_cache(
         key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale
     )
     query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)

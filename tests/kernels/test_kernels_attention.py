@@ -1,4 +1,4 @@
-"""Paged attention: the Triton kernel against the PyTorch reference, the reference against
+"""Paged attention: the Triton kernel against the torch backend, the torch backend against
 a naive per-sequence loop over the raw K/V.
 
 On the CPU the kernel runs in the Triton interpreter on small shapes (the fast set runs in
@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import requires_cuda
 from kernel_batches import KERNEL_TOLERANCE, QUANTIZATION_TOLERANCE, PagedBatch, make_batch
-from pagefleet_kernels import reference, triton_attention
+from pagefleet_kernels import torch_attention, triton_attention
 
 CONTEXT_LENS = [1, 15, 16, 17, 100, 300]
 GQA = [(4, 4), (6, 2), (8, 1)]  # (query heads, KV heads): ratios 1, 3, 8
@@ -41,8 +41,8 @@ def naive_attention(batch: PagedBatch) -> torch.Tensor:
 
 
 def check(batch: PagedBatch, cache: str, **kernel_kwargs) -> None:
-    """Kernel vs reference on the same cache; reference vs the naive loop on raw K/V."""
-    expected = batch.attention(reference)
+    """Kernel vs the torch backend on the same cache; torch backend vs the naive loop on raw K/V."""
+    expected = batch.attention(torch_attention)
     actual = batch.attention(triton_attention, **kernel_kwargs)
     atol, rtol = KERNEL_TOLERANCE[batch.query.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
@@ -112,8 +112,8 @@ def test_decode_batch_sizes(batch_size, device):
     ],
     ids=["spread", "alike", "two-groups"],
 )
-def test_reference_decode_length_buckets(context_lens, num_calls):
-    buckets = reference._decode_buckets(
+def test_torch_backend_decode_length_buckets(context_lens, num_calls):
+    buckets = torch_attention._decode_buckets(
         torch.argsort(torch.tensor(context_lens)), sorted(context_lens)
     )
     assert len(buckets) == num_calls
@@ -123,11 +123,11 @@ def test_reference_decode_length_buckets(context_lens, num_calls):
         assert longest == max(context_lens[i] for i in rows.tolist())
     batch = make_batch([1] * len(context_lens), context_lens, 6, 2, dtype=torch.float32)
     torch.testing.assert_close(
-        batch.attention(reference), naive_attention(batch), atol=1e-4, rtol=1e-4
+        batch.attention(torch_attention), naive_attention(batch), atol=1e-4, rtol=1e-4
     )
 
 
-def test_reference_plan_cache_is_reused_across_layers():
+def test_torch_backend_plan_cache_is_reused_across_layers():
     # Two "layers": the same batch layout, different queries and caches.
     query_lens, context_lens = [1, 17, 1, 5, 1, 33], [300, 17, 16, 100, 1, 300]
     first_layer = make_batch(query_lens, context_lens, 6, 2, seed=1)
@@ -141,13 +141,13 @@ def test_reference_plan_cache_is_reused_across_layers():
         ),
     ]
     plan_cache: dict = {}
-    first = layers[0].attention(reference, plan_cache=plan_cache)
-    plan = plan_cache["reference"]
-    second = layers[1].attention(reference, plan_cache=plan_cache)
-    assert plan_cache["reference"] is plan  # built once
+    first = layers[0].attention(torch_attention, plan_cache=plan_cache)
+    plan = plan_cache["torch"]
+    second = layers[1].attention(torch_attention, plan_cache=plan_cache)
+    assert plan_cache["torch"] is plan  # built once
     assert len(plan.decodes) == 1 and len(plan.prefills) == 3
-    torch.testing.assert_close(first, layers[0].attention(reference), atol=0, rtol=0)
-    torch.testing.assert_close(second, layers[1].attention(reference), atol=0, rtol=0)
+    torch.testing.assert_close(first, layers[0].attention(torch_attention), atol=0, rtol=0)
+    torch.testing.assert_close(second, layers[1].attention(torch_attention), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("num_segments", [1, 2, 4, 16])
@@ -259,7 +259,7 @@ def test_gpu_full_size(query_lens, context_lens, dtype, cache, device):
     batch = make_batch(
         query_lens, context_lens, *LLAMA3_8B, head_dim=128, dtype=dtype, cache=cache, device=device
     )
-    expected = batch.attention(reference)
+    expected = batch.attention(torch_attention)
     actual = batch.attention(triton_attention)
     atol, rtol = KERNEL_TOLERANCE[dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
@@ -315,5 +315,5 @@ def test_gpu_block_offsets_beyond_int32(cache, device):
         }
     )
     torch.testing.assert_close(
-        big.attention(triton_attention), small.attention(reference), atol=2e-3, rtol=2e-3
+        big.attention(triton_attention), small.attention(torch_attention), atol=2e-3, rtol=2e-3
     )

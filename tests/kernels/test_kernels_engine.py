@@ -86,7 +86,7 @@ def test_config_and_backend_choices(monkeypatch):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: bad})
     cpu = torch.device("cpu")
-    assert get_attention_backend("auto", cpu).__name__ == "pagefleet_kernels.reference"
+    assert get_attention_backend("auto", cpu).__name__ == "pagefleet_kernels.torch_attention"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_attention_backend("triton", cpu)
