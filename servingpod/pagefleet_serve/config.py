@@ -6,7 +6,8 @@ from dataclasses import dataclass
 BUILTIN_MODEL = "builtin://smollm2-135m"
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype; fp8 is float8 e4m3
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch elsewhere
+# auto: triton on CUDA, the C++ kernel (cpu) on the CPU when it builds, else torch
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # Weights (vLLM's --quantization): auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks on the CPU,
 # none expands them to the model dtype, int8 is weight-only int8 with a scale per row (CPU).
 QUANTIZATIONS = ("auto", "none", "int8")

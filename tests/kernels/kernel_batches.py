@@ -123,3 +123,22 @@ def make_batch(
         list(query_lens),
         head_dim**-0.5,
     )
+
+
+def naive_attention(batch: PagedBatch) -> torch.Tensor:
+    """A loop per sequence over the raw (never cached) K/V, in float32."""
+    out = torch.empty(batch.query.shape, dtype=torch.float32)
+    group = batch.query.shape[1] // batch.key.shape[1]
+    kv_start = 0
+    for i, q_len in enumerate(batch.query_lens):
+        ctx = int(batch.seq_lens[i])
+        q0 = int(batch.query_start_loc[i])
+        q = batch.query[q0 : q0 + q_len].float().cpu()  # (L, Hq, D)
+        k = batch.key[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
+        v = batch.value[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
+        scores = torch.einsum("lhd,shd->hls", q, k) * batch.scale  # (Hq, L, S)
+        q_pos = torch.arange(ctx - q_len, ctx)
+        scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos[:, None], float("-inf"))
+        out[q0 : q0 + q_len] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+        kv_start += ctx
+    return out

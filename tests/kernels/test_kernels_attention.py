@@ -12,32 +12,19 @@ import itertools
 import pytest
 import torch
 from conftest import requires_cuda
-from kernel_batches import KERNEL_TOLERANCE, QUANTIZATION_TOLERANCE, PagedBatch, make_batch
+from kernel_batches import (
+    KERNEL_TOLERANCE,
+    QUANTIZATION_TOLERANCE,
+    PagedBatch,
+    make_batch,
+    naive_attention,
+)
 from pagefleet_kernels import torch_attention, triton_attention
 
 CONTEXT_LENS = [1, 15, 16, 17, 100, 300]
 GQA = [(4, 4), (6, 2), (8, 1)]  # (query heads, KV heads): ratios 1, 3, 8
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CACHES = ["auto", "int8", "fp8"]
-
-
-def naive_attention(batch: PagedBatch) -> torch.Tensor:
-    """A loop per sequence over the raw (never cached) K/V, in float32."""
-    out = torch.empty(batch.query.shape, dtype=torch.float32)
-    group = batch.query.shape[1] // batch.key.shape[1]
-    kv_start = 0
-    for i, q_len in enumerate(batch.query_lens):
-        ctx = int(batch.seq_lens[i])
-        q0 = int(batch.query_start_loc[i])
-        q = batch.query[q0 : q0 + q_len].float().cpu()  # (L, Hq, D)
-        k = batch.key[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
-        v = batch.value[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
-        scores = torch.einsum("lhd,shd->hls", q, k) * batch.scale  # (Hq, L, S)
-        q_pos = torch.arange(ctx - q_len, ctx)
-        scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos[:, None], float("-inf"))
-        out[q0 : q0 + q_len] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
-        kv_start += ctx
-    return out
 
 
 def check(batch: PagedBatch, cache: str, **kernel_kwargs) -> None:
