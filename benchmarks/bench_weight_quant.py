@@ -3,7 +3,8 @@
 Perplexity of SmolLM2-135M-Instruct over /usr/share/common-licenses/GPL-3 (the corpus and
 the windowed, chunked scoring of bench_kvquant.py) with its Q4_1 weights expanded to
 float32 (`--quantization none`), kept as int4 (`auto`, the GGUF's own quantization) and
-requantized to int8 per output row (`int8`); activations float32 throughout. `auto` computes
+requantized to int8 per output row (`int8`); activations float32 throughout (slow for `auto`
+and `int8`: PyTorch's weight-only CPU kernels take a slow path for float32). `auto` computes
 with exactly the expanded weights, so its perplexity must equal `none`'s up to float32
 summation order. Prints a table and writes JSON.
 """
