@@ -1,4 +1,4 @@
-"""The engine's decode step against its GEMMs alone (`make bench-step`).
+"""The engine's decode step against its GEMMs alone (`python benchmarks/bench_engine_step.py`).
 
 For each decode batch size (1, 8, 64 by default): that many requests with prompts of
 `--prompt-len` tokens of real English text are prefilled, then `LLMEngine.step` is timed

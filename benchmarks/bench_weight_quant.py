@@ -1,4 +1,4 @@
-"""Weight quantization quality on the built-in model (`make bench-weight-quant`).
+"""Weight quantization quality on the built-in model (`python benchmarks/bench_weight_quant.py`).
 
 Perplexity of SmolLM2-135M-Instruct over /usr/share/common-licenses/GPL-3 (the corpus and
 the windowed, chunked scoring of bench_kvquant.py) with its Q4_1 weights expanded to
