@@ -48,8 +48,11 @@ PROMPTS = [
 
 
 @torch.inference_mode()
-def perplexity(kv_cache_dtype: str, token_ids: list[int], window: int, chunk: int) -> dict:
-    loaded = load_model(MODEL, torch.float32)
+def perplexity(
+    kv_cache_dtype: str, token_ids: list[int], window: int, chunk: int, quantization: str = "none"
+) -> dict:
+    """`quantization`: of the weights (see bench_weight_quant.py); float32 expanded here."""
+    loaded = load_model(MODEL, torch.float32, quantization)
     runner = ModelRunner(
         loaded, torch.device("cpu"), torch.float32, BLOCK_SIZE, "auto", kv_cache_dtype
     )

@@ -1,7 +1,8 @@
 """Attention kernels over the paged KV cache.
 
-`reference` holds the PyTorch implementations the engine runs on the CPU; they are also
-the ground truth the Triton kernels are tested against. Every implementation shares one
+`torch_attention` holds the PyTorch backend the engine runs on the CPU, tuned (batched
+decode buckets, one plan per forward pass); the Triton kernels are tested against it, and
+both against a naive per-sequence loop in the tests. `backend` states the contract. Every implementation shares one
 layout:
 
 - key_cache / value_cache: (num_blocks, block_size, num_kv_heads, head_dim)
@@ -11,6 +12,7 @@ layout:
 - query_start_loc: (num_seqs + 1,) int64 offsets of each sequence's query tokens
 """
 
-from pagefleet_kernels.reference import paged_attention, write_kv_cache
+from pagefleet_kernels.backend import AttentionBackend, AttentionMetadata
+from pagefleet_kernels.torch_attention import paged_attention, write_kv_cache
 
-__all__ = ["paged_attention", "write_kv_cache"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "paged_attention", "write_kv_cache"]

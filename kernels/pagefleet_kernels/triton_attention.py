@@ -1,4 +1,4 @@
-"""Triton kernels over the paged KV cache: the GPU twin of `reference`.
+"""Triton kernels over the paged KV cache: the GPU twin of `torch_attention`.
 
 Same two functions, same arguments, same layout (see the package docstring), so the engine
 picks either as its attention backend and nothing else differs.
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from pagefleet_kernels.kv_cache import QMAX, SCALE_DTYPE, is_quantized
-from pagefleet_kernels.reference import MIN_AMAX
+from pagefleet_kernels.torch_attention import MIN_AMAX
 
 _LOG2E = 1.4426950408889634
 _MAX_SEGMENTS = 16
@@ -41,7 +41,7 @@ def _round_half_even(y):
 def _quantize_rows(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr, MIN_AMAX: tl.constexpr):
     """x: (R, C) fp32 -> codes (R, C) fp32 lying on the code grid, scale (R,) fp32.
 
-    Bit-identical to `reference.quantize_kv`: IEEE divisions, round to nearest even."""
+    Bit-identical to `torch_attention.quantize_kv`: IEEE divisions, round to nearest even."""
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), QMAX)  # (R,)
     y = tl.math.div_rn(x, scale[:, None])  # (R, C)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
@@ -455,6 +455,10 @@ def _num_segments(num_programs: int, max_context: int, tile_n: int, device: torc
     return segments
 
 
+def prepare(metadata, block_size: int, sliding_windows: set[int | None]) -> None:
+    """Nothing to build ahead: each launch finds its sequences from query_start_loc."""
+
+
 def paged_attention(
     query: torch.Tensor,  # (T, Hq, D)
     key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
@@ -468,7 +472,7 @@ def paged_attention(
     value_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hkv) float32
     *,
     num_segments: int | None = None,  # decode-only batches; None: chosen from the grid size
-    plan_cache: dict | None = None,  # the reference's per-pass cache; a launch needs none
+    plan_cache: dict | None = None,  # the torch backend's per-pass cache; a launch needs none
     sliding_window: int | None = None,  # not implemented here: models with one are refused
     softcap: float | None = None,  # likewise
 ) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
-from pagefleet_kernels import reference
+from pagefleet_kernels import torch_attention
 
 BLOCK_SIZE = 4
 WINDOW = 8
@@ -47,7 +47,7 @@ def test_sliding_window_reads_only_the_window():
         slots = torch.tensor(
             [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(ctx)]
         )
-        reference.write_kv_cache(k, v, key_cache, value_cache, slots)
+        torch_attention.write_kv_cache(k, v, key_cache, value_cache, slots)
         dense.append((k, v))
         first_key = max(0, ctx - q_len - WINDOW + 1)  # of the first query
         outside += blocks[: first_key // BLOCK_SIZE]
@@ -60,7 +60,7 @@ def test_sliding_window_reads_only_the_window():
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
     seq_lens = torch.tensor([ctx for ctx, _ in BATCH], dtype=torch.int32)
     scale = HEAD_DIM**-0.5
-    out = reference.paged_attention(
+    out = torch_attention.paged_attention(
         query,
         key_cache,
         value_cache,

@@ -1,22 +1,22 @@
 """Random paged batches for the kernel tests: a block pool with shuffled block ids, each
-sequence's context written through the reference, and the query chunk at its end."""
+sequence's context written through the torch backend, and the query chunk at its end."""
 
 from dataclasses import dataclass
 
 import torch
-from pagefleet_kernels import reference
+from pagefleet_kernels import torch_attention
 from pagefleet_kernels.kv_cache import SCALE_DTYPE, is_quantized
 
 CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
-# Triton kernel vs the reference on the same cache (codes and scales identical): the
+# Triton kernel vs the torch backend on the same cache (codes and scales identical): the
 # difference is summation order and the rounding of the query dtype. (atol, rtol)
 KERNEL_TOLERANCE = {
     torch.float32: (1e-4, 1e-4),
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (1.5e-2, 1e-2),
 }
-# A quantized cache vs the unquantized one, both through the reference, inputs ~ N(0, 1):
+# A quantized cache vs the unquantized one, both through the torch backend, inputs ~ N(0, 1):
 # the error of the stored K/V themselves. (atol, rtol)
 QUANTIZATION_TOLERANCE = {"int8": (3e-2, 3e-2), "fp8": (1.5e-1, 1e-1)}
 
@@ -99,7 +99,7 @@ def make_batch(
         key_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE)
         value_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE)
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
-    reference.write_kv_cache(
+    torch_attention.write_kv_cache(
         key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale
     )
     query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
@@ -123,3 +123,22 @@ def make_batch(
         list(query_lens),
         head_dim**-0.5,
     )
+
+
+def naive_attention(batch: PagedBatch) -> torch.Tensor:
+    """A loop per sequence over the raw (never cached) K/V, in float32."""
+    out = torch.empty(batch.query.shape, dtype=torch.float32)
+    group = batch.query.shape[1] // batch.key.shape[1]
+    kv_start = 0
+    for i, q_len in enumerate(batch.query_lens):
+        ctx = int(batch.seq_lens[i])
+        q0 = int(batch.query_start_loc[i])
+        q = batch.query[q0 : q0 + q_len].float().cpu()  # (L, Hq, D)
+        k = batch.key[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
+        v = batch.value[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
+        scores = torch.einsum("lhd,shd->hls", q, k) * batch.scale  # (Hq, L, S)
+        q_pos = torch.arange(ctx - q_len, ctx)
+        scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos[:, None], float("-inf"))
+        out[q0 : q0 + q_len] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+        kv_start += ctx
+    return out

@@ -1,4 +1,4 @@
-"""Paged attention: the Triton kernel against the PyTorch reference, the reference against
+"""Paged attention: the Triton kernel against the torch backend, the torch backend against
 a naive per-sequence loop over the raw K/V.
 
 On the CPU the kernel runs in the Triton interpreter on small shapes (the fast set runs in
@@ -12,8 +12,14 @@ import itertools
 import pytest
 import torch
 from conftest import requires_cuda
-from kernel_batches import KERNEL_TOLERANCE, QUANTIZATION_TOLERANCE, PagedBatch, make_batch
-from pagefleet_kernels import reference, triton_attention
+from kernel_batches import (
+    KERNEL_TOLERANCE,
+    QUANTIZATION_TOLERANCE,
+    PagedBatch,
+    make_batch,
+    naive_attention,
+)
+from pagefleet_kernels import torch_attention, triton_attention
 
 CONTEXT_LENS = [1, 15, 16, 17, 100, 300]
 GQA = [(4, 4), (6, 2), (8, 1)]  # (query heads, KV heads): ratios 1, 3, 8
@@ -21,28 +27,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CACHES = ["auto", "int8", "fp8"]
 
 
-def naive_attention(batch: PagedBatch) -> torch.Tensor:
-    """A loop per sequence over the raw (never cached) K/V, in float32."""
-    out = torch.empty(batch.query.shape, dtype=torch.float32)
-    group = batch.query.shape[1] // batch.key.shape[1]
-    kv_start = 0
-    for i, q_len in enumerate(batch.query_lens):
-        ctx = int(batch.seq_lens[i])
-        q0 = int(batch.query_start_loc[i])
-        q = batch.query[q0 : q0 + q_len].float().cpu()  # (L, Hq, D)
-        k = batch.key[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
-        v = batch.value[kv_start : kv_start + ctx].float().cpu().repeat_interleave(group, dim=1)
-        scores = torch.einsum("lhd,shd->hls", q, k) * batch.scale  # (Hq, L, S)
-        q_pos = torch.arange(ctx - q_len, ctx)
-        scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos[:, None], float("-inf"))
-        out[q0 : q0 + q_len] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
-        kv_start += ctx
-    return out
-
-
 def check(batch: PagedBatch, cache: str, **kernel_kwargs) -> None:
-    """Kernel vs reference on the same cache; reference vs the naive loop on raw K/V."""
-    expected = batch.attention(reference)
+    """Kernel vs the torch backend on the same cache; torch backend vs the naive loop on raw K/V."""
+    expected = batch.attention(torch_attention)
     actual = batch.attention(triton_attention, **kernel_kwargs)
     atol, rtol = KERNEL_TOLERANCE[batch.query.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
@@ -112,8 +99,8 @@ def test_decode_batch_sizes(batch_size, device):
     ],
     ids=["spread", "alike", "two-groups"],
 )
-def test_reference_decode_length_buckets(context_lens, num_calls):
-    buckets = reference._decode_buckets(
+def test_torch_backend_decode_length_buckets(context_lens, num_calls):
+    buckets = torch_attention._decode_buckets(
         torch.argsort(torch.tensor(context_lens)), sorted(context_lens)
     )
     assert len(buckets) == num_calls
@@ -123,11 +110,11 @@ def test_reference_decode_length_buckets(context_lens, num_calls):
         assert longest == max(context_lens[i] for i in rows.tolist())
     batch = make_batch([1] * len(context_lens), context_lens, 6, 2, dtype=torch.float32)
     torch.testing.assert_close(
-        batch.attention(reference), naive_attention(batch), atol=1e-4, rtol=1e-4
+        batch.attention(torch_attention), naive_attention(batch), atol=1e-4, rtol=1e-4
     )
 
 
-def test_reference_plan_cache_is_reused_across_layers():
+def test_torch_backend_plan_cache_is_reused_across_layers():
     # Two "layers": the same batch layout, different queries and caches.
     query_lens, context_lens = [1, 17, 1, 5, 1, 33], [300, 17, 16, 100, 1, 300]
     first_layer = make_batch(query_lens, context_lens, 6, 2, seed=1)
@@ -141,13 +128,13 @@ def test_reference_plan_cache_is_reused_across_layers():
         ),
     ]
     plan_cache: dict = {}
-    first = layers[0].attention(reference, plan_cache=plan_cache)
-    plan = plan_cache["reference"]
-    second = layers[1].attention(reference, plan_cache=plan_cache)
-    assert plan_cache["reference"] is plan  # built once
+    first = layers[0].attention(torch_attention, plan_cache=plan_cache)
+    plan = plan_cache["torch"]
+    second = layers[1].attention(torch_attention, plan_cache=plan_cache)
+    assert plan_cache["torch"] is plan  # built once
     assert len(plan.decodes) == 1 and len(plan.prefills) == 3
-    torch.testing.assert_close(first, layers[0].attention(reference), atol=0, rtol=0)
-    torch.testing.assert_close(second, layers[1].attention(reference), atol=0, rtol=0)
+    torch.testing.assert_close(first, layers[0].attention(torch_attention), atol=0, rtol=0)
+    torch.testing.assert_close(second, layers[1].attention(torch_attention), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("num_segments", [1, 2, 4, 16])
@@ -259,7 +246,7 @@ def test_gpu_full_size(query_lens, context_lens, dtype, cache, device):
     batch = make_batch(
         query_lens, context_lens, *LLAMA3_8B, head_dim=128, dtype=dtype, cache=cache, device=device
     )
-    expected = batch.attention(reference)
+    expected = batch.attention(torch_attention)
     actual = batch.attention(triton_attention)
     atol, rtol = KERNEL_TOLERANCE[dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
@@ -315,5 +302,5 @@ def test_gpu_block_offsets_beyond_int32(cache, device):
         }
     )
     torch.testing.assert_close(
-        big.attention(triton_attention), small.attention(reference), atol=2e-3, rtol=2e-3
+        big.attention(triton_attention), small.attention(torch_attention), atol=2e-3, rtol=2e-3
     )

@@ -86,7 +86,10 @@ def test_config_and_backend_choices(monkeypatch):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: bad})
     cpu = torch.device("cpu")
-    assert get_attention_backend("auto", cpu).__name__ == "pagefleet_kernels.reference"
+    from pagefleet_kernels import cpu_attention
+
+    expected = "cpu_attention" if cpu_attention.available() else "torch_attention"
+    assert get_attention_backend("auto", cpu).__name__ == f"pagefleet_kernels.{expected}"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_attention_backend("triton", cpu)

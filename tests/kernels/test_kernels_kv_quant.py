@@ -1,10 +1,10 @@
-"""The cache write (Triton vs reference, bit for bit) and the int8 / fp8 quantization."""
+"""The cache write (Triton vs the torch backend, bit for bit) and the int8 / fp8 quantization."""
 
 import pytest
 import torch
 from conftest import requires_cuda
 from kernel_batches import CACHE_DTYPES
-from pagefleet_kernels import reference, triton_attention
+from pagefleet_kernels import torch_attention, triton_attention
 from pagefleet_kernels.kv_cache import (
     SCALE_DTYPE,
     bytes_per_token_head,
@@ -40,7 +40,9 @@ def check_write(num_tokens, num_kv_heads, head_dim, block_size, dtype, cache, de
     slot_mapping = slot_mapping.to(device)
     expected = empty_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, cache, device)
     actual = empty_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, cache, device)
-    reference.write_kv_cache(key, value, expected[0], expected[1], slot_mapping, *expected[2:])
+    torch_attention.write_kv_cache(
+        key, value, expected[0], expected[1], slot_mapping, *expected[2:]
+    )
     triton_attention.write_kv_cache(key, value, actual[0], actual[1], slot_mapping, *actual[2:])
     for want, got in zip(expected, actual, strict=True):
         if want is not None:
@@ -68,15 +70,15 @@ def test_gpu_write_full_size(cache, device):
 
 def test_quantization_error_bounds():
     x = torch.randn(1000, 64, generator=torch.Generator().manual_seed(0)) * 5
-    codes, scale = reference.quantize_kv(x, torch.int8)
+    codes, scale = torch_attention.quantize_kv(x, torch.int8)
     assert codes.dtype == torch.int8 and scale.shape == (1000,)
     assert codes.abs().amax(-1).eq(127).all()  # the row's largest value uses the full range
-    error = (reference.dequantize_kv(codes, scale, torch.float32) - x).abs()
+    error = (torch_attention.dequantize_kv(codes, scale, torch.float32) - x).abs()
     assert (error <= scale[:, None] / 2 * (1 + 1e-5)).all()  # half a step
 
-    codes, scale = reference.quantize_kv(x, torch.float8_e4m3fn)
+    codes, scale = torch_attention.quantize_kv(x, torch.float8_e4m3fn)
     assert codes.float().abs().amax(-1).eq(448).all()
-    deq = reference.dequantize_kv(codes, scale, torch.float32)
+    deq = torch_attention.dequantize_kv(codes, scale, torch.float32)
     # e4m3: 3 mantissa bits, half a step is 2**-4 relative; below 2**-6 (in code units) the
     # step is a fixed 2**-9.
     bound = torch.maximum(x.abs() * 2**-4, scale[:, None] * 2**-10) * (1 + 1e-5)
@@ -85,15 +87,15 @@ def test_quantization_error_bounds():
 
 def test_a_row_of_zeros_stays_zero():
     for dtype in (torch.int8, torch.float8_e4m3fn):
-        codes, scale = reference.quantize_kv(torch.zeros(2, 16), dtype)
+        codes, scale = torch_attention.quantize_kv(torch.zeros(2, 16), dtype)
         assert torch.isfinite(scale).all() and (scale > 0).all()
-        assert reference.dequantize_kv(codes, scale, torch.float32).eq(0).all()
+        assert torch_attention.dequantize_kv(codes, scale, torch.float32).eq(0).all()
 
 
 def test_reference_rejects_missing_scales():
     caches = empty_cache(4, 16, 2, 16, torch.float32, "int8", "cpu")
     with pytest.raises(ValueError, match="needs scales"):
-        reference.write_kv_cache(
+        torch_attention.write_kv_cache(
             torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), caches[0], caches[1], torch.tensor([0])
         )
 

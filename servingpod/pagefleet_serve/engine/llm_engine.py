@@ -110,13 +110,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def weight_quantization(config: EngineConfig, device: torch.device) -> str:
+    """The quantization the loader applies: the packed weight-only kernels are CPU ones, so
+    on CUDA `auto` expands (int8 is refused)."""
+    if device.type == "cpu" or config.quantization == "none":
+        return config.quantization
+    if config.quantization == "int8":
+        raise ValueError(f"quantization 'int8' runs on the CPU only, got device {device}")
+    return "none"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.monotonic()
-        loaded = load_model(config.model, self.dtype)
+        loaded = load_model(config.model, self.dtype, weight_quantization(config, self.device))
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

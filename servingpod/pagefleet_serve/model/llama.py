@@ -13,11 +13,14 @@ at load time (one matmul each).
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pagefleet_kernels.backend import AttentionMetadata
 from torch import nn
+
+from pagefleet_serve.model.quant import QuantizedLinear, QuantizedWeight
 
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
@@ -78,18 +81,6 @@ class ModelConfig:
         if self.sliding_layers is not None and not self.sliding_layers[layer]:
             return None
         return self.sliding_window
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) int64
-    block_tables: torch.Tensor  # (B, max_blocks) int32
-    seq_lens: torch.Tensor  # (B,) int32, context length including this step's tokens
-    query_start_loc: torch.Tensor  # (B + 1,) int64
-    query_lens: list[int]  # host copy
-    # Shared by every layer's attention call of this forward pass: the backend keeps work
-    # that depends on the batch layout alone here.
-    plan_cache: dict = field(default_factory=dict)
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -274,6 +265,8 @@ class LlamaForCausalLM(nn.Module):
         local_rope = rope
         if self.config.local_rope_theta is not None:
             local_rope = self._rope(positions, self.inv_freq_local, x.dtype)
+        windows = {layer.self_attn.sliding_window for layer in self.layers}
+        self.layers[0].self_attn.backend.prepare(attn, kv_caches[0].key.shape[1], windows)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             cos, sin = local_rope if layer.self_attn.sliding_window else rope
             x = layer(x, cos, sin, kv_cache, attn)
@@ -290,9 +283,11 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
         """Load Hugging Face LlamaForCausalLM names (`model.` prefix optional), fusing
-        q/k/v (weights and biases) and gate/up."""
+        q/k/v (weights and biases) and gate/up. A matrix given as a QuantizedWeight turns
+        its layer into a QuantizedLinear (the embedding table is expanded: a lookup reads
+        a few rows, not the whole table)."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
         weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
         for i in range(self.config.num_layers):
@@ -300,15 +295,21 @@ class LlamaForCausalLM(nn.Module):
             if p + "self_attn.qkv_proj.weight" in weights:  # Phi-3 checkpoints come fused
                 continue
             for kind in ("weight", "bias") if self.config.qkv_bias else ("weight",):
-                weights[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+                weights[p + f"self_attn.qkv_proj.{kind}"] = _cat_rows(
                     [weights.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
                 )
-            weights[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            weights[p + "mlp.gate_up_proj.weight"] = _cat_rows(
                 [weights.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
             )
         if self.config.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-            weights["lm_head.weight"] = weights["embed_tokens.weight"]
+            weights.setdefault("lm_head.weight", weights["embed_tokens.weight"])
+            if not isinstance(weights["lm_head.weight"], QuantizedWeight):
+                weights["lm_head.weight"] = weights["embed_tokens.weight"]
+        embedding = weights["embed_tokens.weight"]
+        if isinstance(embedding, QuantizedWeight):
+            weights["embed_tokens.weight"] = embedding.dequantize()
+        for name in [n for n, w in weights.items() if isinstance(w, QuantizedWeight)]:
+            self._quantize_layer(name.removesuffix(".weight"), weights.pop(name), weights)
         missing, unexpected = self.load_state_dict(weights, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(
@@ -319,3 +320,16 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(self.config)
         if self.config.local_rope_theta is not None:
             self.inv_freq_local = rope_inv_freq(self.config, True)
+
+    def _quantize_layer(self, path: str, weight: QuantizedWeight, weights: dict) -> None:
+        """Swap the Linear at `path` for a QuantizedLinear of `weight` (and its bias)."""
+        parent_path, _, attr = path.rpartition(".")
+        parent = self.get_submodule(parent_path) if parent_path else self
+        setattr(parent, attr, QuantizedLinear(weight, weights.pop(path + ".bias", None)))
+
+
+def _cat_rows(parts: list) -> torch.Tensor | QuantizedWeight:
+    """Fuse matrices (or biases) along their output rows, quantized or not."""
+    if isinstance(parts[0], QuantizedWeight):
+        return QuantizedWeight.cat_rows(parts)
+    return torch.cat(parts)

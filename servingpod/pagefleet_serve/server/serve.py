@@ -11,7 +11,13 @@ import time
 
 from pagefleet_flags import EnvFlags
 
-from pagefleet_serve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig, parse_bytes
+from pagefleet_serve.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    parse_bytes,
+)
 from pagefleet_serve.server.settings import SCHEDULING_POLICIES, ServerSettings
 from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -97,6 +103,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         'speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (default: off)',
         default=None,
+    )
+    flag(
+        "--quantization",
+        "weights: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks quantized (CPU), none expands "
+        "them to --dtype, int8 is weight-only int8 with a scale per output row (CPU)",
+        default=engine("quantization"),
+        choices=QUANTIZATIONS,
     )
     flag("--dtype", "model dtype: auto, float32, float16 or bfloat16", default=engine("dtype"))
     flag("--device", "auto, cpu or cuda[:N]", default=engine("device"))
@@ -203,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
             attention_backend=args.attention_backend,
+            quantization=args.quantization,
             seed=args.seed,
             speculative_config=args.speculative_config,
         )

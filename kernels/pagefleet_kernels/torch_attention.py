@@ -1,4 +1,5 @@
-"""PyTorch reference attention over the paged KV cache (the CPU path).
+"""The PyTorch attention backend over the paged KV cache (the CPU path, and every feature
+on CUDA too).
 
 Decode rows (one query token) of a batch are computed together, with no Python loop over
 sequences; prefill chunks are computed one sequence at a time, each attending causally to
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagefleet_kernels.backend import AttentionMetadata
 from pagefleet_kernels.kv_cache import QMAX, SCALE_DTYPE, is_quantized
 
 # Decode rows are attended in at most this many length buckets of at least this many rows;
@@ -210,6 +212,20 @@ def _attend(
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def prepare(metadata: AttentionMetadata, block_size: int, sliding_windows: set[int | None]) -> None:
+    """Build the plan of every window the model uses, once per forward pass."""
+    for window in sliding_windows:
+        key = "torch" if window is None else ("torch", window)
+        metadata.plan_cache[key] = _build_plan(
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            metadata.query_lens,
+            block_size,
+            window,
+        )
+
+
 def paged_attention(
     query: torch.Tensor,  # (T, Hq, D)
     key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
@@ -242,7 +258,7 @@ def paged_attention(
     if query_lens is None:
         query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     # Layers with and without a window (Gemma alternates them) keep a plan each.
-    plan_key = "reference" if sliding_window is None else ("reference", sliding_window)
+    plan_key = "torch" if sliding_window is None else ("torch", sliding_window)
     plan = None if plan_cache is None else plan_cache.get(plan_key)
     if plan is None:
         plan = _build_plan(

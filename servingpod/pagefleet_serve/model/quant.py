@@ -1,0 +1,188 @@
+"""Weights kept quantized: GGUF's Q4_0/Q4_1/Q8_0 blocks and int8 weight-only, multiplied
+as they are stored.
+
+A `QuantizedWeight` is what the loader hands over in place of a float matrix: integer
+codes (out_features, in_features) with float scales and zero points per group of
+`group_size` consecutive inputs of one output row. The model fuses q/k/v and gate/up by
+concatenating rows (`cat_rows`), then `QuantizedLinear` packs the codes for PyTorch's
+weight-only CPU kernels:
+
+- 4-bit codes (Q4_0, Q4_1): `torch._weight_int4pack_mm_for_cpu`, groups of 32, which
+  computes with w = (code - 8) * scale + zero. Q4_1 stores w = code * d + m, so
+  scale = d and zero = m + 8 * d; Q4_0 stores w = (code - 8) * d, so zero = 0.
+- 8-bit codes with one scale per output row (int8 weight-only): `torch._weight_int8pack_mm`.
+- 8-bit codes with a scale per 32 inputs (Q8_0) fit neither directly; a code c in
+  [-128, 127] is 16 * hi + lo with hi in [-8, 7] and lo in [0, 15], so the matrix is the sum
+  of two 4-bit matrices: hi with scale 16 * d and zero 0, lo with scale d and zero 8 * d.
+  Two int4 products read one byte per weight, as int8 would, and compute with the exact
+  weights.
+
+Every weight is exactly what dequantizing the GGUF gives (the scales are float16 values,
+held in float32); only the order of the additions differs from a float matmul.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("auto", "none", "int8")  # auto: a GGUF's own; none: expand; int8: per row
+GGUF_GROUP = 32  # weights per Q4_0/Q4_1/Q8_0 block
+INT4_OFFSET = 8  # the int4 kernel's implicit zero code
+
+
+@dataclass
+class QuantizedWeight:
+    """codes (N, K): uint8 in [0, 15] (bits 4) or int8 (bits 8); scale, zero (N, K / group)
+    float32, zero None when w = code * scale."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix these codes stand for (what a float model would load)."""
+        codes = self.codes.float()
+        if self.bits == 4:
+            codes = codes - INT4_OFFSET
+        scale = self.scale.repeat_interleave(self.group_size, dim=1)
+        w = codes * scale
+        if self.zero is not None:
+            w = w + self.zero.repeat_interleave(self.group_size, dim=1)
+        return w
+
+    @staticmethod
+    def cat_rows(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """The row-wise concatenation (fused q/k/v, gate/up) of weights quantized alike."""
+        first = parts[0]
+        kinds = {(p.bits, p.group_size, p.zero is None) for p in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"cannot fuse weights quantized differently: {sorted(kinds)}")
+        zero = None if first.zero is None else torch.cat([p.zero for p in parts])
+        return QuantizedWeight(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            zero,
+            first.bits,
+            first.group_size,
+        )
+
+    def permute_rows(self, index: np.ndarray) -> "QuantizedWeight":
+        index = torch.from_numpy(index)
+        zero = None if self.zero is None else self.zero[index]
+        return QuantizedWeight(
+            self.codes[index], self.scale[index], zero, self.bits, self.group_size
+        )
+
+
+# -- GGUF blocks -> codes and scales -------------------------------------------------------
+def _f16(blocks: np.ndarray, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of every block, as float32 (exact)."""
+    return torch.from_numpy(blocks[..., start : start + 2].copy().view(np.float16)[..., 0]).float()
+
+
+def _nibbles(qs: np.ndarray) -> torch.Tensor:
+    """16 bytes per block -> 32 codes: the low nibbles are weights 0-15, the high 16-31."""
+    qs = torch.from_numpy(qs.copy())
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def from_gguf(data: np.ndarray, type_name: str) -> QuantizedWeight:
+    """A GGUF tensor's raw blocks, (N, K / 32 * block bytes) uint8, as a QuantizedWeight."""
+    rows = data.shape[0]
+    if type_name == "Q4_0":  # d (f16), 16 bytes of nibbles; w = (q - 8) * d
+        blocks = data.reshape(rows, -1, 18)
+        codes, scale, zero = _nibbles(blocks[..., 2:]), _f16(blocks, 0), None
+    elif type_name == "Q4_1":  # d, m (f16), 16 bytes of nibbles; w = q * d + m
+        blocks = data.reshape(rows, -1, 20)
+        scale, minimum = _f16(blocks, 0), _f16(blocks, 2)
+        codes, zero = _nibbles(blocks[..., 4:]), minimum + INT4_OFFSET * scale
+    elif type_name == "Q8_0":  # d (f16), 32 int8; w = q * d
+        blocks = data.reshape(rows, -1, 34)
+        scale, zero = _f16(blocks, 0), None
+        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))
+        return QuantizedWeight(codes.reshape(rows, -1), scale, zero, 8, GGUF_GROUP)
+    else:
+        raise ValueError(f"GGUF type {type_name} is not kept quantized (Q4_0, Q4_1, Q8_0 are)")
+    return QuantizedWeight(codes.reshape(rows, -1), scale, zero, 4, GGUF_GROUP)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 with one scale per output row (weight-only, round to nearest)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+    codes = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(codes, scale, None, 8, w.shape[1])
+
+
+# -- the layer ----------------------------------------------------------------------------
+def _pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
+    """uint8 codes in [0, 15] (N, K) -> the CPU kernel's packed matrix and its
+    (K / group, N, 2) scales and zeros."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    zero = torch.zeros_like(scale) if zero is None else zero
+    return packed, torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ bias) with W kept in its quantized form (CPU only)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        # 4-bit parts, each (packed codes, scales and zeros); a Q8_0 matrix is two of them.
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if weight.bits == 4:
+            parts.append(_pack_int4(weight.codes, weight.scale, weight.zero))
+        elif weight.group_size != self.in_features:  # int8 codes per group (Q8_0)
+            codes = weight.codes.to(torch.int16)
+            hi, lo = torch.div(codes, 16, rounding_mode="floor"), codes % 16
+            parts.append(_pack_int4((hi + INT4_OFFSET).to(torch.uint8), 16 * weight.scale, None))
+            parts.append(_pack_int4(lo.to(torch.uint8), weight.scale, INT4_OFFSET * weight.scale))
+        self.num_int4_parts = len(parts)
+        # Buffers, not parameters, and not in the state dict: built from the checkpoint's
+        # codes at load, never loaded by name.
+        for i, (packed, scales_and_zeros) in enumerate(parts):
+            self.register_buffer(f"packed_{i}", packed, persistent=False)
+            self.register_buffer(f"scales_and_zeros_{i}", scales_and_zeros, persistent=False)
+        if not parts:  # int8 with one scale per row
+            self.register_buffer("int8_codes", weight.codes, persistent=False)
+            self.register_buffer("int8_scale", weight.scale[:, 0].contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.num_int4_parts:
+            y = None
+            for i in range(self.num_int4_parts):
+                part = torch._weight_int4pack_mm_for_cpu(
+                    flat,
+                    getattr(self, f"packed_{i}"),
+                    self.group_size,
+                    getattr(self, f"scales_and_zeros_{i}"),
+                )
+                y = part if y is None else y.add_(part)
+        else:
+            y = torch._weight_int8pack_mm(flat, self.int8_codes, self.int8_scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "int8 per row" if not self.num_int4_parts else f"{self.num_int4_parts} x int4"
+        return f"in={self.in_features}, out={self.out_features}, {kind}"
+
+
+def as_linear_weight(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A float matrix for layers that are not kept quantized (e.g. the embedding table)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.dequantize().to(dtype)
+    return weight

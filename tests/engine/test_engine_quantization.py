@@ -1,0 +1,127 @@
+"""Weights kept quantized: GGUF Q4_0/Q4_1/Q8_0 and int8 weight-only.
+
+The codes must stand for exactly the weights the `gguf` package dequantizes to; the packed
+matmul must equal dequantize-then-matmul up to float32 summation order; and the built-in
+model served with its own Q4_1 weights must generate greedily what the expanded model does.
+"""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from pagefleet_serve import SamplingParams
+from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.model.llama import LlamaForCausalLM
+from pagefleet_serve.model.loader import builtin_gguf_path, load_model
+from pagefleet_serve.model.quant import QuantizedLinear, from_gguf, quantize_int8
+
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def gguf_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    weight = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
+    weight[:, :8] += 0.3  # a skewed group: Q4_1's minimum is not -max
+    return gguf.quants.quantize(weight, getattr(gguf.GGMLQuantizationType, type_name))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    error = (actual - expected).detach().abs().max()
+    return float(error / expected.detach().abs().max())
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_codes_stand_for_the_dequantized_weights_exactly(type_name):
+    blocks = gguf_blocks(type_name, 96, 256)
+    expected = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, type_name))
+    weight = from_gguf(blocks, type_name)
+    assert weight.shape == (96, 256)
+    torch.testing.assert_close(weight.dequantize(), torch.from_numpy(expected), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 7, 64])
+def test_quantized_matmul_equals_dequantize_then_matmul(type_name, rows):
+    weight = from_gguf(gguf_blocks(type_name, 192, 576), type_name)
+    bias = torch.randn(192)
+    x = torch.randn(rows, 576)
+    expected = x @ weight.dequantize().T + bias
+    actual = QuantizedLinear(weight, bias)(x)
+    assert actual.shape == (rows, 192)
+    assert relative_error(actual, expected) < 1e-5
+
+
+def test_real_q4_1_and_q8_0_tensors_of_the_builtin_model():
+    reader = gguf.GGUFReader(str(builtin_gguf_path()))
+    tensors = {t.name: t for t in reader.tensors}
+    x = torch.randn(5, 576)
+    for name, rows in (("blk.0.ffn_gate.weight", None), ("token_embd.weight", 512)):
+        tensor = tensors[name]
+        assert tensor.tensor_type.name in ("Q4_1", "Q8_0")
+        data = tensor.data[:rows]
+        expected = torch.from_numpy(gguf.quants.dequantize(data, tensor.tensor_type))
+        weight = from_gguf(data, tensor.tensor_type.name)
+        torch.testing.assert_close(weight.dequantize(), expected, atol=0, rtol=0)
+        assert relative_error(QuantizedLinear(weight)(x), x @ expected.T) < 1e-5
+
+
+def test_int8_weight_only_matmul_and_its_rounding_error():
+    weight = torch.randn(128, 64)
+    quantized = quantize_int8(weight)
+    assert quantized.codes.dtype == torch.int8 and quantized.scale.shape == (128, 1)
+    # Round to nearest: at most half a step per weight.
+    assert ((quantized.dequantize() - weight).abs() <= quantized.scale / 2 + 1e-7).all()
+    x = torch.randn(3, 64)
+    assert relative_error(QuantizedLinear(quantized)(x), x @ quantized.dequantize().T) < 1e-5
+
+
+def test_fused_qkv_of_quantized_weights_matches_the_expanded_model():
+    quantized = load_model("builtin://smollm2-135m", torch.float32, "auto")
+    expanded = load_model("builtin://smollm2-135m", torch.float32, "none")
+    layers = {}
+    for name, loaded in (("auto", quantized), ("none", expanded)):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(loaded.config, backend=None)
+        model.load_hf_state_dict(loaded.weights)
+        layers[name] = model
+    assert isinstance(layers["auto"].layers[0].self_attn.qkv_proj, QuantizedLinear)
+    assert isinstance(layers["auto"].lm_head, QuantizedLinear)  # tied Q8_0 head: 2 x int4
+    assert not isinstance(layers["none"].lm_head, QuantizedLinear)
+    torch.testing.assert_close(
+        layers["auto"].embed_tokens.weight, layers["none"].embed_tokens.weight, atol=0, rtol=0
+    )
+    x = torch.randn(4, 576)
+    for module in ("layers.3.self_attn.qkv_proj", "layers.3.mlp.gate_up_proj", "lm_head"):
+        got = layers["auto"].get_submodule(module)(x)
+        expected = layers["none"].get_submodule(module)(x)
+        assert relative_error(got, expected) < 1e-5, module
+
+
+# Slow: float32 activations take PyTorch's slow weight-only path (see config.QUANTIZATIONS).
+@pytest.mark.slow
+def test_greedy_output_of_native_q4_1_equals_the_expanded_model(make_llm, chat_prompts):
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+    outputs = {}
+    for quantization in ("auto", "none"):
+        llm = make_llm(
+            quantization=quantization, max_model_len=512, kv_cache_memory_bytes=128 << 20
+        )
+        results = llm.generate(chat_prompts[:8], greedy)
+        outputs[quantization] = [r.outputs[0].token_ids for r in results]
+    assert outputs["auto"] == outputs["none"]
+
+
+@pytest.mark.slow
+def test_int8_generates_close_to_float32(make_llm, chat_prompts):
+    """Requantized weights are not the same weights: most greedy outputs still agree."""
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    prompts = chat_prompts[:6]
+    ours = make_llm(quantization="int8", max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    expanded = make_llm(quantization="none", max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    got = [r.outputs[0].token_ids for r in ours.generate(prompts, greedy)]
+    expected = [r.outputs[0].token_ids for r in expanded.generate(prompts, greedy)]
+    assert sum(g == e for g, e in zip(got, expected, strict=True)) >= 3
+
+
+def test_quantization_setting_is_validated():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="gptq")

@@ -1,0 +1,79 @@
+"""The C++ CPU attention kernel (reads K/V in place from the block pool) against the torch
+backend on the same cache and against the naive per-sequence loop over the raw K/V:
+decode, prefill chunks, mixed batches, GQA 1/3/8, block sizes 16 and 32, int8/fp8 caches,
+contexts crossing many blocks, sliding windows and soft-capping."""
+
+import pytest
+import torch
+from kernel_batches import KERNEL_TOLERANCE, QUANTIZATION_TOLERANCE, make_batch, naive_attention
+from pagefleet_kernels import cpu_attention, torch_attention
+from pagefleet_serve import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attention.available(), reason="no C++ compiler: the engine uses the torch backend"
+)
+
+BATCHES = {  # (query_lens, context_lens)
+    "decode": ([1, 1, 1, 1], [1, 17, 100, 300]),
+    "prefill": ([37, 16], [37, 16]),
+    "mixed": ([1, 9, 1, 40], [33, 120, 16, 300]),
+    "many-blocks": ([1, 3], [1500, 1100]),
+}
+GQA = [(4, 4), (6, 2), (8, 1)]
+
+
+@pytest.mark.parametrize("cache", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
+@pytest.mark.parametrize("layout", BATCHES)
+def test_cpu_kernel_matches_torch_backend_and_naive_loop(layout, heads, block_size, cache):
+    query_lens, context_lens = BATCHES[layout]
+    batch = make_batch(query_lens, context_lens, *heads, block_size=block_size, cache=cache)
+    actual = batch.attention(cpu_attention)
+    atol, rtol = KERNEL_TOLERANCE[torch.float32]
+    torch.testing.assert_close(actual, batch.attention(torch_attention), atol=atol, rtol=rtol)
+    if cache != "auto":
+        atol, rtol = QUANTIZATION_TOLERANCE[cache]
+    torch.testing.assert_close(actual, naive_attention(batch), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(7, None), (None, 5.0), (20, 30.0)])
+def test_cpu_kernel_sliding_window_and_softcap(sliding_window, softcap):
+    batch = make_batch([1, 12, 1], [40, 50, 3], 6, 2)
+    kwargs = {"sliding_window": sliding_window, "softcap": softcap}
+    torch.testing.assert_close(
+        batch.attention(cpu_attention, **kwargs),
+        batch.attention(torch_attention, **kwargs),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def test_cpu_kernel_bfloat16_query_and_cache():
+    batch = make_batch([1, 5], [30, 70], 6, 2, dtype=torch.bfloat16)
+    actual = batch.attention(cpu_attention)
+    assert actual.dtype == torch.bfloat16
+    atol, rtol = KERNEL_TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(actual, batch.attention(torch_attention), atol=atol, rtol=rtol)
+
+
+def test_engine_greedy_output_equals_the_torch_backend():
+    """The built-in model, float32, continuous batching (prefills mixed with decodes)."""
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Three prime numbers greater than 50 are",
+        "A paged KV cache",
+    ]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(
+            dtype="float32",
+            attention_backend=backend,
+            kv_cache_dtype="int8",
+            max_model_len=256,
+            kv_cache_memory_bytes=32 << 20,
+        )
+        outputs[backend] = [r.outputs[0].token_ids for r in llm.generate(prompts, greedy)]
+    assert outputs["cpu"] == outputs["torch"]
