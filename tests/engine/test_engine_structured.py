@@ -9,7 +9,7 @@ import re
 
 import jsonschema
 import pytest
-from conftest import SYSTEM_PROMPT
+from engine_prompts import SYSTEM_PROMPT
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.structured.constraint import StructuredOutputs
 from pagefleet_serve.structured.grammar import GrammarCompiler
