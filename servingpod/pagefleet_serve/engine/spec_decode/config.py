@@ -16,7 +16,7 @@ class SpeculativeConfig:
     # No proposals in a step whose decoding batch is larger than this: verifying drafts
     # turns each decode row into a query span, which costs more than it saves once the
     # step is compute-bound rather than weight-reading-bound. None: always propose.
-    disable_by_batch_size: int | None = 16
+    disable_by_batch_size: int | None = 4
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
