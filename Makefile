@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test test-random mutation lint format bench bench-quick bench-readme \
 	bench-peer-vllm bench-offline bench-kvquant \
-	bench-kernels test-kernels test-kernels-gpu e2e e2e-local
+	bench-kernels test-kernels test-kernels-gpu test-engine-slow e2e e2e-local
 
 install: $(STAMP)
 
@@ -66,6 +66,11 @@ e2e: install
 
 e2e-local: install
 	$(PY) -m pytest -v e2e/test_e2e_local.py e2e/test_e2e_hf.py
+
+# The engine's long statistical and quantized-parity tests (seeded and sampled speculative
+# decoding against plain decoding, quantized weights against expanded ones).
+test-engine-slow: install
+	$(PY) -m pytest -q -p no:randomly -m "slow and not gpu" tests/engine
 
 # The full kernel sweep (slow under TRITON_INTERPRET on a CPU), and the same tests at full
 # size on a CUDA device.

@@ -177,13 +177,16 @@ def test_operator_image_installs_what_the_operator_imports():
 
 def test_operator_imports_no_serving_stack():
     """The operator image has no torch: importing the whole operator must not need it. Of
-    the serving package it may load only the model URI parser, which the pod shares."""
+    the serving package it may load only the parsers the pod shares with it: the model URI
+    and the speculative-decoding config (torch-free modules)."""
     code = (
         "import pkgutil, importlib, sys, pagefleet_operator\n"
         "for m in pkgutil.iter_modules(pagefleet_operator.__path__):\n"
         "    importlib.import_module('pagefleet_operator.' + m.name)\n"
         "serving = {m for m in sys.modules if m.startswith('pagefleet_serve')}\n"
-        "allowed = {'pagefleet_serve', 'pagefleet_serve.model', 'pagefleet_serve.model.uri'}\n"
+        "allowed = {'pagefleet_serve', 'pagefleet_serve.model', 'pagefleet_serve.model.uri',\n"
+        "           'pagefleet_serve.engine', 'pagefleet_serve.engine.spec_decode',\n"
+        "           'pagefleet_serve.engine.spec_decode.config'}\n"
         "heavy = {'torch', 'transformers', 'numpy'} & set(sys.modules) | serving - allowed\n"
         "sys.exit(f'imported {sorted(heavy)}' if heavy else 0)\n"
     )

@@ -196,6 +196,7 @@ def test_greedy_tokens_are_those_of_plain_decoding_with_prefix_hits_chunks_and_p
     assert spec.accepted_per_position[0] >= spec.accepted_per_position[-1] > 0
 
 
+@pytest.mark.slow  # minutes of sampling on 2 cores: `make test-engine-slow`
 def test_seeded_samples_are_the_tokens_and_logprobs_of_plain_decoding(
     make_llm, chat_prompts, copy_prompts
 ):
@@ -231,6 +232,7 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.slow  # minutes of sampling on 2 cores: `make test-engine-slow`
 def test_sampled_distribution_at_temperature_0_8_is_that_of_plain_decoding(make_llm, copy_prompts):
     """300 unseeded samples of the first 4 tokens with and without speculation (global
     seed fixed); a two-sample chi-square test on the joint 4-token outcomes (those seen
