@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The CPU attention kernel is compiled into the venv (by install) and found there by every
+# engine the targets start, the e2e walk's simulated pods included (their HOME differs).
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: install serve test test-random mutation lint format bench bench-quick bench-readme \
 	bench-peer-vllm bench-offline bench-kvquant \

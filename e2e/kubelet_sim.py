@@ -246,6 +246,8 @@ class KubeletSimulation:
         env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
         if "PYTHONPATH" in os.environ:  # a checkout's own sources, ahead of the installed ones
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        if "TORCH_EXTENSIONS_DIR" in os.environ:  # the CPU attention kernel `make install` built
+            env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
         for item in container.get("env", []):
             if "value" in item:  # valueFrom (Secrets) has nothing to resolve here
                 env[item["name"]] = self._in_volumes(item["value"], mounts)
