@@ -126,6 +126,11 @@ class ServerMetrics:
             "Time between a request's successive engine outputs.",
             _ITL_BUCKETS,
         )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Decode time of finished requests per output token after the first.",
+            _ITL_BUCKETS,
+        )
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds",
             "Arrival to the last token of finished requests.",
@@ -226,6 +231,9 @@ class RequestTracker:
                 m.prefill_time.labels(label).observe(t.first_token_time - t.first_scheduled_time)
         if t.first_token_time is not None:
             m.decode_time.labels(label).observe(t.finished_time - t.first_token_time)
+            if self.num_generated > 1:
+                tpot = (t.finished_time - t.first_token_time) / (self.num_generated - 1)
+                m.tpot.labels(label).observe(tpot)
 
 
 class _EngineCollector:
