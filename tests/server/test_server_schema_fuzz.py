@@ -13,6 +13,10 @@ from schemathesis.checks import not_a_server_error
 from server_harness import ThreadServer
 
 MAX_EXAMPLES = 30
+# The chat schema admits messages the server refuses by design (tool messages without the
+# call id they answer, non-text content parts, assistant-only tool calls in other roles), so
+# valid chat bodies that reach generation are rarer: more examples find some.
+CHAT_POSITIVE_EXAMPLES = 100
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,11 @@ def test_no_request_body_gets_a_5xx(server, path, mode):
 
     @seed(20261130)
     @settings(
-        max_examples=MAX_EXAMPLES,
+        max_examples=(
+            CHAT_POSITIVE_EXAMPLES
+            if (path, mode) == ("/v1/chat/completions", GenerationMode.POSITIVE)
+            else MAX_EXAMPLES
+        ),
         deadline=None,
         derandomize=True,
         database=None,
@@ -79,10 +87,13 @@ def test_no_request_body_gets_a_5xx(server, path, mode):
     def no_server_error(case):
         response = case.call_and_validate(checks=[not_a_server_error], timeout=60)
         statuses.add(response.status_code)
+        if response.status_code == 400:
+            refusals.add(response.json()["error"]["message"][:120])
 
     statuses: set[int] = set()
+    refusals: set[str] = set()
     no_server_error()
     # The bodies reached the engine and its validation, not just the JSON parser.
     assert 400 in statuses
     if mode == GenerationMode.POSITIVE:
-        assert 200 in statuses, statuses
+        assert 200 in statuses, sorted(refusals)
