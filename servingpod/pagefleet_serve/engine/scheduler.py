@@ -203,13 +203,8 @@ class Scheduler:
         next step overwrites them, and the blocks holding only those go back."""
         appended = []
         for token in tokens:
-            seq.token_ids.append(token.token_id)
-            if seq.grammar is not None:
-                seq.grammar.accept(token.token_id)
             appended.append((seq, token))
-            reason = self._stop_reason(seq, token.token_id)
-            if reason is not None:
-                self.finish(seq, reason)
+            if self._append(seq, token):
                 break
         if drafts and not seq.is_finished:
             seq.num_computed_tokens += len(appended) - 1
@@ -230,14 +225,20 @@ class Scheduler:
             family.append(child)
         seq.sibling_generators = []
         for member, token in zip(family, tokens, strict=True):
-            member.token_ids.append(token.token_id)
-            if member.grammar is not None:
-                member.grammar.accept(token.token_id)
             new_tokens.append((member, token))
-            reason = self._stop_reason(member, token.token_id)
-            if reason is not None:
-                self.finish(member, reason)
+            self._append(member, token)
         return new_tokens
+
+    def _append(self, seq: Sequence, token: SampledToken) -> bool:
+        """One sampled token joins the sequence (and advances its grammar); True when it
+        ends the sequence, which is then finished."""
+        seq.token_ids.append(token.token_id)
+        if seq.grammar is not None:
+            seq.grammar.accept(token.token_id)
+        reason = self._stop_reason(seq, token.token_id)
+        if reason is not None:
+            self.finish(seq, reason)
+        return reason is not None
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
