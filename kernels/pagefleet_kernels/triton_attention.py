@@ -9,7 +9,9 @@ picks either as its attention backend and nothing else differs.
   tokens of one sequence times the NUM_QUERIES_PER_KV query heads that share one KV head
   (grouped-query attention reads each K/V tile once for the whole group), walks the
   sequence's context through its block table in tiles of TILE_N positions with an online
-  softmax, and stops at the causal limit of its last query token. Batches of decodes only
+  softmax, starting at the tile of its first query token's sliding window (when the layer
+  has one) and stopping at the causal limit of its last query token. Scores are
+  soft-capped (Gemma 2) before the mask when asked. Batches of decodes only
   also split the context into NUM_SEGMENTS segments (a third grid axis) so that a few
   long decodes still fill the device; a second small kernel merges the segments.
   Quantized tiles are dequantized on the fly: the K scale multiplies the score columns, the
@@ -178,7 +180,9 @@ def _paged_attention_kernel(
     block_tables_ptr,  # (B, max_blocks) int32/int64
     seq_lens_ptr,  # (B,)
     query_start_loc_ptr,  # (B + 1,)
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with SOFTCAP: softmax scale / softcap
+    softcap_log2,  # softcap * log2(e), SOFTCAP only
+    sliding_window,  # keys within this many positions of the query, SLIDING only
     num_seqs,
     stride_query_t: tl.int64,
     stride_query_h: tl.int64,
@@ -200,6 +204,8 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,  # context positions per iteration
     NUM_SEGMENTS: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # the operands' type in tl.dot: the query's dtype
     DOT_PRECISION: tl.constexpr,
 ):
@@ -230,11 +236,17 @@ def _paged_attention_kernel(
     Q = tl.load(query_ptr + q_offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     Q = Q.to(DOT_DTYPE)
 
-    # Context positions this block's last query token sees, split into segments.
+    # Context positions this block's queries see (from the first query's window start to
+    # the last query's causal limit), split into segments. Tiles wholly before the window
+    # are never read.
     last_pos = context_start + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len) - 1
     num_tiles = tl.cdiv(last_pos + 1, TILE_N)
-    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_lo = segment * tiles_per_segment
+    first_tile = 0
+    if SLIDING:
+        first_pos = context_start + q_block_local * BLOCK_Q - sliding_window + 1
+        first_tile = tl.maximum(first_pos, 0) // TILE_N
+    tiles_per_segment = tl.cdiv(num_tiles - first_tile, NUM_SEGMENTS)
+    tile_lo = first_tile + segment * tiles_per_segment
     tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
 
     M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # (BLOCK_M,) running max, log2
@@ -275,7 +287,11 @@ def _paged_attention_kernel(
             S = S * (k_scale * qk_scale)[None, :]
         else:
             S = S * qk_scale
+        if SOFTCAP:  # softcap * tanh(score / softcap), in the log2 domain
+            S = (2.0 * tl.sigmoid(2.0 * S) - 1.0) * softcap_log2
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])  # (BLOCK_M, TILE_N)
+        if SLIDING:
+            visible &= offs_n[None, :] > q_pos[:, None] - sliding_window
         S = tl.where(visible, S, float("-inf"))
 
         # Online softmax; a row that has seen nothing yet keeps max -inf (then exp2 -> 0).
@@ -292,7 +308,8 @@ def _paged_attention_kernel(
 
     if NUM_SEGMENTS == 1:
         # acc : (BLOCK_M, HEAD_DIM_PADDED)
-        out = acc / L[:, None]
+        # A padding row past the chunk's last query may see nothing (L == 0): never stored.
+        out = acc / tl.where(L > 0.0, L, 1.0)[:, None]
         o_offs = token[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :]
         tl.store(
             out_ptr + o_offs,
@@ -331,7 +348,8 @@ def _merge_segments_kernel(
     seg_max = tl.load(segment_max_ptr + row)  # (NUM_SEGMENTS,)
     seg_sum = tl.load(segment_sum_ptr + row)  # (NUM_SEGMENTS,)
     partial = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM_PADDED + offs_d[None, :])
-    # partial : (NUM_SEGMENTS, HEAD_DIM_PADDED); segment 0 always saw position 0.
+    # partial : (NUM_SEGMENTS, HEAD_DIM_PADDED); segment 0 always saw the first position
+    # of the query's window (position 0 without one).
     weight = tl.math.exp2(seg_max - tl.max(seg_max, axis=0))  # (NUM_SEGMENTS,), empty -> 0
     out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(seg_sum * weight, axis=0)
     tl.store(
@@ -473,15 +491,14 @@ def paged_attention(
     *,
     num_segments: int | None = None,  # decode-only batches; None: chosen from the grid size
     plan_cache: dict | None = None,  # the torch backend's per-pass cache; a launch needs none
-    sliding_window: int | None = None,  # not implemented here: models with one are refused
-    softcap: float | None = None,  # likewise
+    sliding_window: int | None = None,  # a query at p sees keys p - window + 1 .. p
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context."""
-    if sliding_window is not None or softcap is not None:
-        raise ValueError(
-            f"sliding_window={sliding_window}, softcap={softcap}: the Triton kernels do not "
-            "implement sliding-window or soft-capped attention; use attention_backend 'torch'"
-        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2] if key_cache.dim() == 4 else 0
     if query.dtype not in _DOT_DTYPES:
@@ -523,6 +540,8 @@ def paged_attention(
         num_segments = 1
         if decode_only:
             max_context = block_tables.shape[1] * block_size
+            if sliding_window is not None:  # what a decode reads at most
+                max_context = min(max_context, sliding_window + tile_n)
             num_segments = _num_segments(num_seqs * num_kv_heads, max_context, tile_n, query.device)
     elif num_segments != 1 and (not decode_only or num_segments & (num_segments - 1)):
         raise ValueError("num_segments > 1 must be a power of two and needs a decode-only batch")
@@ -560,7 +579,9 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * _LOG2E,
+        scale * _LOG2E if softcap is None else scale / softcap,
+        (softcap or 1.0) * _LOG2E,
+        sliding_window or 1,
         num_seqs,
         query.stride(0),
         query.stride(1),
@@ -582,6 +603,8 @@ def paged_attention(
         TILE_N=tile_n,
         NUM_SEGMENTS=num_segments,
         QUANTIZED=is_quantized(key_cache.dtype),
+        SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         DOT_DTYPE=_dot_dtype(query.dtype),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )

@@ -14,29 +14,15 @@ import torch
 
 from pagefleet_serve.config import ATTENTION_BACKENDS
 
-# Attention features of a model (ModelConfig fields) that the Triton kernels lack.
-TRITON_LACKS = ("sliding_window", "attn_logit_softcapping")
 
-
-def get_attention_backend(name: str, device: torch.device, model_config=None):
-    """The backend module for a model (its ModelConfig: some features rule Triton out)."""
-    lacking = [
-        f"{feature}={getattr(model_config, feature)}"
-        for feature in TRITON_LACKS
-        if getattr(model_config, feature, None) is not None
-    ]
+def get_attention_backend(name: str, device: torch.device):
+    """The backend module; every backend implements sliding windows and soft-capping."""
     if name == "auto":
-        # The torch backend runs on CUDA too: slower, but it has every feature.
-        name = "triton" if device.type == "cuda" and not lacking else "torch"
+        name = "triton" if device.type == "cuda" else "torch"
         if device.type == "cpu":
             from pagefleet_kernels import cpu_attention
 
             name = "cpu" if cpu_attention.available() else "torch"
-    if name == "triton" and lacking:
-        raise ValueError(
-            f"the model's attention uses {', '.join(lacking)}, which the Triton kernels do "
-            "not implement; use attention_backend 'torch'"
-        )
     if name == "torch":
         from pagefleet_kernels import torch_attention
 

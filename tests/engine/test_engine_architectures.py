@@ -208,20 +208,6 @@ def test_unsupported_model_type_and_quantization_are_refused(tmp_path, change, m
         load_model(str(tmp_path), torch.float32)
 
 
-def test_triton_refuses_a_sliding_window_model(tmp_path):
-    build("Mistral", {"sliding_window": WINDOW}, tmp_path)
-    with pytest.raises(
-        ValueError, match=r"uses sliding_window=12, which the Triton kernels do not implement"
-    ):
-        LLM(
-            str(tmp_path),
-            dtype="float32",
-            attention_backend="triton",
-            max_model_len=64,
-            kv_cache_memory_bytes=1 << 20,
-        )
-
-
 def test_gemma2_logprobs_follow_the_final_logit_cap(tmp_path):
     """Soft-capping the final logits never changes the greedy token; it shows in the
     logprobs, which must be transformers' log-softmax of its capped logits."""

@@ -147,6 +147,52 @@ def test_decode_split_over_context_segments(num_segments, cache, device):
     check(batch, cache, num_segments=num_segments)
 
 
+# (sliding_window, softcap): a window shorter than a tile, one spanning several, one longer
+# than most contexts; Gemma 2's cap 50 and a cap that bends most scores.
+WINDOW_SOFTCAP = [(7, None), (40, None), (None, 0.5), (20, 50.0), (1000, 0.5)]
+
+
+@pytest.mark.parametrize(("sliding_window", "softcap"), WINDOW_SOFTCAP)
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "num_segments"),
+    [
+        ([1] * len(CONTEXT_LENS), CONTEXT_LENS, None),
+        ([1, 1, 1, 1], [300, 17, 1, 100], 4),  # decode split over segments
+        ([1, 17, 1, 5, 1, 33, 1, 1], [300, 17, 16, 100, 1, 300, 15, 17], None),
+    ],
+    ids=["decode", "decode-segments", "mixed"],
+)
+def test_sliding_window_and_softcap_match_the_torch_backend(
+    query_lens, context_lens, num_segments, sliding_window, softcap, device
+):
+    batch = make_batch(query_lens, context_lens, 6, 2, dtype=torch.float32, device=device)
+    kwargs = {"sliding_window": sliding_window, "softcap": softcap}
+    expected = batch.attention(torch_attention, **kwargs)
+    actual = batch.attention(triton_attention, num_segments=num_segments, **kwargs)
+    atol, rtol = KERNEL_TOLERANCE[torch.float32]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    # Both differ from plain attention: the window and the cap are really applied.
+    assert not torch.allclose(expected, batch.attention(torch_attention), atol=1e-3)
+
+
+def test_sliding_window_tiles_before_the_window_are_not_read(device):
+    """K/V of whole tiles before every query's window hold NaN: reading one would poison
+    the output, so the kernel must skip them rather than mask them."""
+    batch = make_batch([1, 9], [300, 200], 6, 2, dtype=torch.float32, block_size=16, device=device)
+    window = 40
+    poisoned = []
+    for i, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.seq_lens.tolist(), strict=True)):
+        first_tile = (ctx - q_len - window + 1) // 64  # the widest tile the kernel uses
+        poisoned += batch.block_tables[i, : first_tile * 64 // 16].tolist()
+    assert poisoned
+    expected = batch.attention(torch_attention, sliding_window=window)
+    batch.key_cache[poisoned] = float("nan")
+    batch.value_cache[poisoned] = float("nan")
+    actual = batch.attention(triton_attention, sliding_window=window)
+    atol, rtol = KERNEL_TOLERANCE[torch.float32]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize(("block_size", "head_dim"), [(16, 128), (32, 64), (32, 128)])
 @pytest.mark.parametrize("cache", ["auto", "int8"])
 def test_block_sizes_and_head_dims(block_size, head_dim, cache, device):

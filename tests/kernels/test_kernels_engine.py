@@ -1,5 +1,6 @@
 """The quantized cache and the Triton backend inside the engine, on the tiny random model
-(token-id prompts, no tokenizer)."""
+(token-id prompts, no tokenizer); a Gemma 2 model (sliding window, soft-capping) on every
+backend against transformers."""
 
 import pytest
 import torch
@@ -7,6 +8,8 @@ from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.attention import get_attention_backend
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.model.loader import TINY_CONFIG
+from test_engine_architectures import ARCHITECTURES, build, load, reference_tokens
+from test_engine_architectures import PROMPTS as LONG_PROMPTS
 
 PROMPTS = [list(range(1, 31)), [100, 200, 300, 5], [7] * 40 + [9, 11, 13]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)
@@ -93,3 +96,22 @@ def test_config_and_backend_choices(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_attention_backend("triton", cpu)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_window_and_softcap_model_on_every_backend(backend, tmp_path):
+    """Gemma 2 (sliding and global layers, soft-capped attention) on prompts longer than
+    its window, prefill chunks mixed with decodes: each backend's greedy tokens equal
+    transformers'. (`auto` on this CPU is the C++ kernel: test_engine_architectures.)"""
+    family, extra = ARCHITECTURES["gemma2"]
+    reference = build(family, extra, tmp_path)
+    llm = load(
+        tmp_path,
+        attention_backend=backend,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = LONG_PROMPTS[:2]
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert out.outputs[0].token_ids == reference_tokens(reference, prompt)[:24], backend

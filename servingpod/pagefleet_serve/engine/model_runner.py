@@ -38,7 +38,7 @@ class ModelRunner:
         with torch.device("meta"):
             self.model = LlamaForCausalLM(
                 loaded.config,
-                get_attention_backend(attention_backend, device, loaded.config),
+                get_attention_backend(attention_backend, device),
             )
         self.model.load_hf_state_dict(loaded.weights)
         self.model.to(device=device, dtype=dtype).eval()
