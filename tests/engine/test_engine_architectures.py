@@ -11,6 +11,7 @@ decodes share steps."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -73,6 +74,17 @@ ARCHITECTURES = {
         "Qwen2",
         {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
     ),
+}
+# Phi-3 128k's longrope on a tiny scale: the switch at a context of 32.
+LONGROPE = {
+    "pad_token_id": 0,
+    "original_max_position_embeddings": 32,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(SMALL["head_dim"] // 2)],
+        "long_factor": [1.0 + 2.0 * i for i in range(SMALL["head_dim"] // 2)],
+        "rope_theta": 10000.0,
+    },
 }
 PROMPTS = [
     [(7 * i + 3) % 300 + 10 for i in range(37)],
@@ -152,6 +164,41 @@ def test_greedy_parity_with_transformers(arch, tmp_path):
     for prompt, out in zip(PROMPTS, ours, strict=True):
         assert out.outputs[0].token_ids == reference_tokens(reference, prompt), arch
     llm.engine.block_manager.check_no_leaks()
+
+
+def stepwise_reference(model, prompt: list[int]) -> list[int]:
+    """Greedy decoding by transformers' model forward over its own KV cache, one token a
+    step: its rotary embedding picks longrope's factors per forward pass, keys already in
+    the cache staying as they were."""
+    tokens = []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(MAX_NEW_TOKENS):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(
+                torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
+            )
+    return tokens
+
+
+def test_phi3_longrope_parity_across_the_switch(tmp_path):
+    """Phi-3 128k's longrope on a tiny scale: short factors while a sequence's context is
+    at most 32, long ones past it, cos/sin scaled by the attention factor. The 37-token
+    prompt is long from its prefill on (transformers' generate agrees); the others cross
+    the switch while decoding, their cached keys keeping the short factors, as transformers'
+    forward does. (Its generate instead drops the cache at the crossing and recomputes the
+    sequence: a different answer, checked here so the difference stays known.)"""
+    reference = build("Phi3", LONGROPE, tmp_path)
+    llm = load(tmp_path, enable_prefix_caching=False)
+    scaling = dict(llm.engine.model_config.rope_scaling)
+    assert scaling["original_max_position_embeddings"] == 32
+    # max_position_embeddings / original = 8: sqrt(1 + ln 8 / ln 32)
+    assert scaling["attention_factor"] == pytest.approx((1 + math.log(8) / math.log(32)) ** 0.5)
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ours = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+    assert ours == [stepwise_reference(reference, prompt) for prompt in PROMPTS]
+    assert ours[0] == reference_tokens(reference, PROMPTS[0])
+    assert ours[1] != reference_tokens(reference, PROMPTS[1])
 
 
 def test_sliding_window_changes_the_answer(tmp_path):

@@ -10,13 +10,23 @@ transformers the value from the file by hand, so both read the same model."""
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import pytest
 import torch
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.model.loader import UnsupportedModelError, load_model
-from test_engine_architectures import MAX_NEW_TOKENS, PROMPTS, WINDOW, build, load, reference_tokens
+from test_engine_architectures import (
+    LONGROPE,
+    MAX_NEW_TOKENS,
+    PROMPTS,
+    WINDOW,
+    build,
+    load,
+    reference_tokens,
+)
 
 GEMMA = {"pad_token_id": 0, "tie_word_embeddings": True, "query_pre_attn_scalar": 16}
 # name: (transformers family, its config, GGUF architecture, general.name, config values
@@ -70,6 +80,11 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2)
 
 
+def longrope_attention_factor(config) -> float:
+    factor = config.max_position_embeddings / config.original_max_position_embeddings
+    return math.sqrt(1 + math.log(factor) / math.log(config.original_max_position_embeddings))
+
+
 def write_gguf(model, path, arch: str, name: str) -> None:
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -97,6 +112,12 @@ def write_gguf(model, path, arch: str, name: str) -> None:
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if rope["rope_type"] == "longrope":  # as llama.cpp's Phi-3 converter writes it
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_attn_factors(longrope_attention_factor(c))
+        for kind in ("long", "short"):
+            factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, c.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
@@ -158,3 +179,22 @@ def test_gguf_of_an_unsupported_architecture_names_the_supported_ones(tmp_path):
         r"gemma2, gemma3, llama, phi3, qwen2, qwen3",
     ):
         load_model(f"file://{path}", torch.float32)
+
+
+def test_phi3_longrope_gguf_generates_what_its_directory_does(tmp_path):
+    """transformers' GGUF loader ignores longrope's factor tensors; PageFleet reads them
+    (and the original context length and attention factor) into the same rope as the
+    Hugging Face directory of the model, itself tested against transformers."""
+    model = build("Phi3", LONGROPE, tmp_path / "hf")
+    path = tmp_path / "phi3-longrope.gguf"
+    write_gguf(model, path, "phi3", "tiny-phi3-128k")
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for source in (path, tmp_path / "hf"):
+        llm = load(source, enable_prefix_caching=False)
+        scaling = dict(llm.engine.model_config.rope_scaling)
+        assert (
+            scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 32
+        )
+        outputs.append([out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)])
+    assert outputs[0] == outputs[1]

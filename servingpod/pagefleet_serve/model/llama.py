@@ -36,7 +36,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3: factor, freq factors, ...
+    # (key, value) pairs: llama3 (factor, freq factors...), linear, longrope (short_factor,
+    # long_factor, original_max_position_embeddings, attention_factor), freqs (GGUF).
+    rope_scaling: tuple[tuple[str, object], ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -77,19 +79,37 @@ class ModelConfig:
                 f"{self.num_layers} layers"
             )
 
+    @property
+    def longrope_switch(self) -> int | None:
+        """Phi-3 longrope: a sequence whose context exceeds this many positions rotates its
+        new tokens with the long factors; None for every other rope."""
+        scaling = dict(self.rope_scaling or ())
+        if scaling.get("rope_type") != "longrope":
+            return None
+        return scaling["original_max_position_embeddings"]
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """What cos and sin are multiplied by (longrope's attention scaling; else 1)."""
+        return float(dict(self.rope_scaling or ()).get("attention_factor", 1.0))
+
     def layer_sliding_window(self, layer: int) -> int | None:
         if self.sliding_layers is not None and not self.sliding_layers[layer]:
             return None
         return self.sliding_window
 
 
-def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) -> torch.Tensor:
     """The rotary frequencies of the global layers, or of the sliding-window layers when
-    `local` (Gemma 3's `local_rope_theta`, unscaled)."""
+    `local` (Gemma 3's `local_rope_theta`, unscaled); longrope's long factors when `long`."""
     dim = config.head_dim
     theta = config.local_rope_theta if local else config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     scaling = {} if local else dict(config.rope_scaling or ())
+    if scaling.get("rope_type") == "longrope":  # a divisor per frequency, short or long
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if scaling.get("rope_type") == "linear":  # positions divided by the factor
         inv_freq = inv_freq / scaling["factor"]
     elif scaling.get("rope_type") == "llama3":
@@ -250,6 +270,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         if config.local_rope_theta is not None:
             self.register_buffer("inv_freq_local", rope_inv_freq(config, True), persistent=False)
+        if config.longrope_switch is not None:
+            self.register_buffer(
+                "inv_freq_long", rope_inv_freq(config, long=True), persistent=False
+            )
 
     def forward(
         self,
@@ -261,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.config.scale_embeddings:  # the factor rounded to the dtype, as Gemma does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        rope = self._rope(positions, self.inv_freq, x.dtype)
+        rope = self._rope(positions, self._global_inv_freq(attn), x.dtype)
         local_rope = rope
         if self.config.local_rope_theta is not None:
             local_rope = self._rope(positions, self.inv_freq_local, x.dtype)
@@ -272,11 +296,26 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
 
-    @staticmethod
-    def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-        freqs = positions.float()[:, None] * inv_freq[None, :]
+    def _global_inv_freq(self, attn: AttentionMetadata) -> torch.Tensor:
+        """(D/2,) frequencies, or (T, D/2) with longrope: the long factors for the tokens of
+        a sequence whose context (this step's tokens included) passes the switch, as
+        transformers does per forward pass; keys already cached stay as they were."""
+        switch = self.config.longrope_switch
+        if switch is None:
+            return self.inv_freq
+        repeats = torch.tensor(attn.query_lens, device=attn.seq_lens.device)
+        long = torch.repeat_interleave(attn.seq_lens, repeats) > switch  # (T,)
+        return torch.where(long[:, None], self.inv_freq_long, self.inv_freq)
+
+    def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        """cos, sin (T, D) of each token; `inv_freq` (D/2,) or per token (T, D/2)."""
+        freqs = positions.float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        factor = self.config.rope_attention_factor
+        if factor != 1.0:  # in float32, before the cast, as transformers does
+            cos, sin = cos * factor, sin * factor
+        return cos.to(dtype), sin.to(dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
@@ -320,6 +359,8 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(self.config)
         if self.config.local_rope_theta is not None:
             self.inv_freq_local = rope_inv_freq(self.config, True)
+        if self.config.longrope_switch is not None:
+            self.inv_freq_long = rope_inv_freq(self.config, long=True)
 
     def _quantize_layer(self, path: str, weight: QuantizedWeight, weights: dict) -> None:
         """Swap the Linear at `path` for a QuantizedLinear of `weight` (and its bias)."""

@@ -11,6 +11,7 @@ in HF_MODEL_TYPES (config.json + *.safetensors, sharded or not), `builtin://smol
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,10 @@ _GGUF_CONFIG_KEYS = {
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
 }
+_GGUF_LONGROPE = {
+    "rope_factors_short.weight": "short_factor",
+    "rope_factors_long.weight": "long_factor",
+}
 # llama.cpp's Gemma 27B models scale queries by hidden/heads, the others by head_dim; the
 # GGUF does not say which, llama.cpp tells them by their layer count.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -207,6 +212,12 @@ def _gguf_config(reader, arch: str) -> dict:
     hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
     if _GEMMA_27B_LAYERS.get(arch) == hf["num_hidden_layers"]:
         hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        hf["original_max_position_embeddings"] = original
+    attention_factor = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention_factor is not None:  # longrope's (Phi-3 128k); read by _longrope
+        hf["rope_attention_factor"] = attention_factor
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         hf["rope_scaling"] = {
@@ -242,6 +253,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
         parts = tensor.name.split(".")
         if tensor.name == "rope_freqs.weight":  # llama 3: a divisor per frequency
             rope_freqs = tuple(array.tolist())
+            continue
+        if tensor.name in _GGUF_LONGROPE:  # Phi-3 128k: its short and long factors
+            hf.setdefault("rope_scaling", {"rope_type": "longrope"})
+            hf["rope_scaling"][_GGUF_LONGROPE[tensor.name]] = tuple(array.tolist())
             continue
         if tensor.name in _GGUF_GLOBAL_NAMES:
             key = _GGUF_GLOBAL_NAMES[tensor.name]
@@ -360,12 +375,36 @@ def _rope_scaling(hf: dict, path: Path) -> tuple | None:
     hf.setdefault("rope_theta", scaling.pop("rope_theta", None) or 10000.0)
     if scaling["rope_type"] == "default":
         return None
-    if scaling["rope_type"] not in ("linear", "llama3"):
+    if scaling["rope_type"] in ("longrope", "su"):  # "su": early Phi-3 128k configs
+        scaling = _longrope(scaling, hf)
+    elif scaling["rope_type"] not in ("linear", "llama3"):
         raise UnsupportedModelError(
             f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, "
-            "linear, llama3)"
+            "linear, llama3, longrope)"
         )
     return tuple(sorted(scaling.items()))
+
+
+def _longrope(scaling: dict, hf: dict) -> dict:
+    """Phi-3's longrope with every value resolved: the factors, the context length past
+    which the long ones apply, and the attention factor (by default from the context
+    extension factor, as the LongRoPE paper and transformers compute it)."""
+    original = scaling.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings", hf.get("max_position_embeddings", 2048)
+    )
+    factor = scaling.get("factor") or hf.get("max_position_embeddings", original) / original
+    attention_factor = scaling.get("attention_factor", hf.get("rope_attention_factor"))
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return {
+        "rope_type": "longrope",
+        "short_factor": tuple(scaling["short_factor"]),
+        "long_factor": tuple(scaling["long_factor"]),
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention_factor),
+    }
 
 
 def _model_config(hf: dict, rope_scaling, eos_ids: tuple[int, ...], weights: dict) -> ModelConfig:
