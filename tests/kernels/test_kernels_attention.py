@@ -300,6 +300,33 @@ def test_gpu_full_size(query_lens, context_lens, dtype, cache, device):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(4096, None), (4096, 50.0), (None, 50.0)])
+def test_gpu_gemma2_window_and_softcap(sliding_window, softcap, cache, device):
+    """Gemma 2 9B's attention (16 query heads, 8 KV heads, head_dim 256) compiled: decodes
+    and prefill chunks past its 4096-token window, with and without its cap of 50."""
+    batch = make_batch(
+        [1] * 16 + [512, 1000],
+        [8000] * 16 + [512, 9000],
+        16,
+        8,
+        head_dim=256,
+        dtype=torch.bfloat16,
+        cache=cache,
+        device=device,
+    )
+    kwargs = {"sliding_window": sliding_window, "softcap": softcap}
+    atol, rtol = KERNEL_TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(
+        batch.attention(triton_attention, **kwargs).float(),
+        batch.attention(torch_attention, **kwargs).float(),
+        atol=atol,
+        rtol=rtol,
+    )
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize(
     ("query_lens", "context_lens"),
