@@ -685,3 +685,82 @@ async def test_the_routers_endpointslice_watch_against_the_api_emulator(kmock, t
             watching.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watching
+
+
+async def test_the_autoscaler_counts_the_routers_held_requests(kmock, operator):
+    """At zero, 13 requests held by the router (its /metrics, on a loopback port) are
+    queue depth: the service goes to ceil(13 / 4) = 4 replicas at once, not to 1."""
+    router_metrics = MetricsServer(
+        "# TYPE pagefleet:router_held_requests gauge\npagefleet:router_held_requests 13.0\n"
+    )
+    try:
+        spec = {
+            "model": {"uri": "builtin://smollm2-135m"},
+            "replicas": 0,
+            "router": {"enabled": True},
+            "autoscaling": {
+                "enabled": True,
+                "minReplicas": 0,
+                "maxReplicas": 8,
+                "intervalSeconds": 5,
+            },
+        }
+        await operator.call("POST", isvc_path(), make_isvc("held", spec))
+        router = await eventually(
+            lambda: stored(kmock, "apps/v1/deployments", "held-router"), what="router Deployment"
+        )
+        # The Deployment controller and the kubelet: the router's ReplicaSet and its pod.
+        labels = router["spec"]["template"]["metadata"]["labels"]
+        owner = {"kind": "Deployment", "name": "held-router", "uid": router["metadata"]["uid"]}
+        replica_set = await operator.call(
+            "POST",
+            "/apis/apps/v1/namespaces/ml/replicasets",
+            {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "metadata": {
+                    "name": "held-router-rs",
+                    "namespace": "ml",
+                    "labels": labels,
+                    "ownerReferences": [{**owner, "controller": True}],
+                },
+            },
+        )
+        rs_owner = {"kind": "ReplicaSet", "name": "held-router-rs"}
+        port = {"name": "http", "containerPort": router_metrics.port}
+        await operator.call(
+            "POST",
+            "/api/v1/namespaces/ml/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": "held-router-0",
+                    "namespace": "ml",
+                    "labels": labels,
+                    "ownerReferences": [
+                        {**rs_owner, "uid": replica_set["metadata"]["uid"], "controller": True}
+                    ],
+                },
+                "spec": {"containers": [{"name": "router", "ports": [port]}]},
+                "status": {
+                    "podIP": "127.0.0.1",
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                },
+            },
+        )
+
+        def autoscaler() -> dict:
+            return ((stored(kmock, ISVC, "held") or {}).get("status") or {}).get("autoscaler", {})
+
+        await eventually(
+            lambda: "lastScaleReason" in autoscaler(), timeout=30, what="a scale from zero"
+        )
+        assert stored(kmock, ISVC, "held")["spec"]["replicas"] == 4
+        status = autoscaler()
+        assert (
+            status["lastScaleReason"] == "scale up 0 -> 4: 13 held by the router (target 4/replica)"
+        )
+        assert (status["heldRequests"], status["queueDepth"]) == (13, 13)
+    finally:
+        router_metrics.close()
