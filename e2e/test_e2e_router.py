@@ -19,6 +19,8 @@ import aiohttp
 import pytest
 import walk
 from kubelet_sim import Forwarder, KubeletSimulation
+from openai import OpenAI
+from server_harness import read_metrics
 from test_e2e_local import MODEL, START_TIMEOUT_S, condition, read, until
 from test_operator_emulator import (  # noqa: F401 (fixture)
     ApiServerEmulator,
@@ -113,3 +115,81 @@ async def test_the_router_scales_to_zero_and_back(kmock, operator, tmp_path):  #
         assert (await asyncio.to_thread(isvc))["spec"]["replicas"] == 1
         (pod,) = [p for p in simulation.pods[MODEL] if p.ready]
         assert pod.name != simulation.terminated[0].name
+
+
+PREFIX = (
+    "You are the keeper of a lighthouse on a rocky island. Every evening you climb the "
+    "stairs, trim the wick, polish the lens and write the weather in the log. "
+) * 4
+
+
+def complete(base_url: str, suffix: str) -> str:
+    with OpenAI(base_url=f"{base_url}/v1", api_key="e2e", max_retries=0, timeout=300) as client:
+        completion = client.completions.create(
+            model=MODEL, prompt=PREFIX + suffix, max_tokens=4, temperature=0
+        )
+    return completion.choices[0].finish_reason
+
+
+def served_by_pod(pod_url: str) -> tuple[float, float]:
+    """(requests finished, prefix-cache hit tokens) from a pod's own counters."""
+    metrics = read_metrics(pod_url)
+    finished = sum(v for k, v in metrics.items() if k.startswith("vllm:request_success_total"))
+    return finished, metrics.get("vllm:prefix_cache_hits_total", 0.0)
+
+
+async def test_requests_sharing_a_prefix_land_on_one_pod(kmock, operator, tmp_path):  # noqa: F811
+    """Three pods behind the router: requests that share a long prompt prefix all go to
+    the pod that served it first (its prefix cache hits), as the pods' counters show."""
+    api_url = str(kmock.url).rstrip("/")
+    resource = walk.load_cpu_example()
+    resource["metadata"]["namespace"] = NAMESPACE
+    resource["spec"]["router"] = {"enabled": True}
+    resource["spec"]["replicas"] = 3
+    del resource["spec"]["autoscaling"]
+    async with (
+        aiohttp.ClientSession(base_url=api_url) as api,
+        KubeletSimulation(
+            api,
+            NAMESPACE,
+            tmp_path,
+            prestop_seconds=0,
+            kubeconfig=write_kubeconfig(kmock, tmp_path),
+        ) as simulation,
+        Forwarder(simulation, MODEL) as service,
+    ):
+        await operator.call("POST", ISVC_PATH, resource)
+        await until(
+            lambda: (
+                read(f"{api_url}{ISVC_PATH}/{MODEL}").get("status", {}).get("readyReplicas") == 3
+            ),
+            START_TIMEOUT_S,
+            "3 ready replicas",
+            simulation,
+        )
+        (router,) = await until(
+            lambda: simulation.ready_backends(MODEL), 60, "the router pod", simulation
+        )
+        pods = [f"http://{pod.address}:{pod.port}" for pod in simulation.pods[MODEL]]
+        # The router has scraped all three (its pod count comes from the EndpointSlice).
+        router_url = "http://{}:{}".format(*router)
+        await until(
+            lambda: 'pagefleet:router_pods{state="fresh"} 3.0' in fetch(f"{router_url}/metrics"),
+            30,
+            "the router to know 3 pods",
+            simulation,
+        )
+        for i in range(6):
+            reason = await asyncio.to_thread(complete, service.url, f" Day {i}: the sea was")
+            assert reason in ("length", "stop")
+        served = [await asyncio.to_thread(served_by_pod, pod) for pod in pods]
+        decisions = [
+            line
+            for line in (await asyncio.to_thread(fetch, f"{router_url}/metrics")).splitlines()
+            if line.startswith(
+                ("pagefleet:router_routing_decisions_total", "pagefleet:router_pods")
+            )
+        ]
+        assert sorted(finished for finished, _ in served) == [0, 0, 6], (served, decisions)
+        (hits,) = [hits for finished, hits in served if finished]
+        assert hits > 0, served
