@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import kubernetes
-import urllib3
 
 from . import API_VERSION, PLURAL
 
@@ -99,7 +98,7 @@ class Kube:
 
     def open_stream(
         self, path: str, *, query: Mapping[str, str], read_timeout_s: float
-    ) -> urllib3.BaseHTTPResponse:
+    ) -> Any:
         """A GET whose body is read as it arrives (a watch): the unread urllib3 response,
         to iterate line by line and close. A connection silent for `read_timeout_s`
         fails the read; a non-2xx answer raises KubeError as `request` does."""

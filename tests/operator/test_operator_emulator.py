@@ -11,8 +11,9 @@ apply merges like a merge patch, where the real one removes the fields the manag
 longer applies and writes nothing when nothing changes (server_side_apply.py), and does
 not create a missing object; its discovery lacks Namespaces and CRDs, which kopf waits
 to see; it has no garbage collector, so deletion is checked through owner references; and
-a watch streams until the client leaves, from any resourceVersion, where a real server
-ends it after its timeoutSeconds and answers a version older than its history with a
+its watch streams until the client leaves, from any resourceVersion, and misses a write
+made between its snapshot and its subscription, where a real server ends a watch after
+its timeoutSeconds, loses nothing, and answers a version older than its history with a
 410 Gone ERROR event (ApiServerEmulator._serve_watch; `oldest_watch_version` plays the
 history's compaction).
 """
@@ -73,28 +74,53 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.oldest_watch_version = 0
 
     async def _serve_watch(self, request):
+        """kmock's watch (the objects now as ADDED, then every event), except that the
+        objects and the start of the event stream are taken at one instant (kmock
+        subscribes after its snapshot: a write in between was lost), and a real server's
+        timeoutSeconds and 410 Gone."""
+        yield b""
         version = request.params.get("resourceVersion", "")
         if version.isdigit() and int(version) < self.oldest_watch_version:
-            yield b""
             status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410}
             message = f"too old resource version: {version} ({self.oldest_watch_version})"
             yield {"type": "ERROR", "object": {**status, "reason": "Expired", "message": message}}
             return
-        events = super()._serve_watch(request)
-        timeout = request.params.get("timeoutSeconds")
-        if not timeout:
-            async for event in events:
-                yield event
-            return
+        bus = self._buses[request.resource]
+        async with self._lock:  # every write holds it while it posts its event
+            since = await bus.mark()
+            objects = [
+                obj.raw
+                for key, obj in self.objects.items()
+                if not obj.deleted and self._watched(request, key)
+            ]
+        for obj in objects:
+            yield {"type": "ADDED", "object": obj}
+        events = bus.stream(since=since)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + float(timeout)
+        timeout = request.params.get("timeoutSeconds")
+        deadline = loop.time() + float(timeout) if timeout else None
         try:
             while True:
-                yield await asyncio.wait_for(anext(events), deadline - loop.time())
-        except (asyncio.TimeoutError, StopAsyncIteration):
+                left = None if deadline is None else deadline - loop.time()
+                event = await asyncio.wait_for(anext(events), left)
+                meta = event.get("object", {}).get("metadata", {})
+                key = (request.resource, meta.get("namespace"), meta.get("name"))
+                if self._watched(request, key):
+                    yield event
+        except asyncio.TimeoutError:
             return  # the server ends the watch; the client resumes with a new one
         finally:
             await events.aclose()
+            await bus.unmark(since)
+
+    @staticmethod
+    def _watched(request, key) -> bool:
+        resource, namespace, name = key
+        return (
+            resource == request.resource
+            and request.namespace in (None, namespace)
+            and request.name in (None, name)
+        )
 
     def _server_side_apply(self, key, data: dict):
         """Turn an apply into the merge patch of what kube-apiserver would store, or
