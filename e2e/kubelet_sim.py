@@ -12,7 +12,14 @@ API-server emulator, so that the operator runs unmodified:
   and the API first, then the template's preStop sleep, then SIGTERM (the server
   drains), then SIGKILL after the grace period;
 - the garbage collector: objects whose owner is gone are deleted;
-- the Service: `Forwarder`, a round-robin TCP proxy over the ready pods.
+- the EndpointSlice controller: for each Service with a selector, one EndpointSlice
+  listing its ready pods (what the router watches);
+- the Service: `Forwarder`, a round-robin TCP proxy over a Service's ready pods.
+
+A pod whose template mounts its service account token (the router's) gets what the
+mount would give it: a kubeconfig for the emulator (KUBECONFIG) and its namespace
+(PAGEFLEET_NAMESPACE, which the router reads from the mount in a cluster). A container
+argument `--host=0.0.0.0` (all of the pod's addresses) becomes the pod's own address.
 
 The template's emptyDir volumes become per-pod directories: environment values under a
 mount path are rewritten to the pod's directory. A template change is not rolled out
@@ -40,6 +47,7 @@ logger = logging.getLogger("kubelet-sim")
 MANAGED_BY = "app.kubernetes.io/managed-by=pagefleet-operator"
 VENV_BIN = Path(sys.executable).parent
 POLL_SECONDS = 0.5
+_SLICES_API = "apis/discovery.k8s.io/v1"
 
 
 def _address_is_free(address: str, port: int) -> bool:
@@ -76,14 +84,19 @@ class KubeletSimulation:
         namespace: str,
         workdir: Path,
         prestop_seconds: float | None = None,
+        kubeconfig: str | None = None,
     ):
         """`prestop_seconds`, when given, replaces the template's preStop sleep (a short
-        one lets a test SIGTERM pods while their streams are still in flight)."""
+        one lets a test SIGTERM pods while their streams are still in flight).
+        `kubeconfig`: the emulator's, for pods that mount their service account token."""
         self.api = api
         self.namespace = namespace
         self.workdir = workdir
         self.prestop_seconds = prestop_seconds
+        self.kubeconfig = kubeconfig
         self.pods: dict[str, list[SimPod]] = {}  # Deployment name -> its pods, oldest first
+        self.services: dict[str, dict] = {}  # Service name -> its spec, as last listed
+        self._slices: dict[str, dict] = {}  # Service name -> its EndpointSlice, as written
         self.terminated: list[SimPod] = []
         # Pods whose process died before it was ready: a test fails fast on these.
         self.failures: list[str] = []
@@ -150,6 +163,52 @@ class KubeletSimulation:
                     self._terminate(self.pods[name], pod)
         for name, deployment in deployments.items():
             await self._sync_deployment(name, deployment)
+        self.services = {
+            s["metadata"]["name"]: s["spec"] for s in await self._list("api/v1", "services")
+        }
+        await self._sync_endpoint_slices()
+
+    async def _sync_endpoint_slices(self) -> None:
+        """One EndpointSlice per Service with a selector, `<service>-sim`, written when
+        its ready pods change; deleted with its Service."""
+        for name in [name for name in self._slices if name not in self.services]:
+            await self._call("DELETE", self._path(_SLICES_API, "endpointslices", f"{name}-sim"))
+            del self._slices[name]
+        for name, spec in self.services.items():
+            if not spec.get("selector"):
+                continue
+            pods = self.ready_pods(spec["selector"])
+            body = {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": f"{name}-sim",
+                    "namespace": self.namespace,
+                    "labels": {"kubernetes.io/service-name": name},
+                },
+                "addressType": "IPv4",
+                # Every pod serves on its template's `http` port: the one port of a slice.
+                "ports": [
+                    {"name": port.get("name"), "port": pods[0].port if pods else port["port"]}
+                    for port in spec.get("ports", [])
+                ],
+                "endpoints": [
+                    {
+                        "addresses": [pod.address],
+                        "conditions": {"ready": True},
+                        "targetRef": {"kind": "Pod", "name": pod.name},
+                    }
+                    for pod in pods
+                ],
+            }
+            if self._slices.get(name) == body:
+                continue
+            path = self._path(_SLICES_API, "endpointslices")
+            if name in self._slices:
+                await self._call("PATCH", f"{path}/{name}-sim", body)
+            else:
+                await self._call("POST", path, body)
+            self._slices[name] = body
 
     async def _collect_garbage(self) -> None:
         """Delete objects whose controlling owner no longer exists (kube-controller-manager)."""
@@ -252,7 +311,13 @@ class KubeletSimulation:
             if "value" in item:  # valueFrom (Secrets) has nothing to resolve here
                 env[item["name"]] = self._in_volumes(item["value"], mounts)
         env["PAGEFLEET_HOST"] = address  # the pod's own IP
-        command = [*container["command"], *container.get("args", [])]
+        if spec.get("automountServiceAccountToken") and self.kubeconfig:
+            env["KUBECONFIG"] = self.kubeconfig
+            env["PAGEFLEET_NAMESPACE"] = self.namespace
+        command = [
+            f"--host={address}" if part == "--host=0.0.0.0" else part
+            for part in [*container["command"], *container.get("args", [])]
+        ]
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "wb") as log:
             process = await asyncio.create_subprocess_exec(
@@ -349,22 +414,28 @@ class KubeletSimulation:
         pod.stopped.set()
         logger.info("%s exited with %s", pod.name, pod.exit_code)
 
-    def ready_backends(self) -> list[tuple[str, int]]:
+    def ready_pods(self, selector: dict[str, str]) -> list[SimPod]:
         return [
-            (pod.address, pod.port)
+            pod
             for pods in self.pods.values()
             for pod in pods
-            if pod.ready and not pod.terminating
+            if pod.ready and not pod.terminating and selector.items() <= pod.labels.items()
         ]
+
+    def ready_backends(self, service: str) -> list[tuple[str, int]]:
+        selector = (self.services.get(service) or {}).get("selector")
+        return [(pod.address, pod.port) for pod in self.ready_pods(selector)] if selector else []
 
 
 class Forwarder:
-    """Stands in for the Service: each new TCP connection goes to the next ready pod
-    (round-robin, as kube-proxy balances connections, not requests). A connection to a
-    pod that starts terminating is left to finish, as in a cluster."""
+    """Stands in for the Service `service`: each new TCP connection goes to the next of
+    the pods its selector picks that is ready (round-robin, as kube-proxy balances
+    connections, not requests). A connection to a pod that starts terminating is left to
+    finish, as in a cluster."""
 
-    def __init__(self, simulation: KubeletSimulation):
+    def __init__(self, simulation: KubeletSimulation, service: str):
         self.simulation = simulation
+        self.service = service
         simulation.forwarder = self
         self.active: dict[tuple[str, int], int] = {}
         self._turn = itertools.count()
@@ -382,7 +453,7 @@ class Forwarder:
         await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        backends = self.simulation.ready_backends()
+        backends = self.simulation.ready_backends(self.service)
         if not backends:  # a Service without endpoints refuses
             writer.close()
             return

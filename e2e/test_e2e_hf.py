@@ -40,7 +40,7 @@ async def test_hf_model_reaches_ready_and_streams(kmock, operator, tmp_path):  #
         async with (
             aiohttp.ClientSession(base_url=api_url) as api,
             KubeletSimulation(api, NAMESPACE, tmp_path / "pods", prestop_seconds=0) as simulation,
-            Forwarder(simulation) as service,
+            Forwarder(simulation, NAME) as service,
         ):
             resource = {
                 "apiVersion": "pagefleet.dev/v1alpha1",

@@ -91,7 +91,7 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
         # endpoint propagation in a cluster is not needed: SIGTERM comes while the pod's
         # streams are in flight, and the drain is what keeps them whole.
         KubeletSimulation(api, NAMESPACE, tmp_path, prestop_seconds=0) as simulation,
-        Forwarder(simulation) as service,
+        Forwarder(simulation, MODEL) as service,
     ):
         # kubectl apply -f examples/smollm2-cpu.yaml (autoscaling on, short windows)
         resource = walk.load_cpu_example()

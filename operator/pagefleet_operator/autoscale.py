@@ -9,6 +9,12 @@ Zero is special: with minReplicas 0 the service goes to zero only after every po
 been idle (nothing running, nothing waiting) for scaleToZeroAfterSeconds without a
 break, and from zero only the router raises it (holding the requests that arrive), so
 the autoscaler never recommends leaving zero on its own.
+
+Requests the router holds (no pod ready: at zero, or its first pods starting) are queue
+depth that no pod reports: they count as waiting, so a burst held at zero asks for
+ceil(held / targetQueueDepth) replicas at once (the doubling bound does not apply: each
+held request is known demand with no pod at all), and a service with held requests is
+never idle.
 """
 
 from __future__ import annotations
@@ -47,16 +53,18 @@ class Decision:
     recommended: int
     history: tuple[Recommendation, ...]
     kv_cache_usage: float | None = None  # mean over scraped pods
-    queue_depth: int | None = None  # total waiting over scraped pods
+    queue_depth: int | None = None  # total waiting over scraped pods, plus held requests
     scraped_pods: int = 0
     unscraped_pods: int = 0
     # What set the recommendation, as a short label value: kv_cache, queue_depth,
     # no_metrics (no pod reported), missing_metrics (held: not every pod reported), idle
-    # (to zero), scaled_to_zero (held at zero) or disabled. `reason` says the same in
-    # words, with the numbers.
+    # (to zero), scaled_to_zero (held at zero), held_requests (the router's held requests,
+    # with no pod reporting) or disabled. `reason` says the same in words, with the numbers.
     signal: str = "disabled"
     # Since when every pod has been idle (seconds since the epoch); None when one is busy.
     idle_since: float | None = None
+    # Requests the router(s) held for want of a ready pod, counted in queue_depth.
+    held_requests: int = 0
 
     @property
     def scaled(self) -> bool:
@@ -98,10 +106,27 @@ def decide(
     history: Sequence[Recommendation],
     now: float,
     idle_since: float | None = None,
+    held_requests: int = 0,
 ) -> Decision:
-    """`idle_since` is the previous decision's: when every pod was last seen to turn idle."""
+    """`idle_since` is the previous decision's: when every pod was last seen to turn idle.
+    `held_requests`: the requests the router holds for want of a ready pod."""
     if not policy.enabled:
         return Decision(current, current, "autoscaling is disabled", current, tuple(history))
+    by_held = _ceil(held_requests / policy.target_queue_depth)
+    held = f"{held_requests} held by the router (target {policy.target_queue_depth}/replica)"
+    if current == 0 and policy.min_replicas == 0 and held_requests:
+        # The router raises the service to one; the held burst may need more at once.
+        target = _clamp(by_held, policy, 1)
+        return Decision(
+            0,
+            target,
+            f"scale up 0 -> {target}: {held}",
+            target,
+            tuple(history) + (Recommendation(now, target),),
+            queue_depth=held_requests,
+            signal="held_requests",
+            held_requests=held_requests,
+        )
     if current == 0 and policy.min_replicas == 0:
         # Only the router wakes a service at zero: it holds the request that needs a pod.
         return Decision(
@@ -117,21 +142,30 @@ def decide(
     ready = [s for s in samples if s.ready]
     scraped = [s for s in ready if s.scraped]
     unscraped = len(ready) - len(scraped)
-    observed = {"scraped_pods": len(scraped), "unscraped_pods": unscraped}
+    observed = {
+        "scraped_pods": len(scraped),
+        "unscraped_pods": unscraped,
+        "held_requests": held_requests,
+    }
 
     if scraped:
         mean_kv = sum(s.kv_cache_usage for s in scraped) / len(scraped)
-        waiting = round(sum(s.num_requests_waiting for s in scraped))
+        waiting = round(sum(s.num_requests_waiting for s in scraped)) + held_requests
         by_kv = _ceil(len(scraped) * mean_kv / policy.target_kv_cache_utilization)
         by_queue = _ceil(waiting / policy.target_queue_depth)
         raw = max(by_kv, by_queue)
+        in_queue = f" ({held_requests} of them held by the router)" if held_requests else ""
         why = (
             f"KV cache {mean_kv:.0%} on {len(scraped)} pod(s) (target "
-            f"{policy.target_kv_cache_utilization:.0%}), {waiting} waiting (target "
+            f"{policy.target_kv_cache_utilization:.0%}), {waiting} waiting{in_queue} (target "
             f"{policy.target_queue_depth}/replica)"
         )
         observed |= {"kv_cache_usage": mean_kv, "queue_depth": waiting}
         observed["signal"] = "queue_depth" if by_queue > by_kv else "kv_cache"
+    elif held_requests:
+        # Pods starting (the router woke the service): the held requests are the demand.
+        raw, why = max(current, by_held), f"no metrics from any ready pod; {held}"
+        observed |= {"queue_depth": held_requests, "signal": "held_requests"}
     else:
         raw, why = current, "no metrics from any ready pod"
         observed["signal"] = "no_metrics"
@@ -164,7 +198,7 @@ def decide(
     elif recommended > current:
         # Lowest recommendation of the up-window (just `recommended` when the window is 0).
         target = max(min(within(policy.scale_up_stabilization_seconds)), current)
-        target = min(target, max(2 * current, 1))
+        target = min(target, max(2 * current, 1, by_held))
     elif recommended < current:
         target = min(max(within(policy.scale_down_stabilization_seconds)), current)
     else:

@@ -17,6 +17,7 @@ from . import API_VERSION, PLURAL
 
 FIELD_MANAGER = "pagefleet-operator"
 REQUEST_TIMEOUT_SECONDS = 30
+STREAM_CONNECT_TIMEOUT_SECONDS = 10
 
 # kind -> (apiVersion, plural) for every resource the operator reads or writes.
 RESOURCES: dict[str, tuple[str, str]] = {
@@ -50,6 +51,15 @@ class KubeError(Exception):
         return self.status in (409, 429) or self.status >= 500 or self.status == 0
 
 
+def _error(status: int, text: str) -> KubeError:
+    """The API's Status message when the body is one, else the body as is."""
+    try:
+        message = json.loads(text).get("message") or text
+    except (ValueError, AttributeError):
+        message = text
+    return KubeError(status, message)
+
+
 def get_path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
     api_version, plural = RESOURCES[kind]
     prefix = "/api" if "/" not in api_version else "/apis"
@@ -79,6 +89,41 @@ class Kube:
         query: Mapping[str, str] | None = None,
         content_type: str = "application/json",
     ) -> dict[str, Any]:
+        response = self._call(method, path, body, query, content_type, REQUEST_TIMEOUT_SECONDS)
+        response.read()
+        text = response.data.decode("utf-8") if response.data else ""
+        if not 200 <= response.status <= 299:
+            raise _error(response.status, text)
+        return json.loads(text) if text else {}
+
+    def open_stream(
+        self, path: str, *, query: Mapping[str, str], read_timeout_s: float
+    ) -> Any:
+        """A GET whose body is read as it arrives (a watch): the unread urllib3 response,
+        to iterate line by line and close. A connection silent for `read_timeout_s`
+        fails the read; a non-2xx answer raises KubeError as `request` does."""
+        response = self._call(
+            "GET",
+            path,
+            None,
+            query,
+            "application/json",
+            (STREAM_CONNECT_TIMEOUT_SECONDS, read_timeout_s),
+        )
+        if not 200 <= response.status <= 299:
+            response.read()
+            raise _error(response.status, response.data.decode("utf-8") if response.data else "")
+        return response.response
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        query: Mapping[str, str] | None,
+        content_type: str,
+        timeout: float | tuple[float, float],
+    ) -> kubernetes.client.rest.RESTResponse:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         serialized = self.api_client.param_serialize(
             method,
@@ -89,22 +134,11 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         try:
-            response = self.api_client.call_api(
-                *serialized, _request_timeout=REQUEST_TIMEOUT_SECONDS
-            )
+            return self.api_client.call_api(*serialized, _request_timeout=timeout)
         except kubernetes.client.ApiException as exc:
             raise KubeError(exc.status or 0, str(exc.reason)) from exc
         except OSError as exc:  # connection refused/reset, DNS, timeouts
             raise KubeError(0, str(exc)) from exc
-        response.read()
-        text = response.data.decode("utf-8") if response.data else ""
-        if not 200 <= response.status <= 299:
-            try:
-                message = json.loads(text).get("message") or text
-            except ValueError:
-                message = text
-            raise KubeError(response.status, message)
-        return json.loads(text) if text else {}
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:

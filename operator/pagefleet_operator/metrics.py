@@ -1,4 +1,5 @@
-"""Scrape the serving pods' /metrics directly (pod IP + port) for the autoscaler."""
+"""Scrape the serving pods' /metrics directly (pod IP + port) for the autoscaler, and the
+router pods' for the requests they hold while no serving pod is ready."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,6 +18,7 @@ from .names import HTTP_PORT, HTTP_PORT_NAME
 
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+HELD_REQUESTS = "pagefleet:router_held_requests"
 SCRAPE_TIMEOUT_SECONDS = 2.0
 # A serving pod's whole /metrics is a few tens of KiB; anything far larger is not one.
 MAX_METRICS_BYTES = 2 * 1024 * 1024
@@ -112,9 +114,41 @@ def scrape_pod(pod: Mapping[str, Any]) -> PodSample:
 
 
 def scrape_pods(pods: Iterable[Mapping[str, Any]]) -> list[PodSample]:
+    return _scrape_each(scrape_pod, pods)
+
+
+def parse_held_requests(text: str) -> int:
+    """The router's held-requests gauge from its Prometheus text."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == HELD_REQUESTS:
+                return round(sample.value)
+    raise MetricsError(f"missing {HELD_REQUESTS}")
+
+
+def scrape_router_pod(pod: Mapping[str, Any]) -> int:
+    """The requests one router pod holds; 0 when it is not ready or cannot be read (its
+    held requests then wait for the next round, which is seconds away)."""
+    name = pod["metadata"]["name"]
+    if not is_pod_ready(pod):
+        return 0
+    url = get_metrics_url(pod)
+    try:
+        return parse_held_requests(fetch_metrics(url))
+    except (OSError, ValueError) as exc:
+        logger.warning("cannot scrape router %s (%s): %s", name, url, exc)
+        return 0
+
+
+def scrape_held_requests(pods: Iterable[Mapping[str, Any]]) -> int:
+    """The requests every router pod holds together (each holds its own)."""
+    return sum(_scrape_each(scrape_router_pod, pods))
+
+
+def _scrape_each(scrape: Callable[[Mapping[str, Any]], Any], pods: Iterable[Mapping[str, Any]]):
     pods = list(pods)
     if not pods:
         return []
     # One slow pod must not delay the others: scrape concurrently, each with a timeout.
     with ThreadPoolExecutor(max_workers=min(16, len(pods))) as pool:
-        return list(pool.map(scrape_pod, pods))
+        return list(pool.map(scrape, pods))

@@ -47,8 +47,8 @@ RULES: list[dict[str, Any]] = [
         "verbs": ["get", "create", "patch", "delete"],
     },
     # spec.router: the router's ServiceAccount, Role and RoleBinding. Granting a Role
-    # needs holding what it grants (RBAC's escalation check): the router lists
-    # EndpointSlices and patches the scale subresource (above), so the operator may too.
+    # needs holding what it grants (RBAC's escalation check): the router lists and
+    # watches EndpointSlices and patches the scale subresource (above), so the operator may too.
     {
         "apiGroups": [""],
         "resources": ["serviceaccounts"],
@@ -59,7 +59,11 @@ RULES: list[dict[str, Any]] = [
         "resources": ["roles", "rolebindings"],
         "verbs": ["get", "create", "patch", "delete"],
     },
-    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["list", "watch"],
+    },
     # Ready pods' IPs for scraping /metrics, found through their owners (the
     # Deployment's ReplicaSets); claims are checked before pods need them.
     {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},

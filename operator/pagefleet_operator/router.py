@@ -3,11 +3,11 @@ the identity it reads EndpointSlices and wakes the service with, and the headles
 it discovers the pods through. The resource's own Service then selects the router pods
 (service.py), so the Service, the Ingress and the URL stay what clients already use.
 
-The router's Role is the least it needs: list EndpointSlices in its namespace, and patch
-the scale subresource of its own InferenceService only (resourceNames). Waking from zero
-through the scale subresource needs no access to the InferenceService itself, nor an
-operator round trip: an annotation the operator reacts to would need patch on the whole
-object (spec included) and would add a reconcile's delay to every cold start.
+The router's Role is the least it needs: list and watch EndpointSlices in its namespace,
+and patch the scale subresource of its own InferenceService only (resourceNames). Waking
+from zero through the scale subresource needs no access to the InferenceService itself,
+nor an operator round trip: an annotation the operator reacts to would need patch on the
+whole object (spec included) and would add a reconcile's delay to every cold start.
 """
 
 from __future__ import annotations
@@ -86,7 +86,11 @@ def get_router_service_account(
 
 def get_router_rules(name: str) -> list[dict[str, Any]]:
     return [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["list", "watch"],
+        },
         {
             "apiGroups": [GROUP],
             "resources": [f"{PLURAL}/scale"],

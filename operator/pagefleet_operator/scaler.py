@@ -9,9 +9,10 @@ from typing import Any
 
 from .autoscale import Decision, PodSample, Recommendation, decide
 from .kube import Kube
-from .metrics import scrape_pods
+from .metrics import scrape_held_requests, scrape_pods
 from .names import get_selector_labels
 from .plan import is_owned_by
+from .router import ROUTER_SUFFIX, get_router_selector_labels
 from .spec import SpecError, parse_spec
 
 
@@ -60,6 +61,7 @@ def get_autoscaler_status(decision: Decision, now: float) -> dict[str, Any]:
     }
     # A merge patch: None removes the field once a pod is busy again.
     status["idleSince"] = None if decision.idle_since is None else _iso(decision.idle_since)
+    status["heldRequests"] = decision.held_requests or None
     if decision.kv_cache_usage is not None:
         status["kvCacheUsagePercent"] = round(decision.kv_cache_usage * 100)
     if decision.queue_depth is not None:
@@ -74,12 +76,24 @@ def list_owned_pods(kube: Kube, body: Mapping[str, Any]) -> list[dict[str, Any]]
     """The resource's serving pods, found by ownership: pods of the ReplicaSets of the
     Deployment this resource controls. Labels alone are not enough: any pod in the
     namespace may carry them, and the operator would then scrape (and trust) it."""
+    name = body["metadata"]["name"]
+    return _list_deployment_pods(kube, body, name, get_selector_labels(name))
+
+
+def list_router_pods(kube: Kube, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The resource's router pods (spec.router), found by ownership as the serving ones."""
+    name = body["metadata"]["name"]
+    return _list_deployment_pods(kube, body, name + ROUTER_SUFFIX, get_router_selector_labels(name))
+
+
+def _list_deployment_pods(
+    kube: Kube, body: Mapping[str, Any], deployment_name: str, labels: Mapping[str, str]
+) -> list[dict[str, Any]]:
     meta = body["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
-    deployment = kube.get("Deployment", namespace, name)
+    namespace = meta["namespace"]
+    deployment = kube.get("Deployment", namespace, deployment_name)
     if deployment is None or not is_owned_by(deployment, meta["uid"]):
         return []
-    labels = get_selector_labels(name)
     replica_sets = {
         rs["metadata"]["uid"]
         for rs in kube.list("ReplicaSet", namespace, labels)
@@ -107,6 +121,7 @@ def autoscale_once(
     *,
     default_image: str,
     scrape: Callable[[Iterable[Mapping[str, Any]]], list[PodSample]] = scrape_pods,
+    scrape_held: Callable[[Iterable[Mapping[str, Any]]], int] = scrape_held_requests,
     clock: Callable[[], float] = time.time,
 ) -> Decision | None:
     """Returns the decision, or None when the spec is invalid (the reconciler reports that)."""
@@ -119,6 +134,8 @@ def autoscale_once(
     if not spec.autoscaling.enabled:
         return None
     pods = list_owned_pods(kube, body)
+    # The router holds requests while no serving pod is ready: demand no pod reports.
+    held = scrape_held(list_router_pods(kube, body)) if spec.router.enabled else 0
     now = clock()
     status = body.get("status") or {}
     decision = decide(
@@ -128,6 +145,7 @@ def autoscale_once(
         read_history(status),
         now,
         read_idle_since(status),
+        held,
     )
     if decision.scaled:
         kube.scale(namespace, name, decision.replicas)

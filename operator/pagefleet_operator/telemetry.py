@@ -55,7 +55,7 @@ class OperatorMetrics:
             "autoscaler_decisions",
             "Autoscaler rounds by direction (up, down, hold, stabilizing) and by the signal "
             "that set the recommendation (kv_cache, queue_depth, no_metrics, missing_metrics, "
-            "idle, scaled_to_zero).",
+            "idle, scaled_to_zero, held_requests).",
             (*RESOURCE_LABELS, "direction", "signal"),
         )
         self.desired_replicas = gauge("desired_replicas", "Replicas the spec asks for.")

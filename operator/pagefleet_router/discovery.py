@@ -26,10 +26,15 @@ POD_GAUGES = {
 
 
 class Discovery(Protocol):
-    """The base URLs of the ready pods now. A static list today; an EndpointSlice watch
-    fits the same method."""
+    """The base URLs of the ready pods now (read once per scrape round), and a watch
+    that says at once when they may have changed, so that a new pod is scraped and a
+    gone one dropped without waiting for the round."""
 
     async def endpoints(self) -> list[str]: ...
+
+    async def watch(self, changed: Callable[[], None]) -> None:
+        """Runs until cancelled (or returns: nothing to watch), calling `changed`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,9 @@ class StaticEndpoints:
 
     async def endpoints(self) -> list[str]:
         return list(self.urls)
+
+    async def watch(self, changed: Callable[[], None]) -> None:
+        """A fixed list never changes."""
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self._scrape_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        # Set by discovery when the pod list may have changed: the next round starts now.
+        self._endpoints_changed = asyncio.Event()
         self._wake_task: asyncio.Task | None = None
         # Set while some pod has fresh metrics; held requests wait on it.
         self._pod_ready = asyncio.Event()
@@ -128,14 +131,22 @@ class Router:
         # No total timeout: a stream lasts as long as its generation.
         self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout())
         await self._refresh()
+        self._watch_task = asyncio.create_task(self._watch())
         self._scrape_task = asyncio.create_task(self._scrape_forever())
 
     async def _stop(self, _app: web.Application) -> None:
-        if self._scrape_task is not None:
-            self._scrape_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scrape_task
+        for task in (self._scrape_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.session.close()
+
+    async def _watch(self) -> None:
+        try:
+            await self.discovery.watch(self._endpoints_changed.set)
+        except Exception:  # the scrape rounds still read the pod list
+            logger.exception("watching the pod list failed")
 
     async def _refresh(self) -> None:
         try:
@@ -157,7 +168,11 @@ class Router:
 
     async def _scrape_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.scrape.interval_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    self._endpoints_changed.wait(), self.settings.scrape.interval_s
+                )
+            self._endpoints_changed.clear()
             await self._refresh()
 
     def choose(self, hashes: list[bytes], exclude: set[str]) -> Decision | None:

@@ -228,3 +228,43 @@ def test_at_zero_the_autoscaler_waits_for_the_router_and_min_one_still_wakes():
 def test_idle_pods_with_min_one_never_go_to_zero():
     trace, _ = run_through_status(1, [IDLE] * 30, policy=POLICY)
     assert trace == [1] * 30
+
+
+def test_a_burst_held_at_zero_asks_for_its_replicas_at_once():
+    # 13 requests held by the router, 4 per replica: ceil(13 / 4) = 4 now, not 1.
+    decision = decide(0, [], TO_ZERO, (), now=0.0, held_requests=13)
+    assert (decision.replicas, decision.signal, decision.queue_depth) == (4, "held_requests", 13)
+    assert decision.reason == "scale up 0 -> 4: 13 held by the router (target 4/replica)"
+    assert decision.history == (Recommendation(0.0, 4),)
+    # One held request is one replica; a flood is bounded by maxReplicas.
+    assert decide(0, [], TO_ZERO, (), now=0.0, held_requests=1).replicas == 1
+    assert decide(0, [], TO_ZERO, (), now=0.0, held_requests=500).replicas == 4
+
+
+def test_held_requests_while_the_first_pod_starts_are_the_demand():
+    # The router raised the service to 1; that pod is starting and 13 requests wait in
+    # the router: 4 replicas, past the doubling bound (held requests have no pod at all).
+    decision = decide(1, pods(starting=1), POLICY, (), now=0.0, held_requests=13)
+    assert (decision.replicas, decision.signal) == (4, "held_requests")
+    assert decision.reason == (
+        "scale up 1 -> 4: no metrics from any ready pod; 13 held by the router (target 4/replica)"
+    )
+    # The same pod starting with nothing held: hold at 1, as before.
+    decision = decide(1, pods(starting=1), POLICY, (), now=0.0)
+    assert (decision.replicas, decision.signal) == (1, "no_metrics")
+
+
+def test_held_requests_add_to_the_pods_queue_and_are_never_idle():
+    # 2 pods with 2 waiting each, 12 held: 16 waiting -> ceil(16 / 4) = 4.
+    decision = decide(2, pods((0.3, 2), (0.3, 2)), POLICY, (), now=0.0, held_requests=12)
+    assert (decision.replicas, decision.queue_depth) == (4, 16)
+    assert "16 waiting (12 of them held by the router)" in decision.reason
+    # An idle pod while requests are held is not idleness: no scale to zero.
+    decision = decide(1, IDLE(1), TO_ZERO, (), now=100.0, idle_since=0.0, held_requests=2)
+    assert (decision.replicas, decision.idle_since) == (1, None)
+    status = get_autoscaler_status(decision, 100.0)
+    assert (status["heldRequests"], status["queueDepth"]) == (2, 2)
+    # With nothing held, the field is removed by the merge patch.
+    assert (
+        get_autoscaler_status(decide(1, IDLE(1), TO_ZERO, (), now=0.0), 0.0)["heldRequests"] is None
+    )

@@ -343,7 +343,11 @@ def test_router_role_is_endpointslices_and_its_own_scale_only():
     body = make_body(ROUTED)
     desired = get_desired_objects(body, parsed(body))
     assert desired["RouterRole"]["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["list", "watch"],
+        },
         {
             "apiGroups": ["pagefleet.dev"],
             "resources": ["inferenceservices/scale"],

@@ -10,7 +10,12 @@ is a 500, where kube-apiserver answers 422 (see ApiServerEmulator._handle; any f
 apply merges like a merge patch, where the real one removes the fields the manager no
 longer applies and writes nothing when nothing changes (server_side_apply.py), and does
 not create a missing object; its discovery lacks Namespaces and CRDs, which kopf waits
-to see; and it has no garbage collector, so deletion is checked through owner references.
+to see; it has no garbage collector, so deletion is checked through owner references; and
+its watch streams until the client leaves, from any resourceVersion, and misses a write
+made between its snapshot and its subscription, where a real server ends a watch after
+its timeoutSeconds, loses nothing, and answers a version older than its history with a
+410 Gone ERROR event (ApiServerEmulator._serve_watch; `oldest_watch_version` plays the
+history's compaction).
 """
 
 from __future__ import annotations
@@ -65,6 +70,57 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # The configuration last applied to each object by server-side apply: the fields
         # its (single) field manager owns, as managedFields would record them.
         self.applied: dict = {}
+        # Watches from a resourceVersion below this are answered 410 Gone (compacted).
+        self.oldest_watch_version = 0
+
+    async def _serve_watch(self, request):
+        """kmock's watch (the objects now as ADDED, then every event), except that the
+        objects and the start of the event stream are taken at one instant (kmock
+        subscribes after its snapshot: a write in between was lost), and a real server's
+        timeoutSeconds and 410 Gone."""
+        yield b""
+        version = request.params.get("resourceVersion", "")
+        if version.isdigit() and int(version) < self.oldest_watch_version:
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410}
+            message = f"too old resource version: {version} ({self.oldest_watch_version})"
+            yield {"type": "ERROR", "object": {**status, "reason": "Expired", "message": message}}
+            return
+        bus = self._buses[request.resource]
+        async with self._lock:  # every write holds it while it posts its event
+            since = await bus.mark()
+            objects = [
+                obj.raw
+                for key, obj in self.objects.items()
+                if not obj.deleted and self._watched(request, key)
+            ]
+        for obj in objects:
+            yield {"type": "ADDED", "object": obj}
+        events = bus.stream(since=since)
+        loop = asyncio.get_running_loop()
+        timeout = request.params.get("timeoutSeconds")
+        deadline = loop.time() + float(timeout) if timeout else None
+        try:
+            while True:
+                left = None if deadline is None else deadline - loop.time()
+                event = await asyncio.wait_for(anext(events), left)
+                meta = event.get("object", {}).get("metadata", {})
+                key = (request.resource, meta.get("namespace"), meta.get("name"))
+                if self._watched(request, key):
+                    yield event
+        except asyncio.TimeoutError:
+            return  # the server ends the watch; the client resumes with a new one
+        finally:
+            await events.aclose()
+            await bus.unmark(since)
+
+    @staticmethod
+    def _watched(request, key) -> bool:
+        resource, namespace, name = key
+        return (
+            resource == request.resource
+            and request.namespace in (None, namespace)
+            and request.name in (None, name)
+        )
 
     def _server_side_apply(self, key, data: dict):
         """Turn an apply into the merge patch of what kube-apiserver would store, or
@@ -553,37 +609,17 @@ async def test_router_objects_against_the_api_emulator(kmock, operator):
     }
 
 
-async def test_the_routers_cluster_side_against_the_api_emulator(kmock, tmp_path, caplog):
-    """The router's own API calls: EndpointSlices listed, and the wake from zero through
-    the scale subresource, only from zero."""
+async def test_the_routers_wake_against_the_api_emulator(kmock, tmp_path, caplog):
+    """The router's wake from zero through the scale subresource, only from zero."""
     import kubernetes
     from pagefleet_operator.kube import Kube
-    from pagefleet_router.endpointslices import EndpointSliceDiscovery
     from pagefleet_router.wake import ScaleSubresourceWaker
 
     declare_resources(kmock)
     kube = Kube(kubernetes.config.new_client_from_config(write_kubeconfig(kmock, tmp_path)))
     async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
-        client = Client(session)
         spec = {"model": {"uri": "builtin://smollm2-135m"}, "replicas": 0}
-        await client.call("POST", isvc_path(), make_isvc("sleepy", spec))
-        endpoint_slice = {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": "sleepy-pods-abc",
-                "namespace": "ml",
-                "labels": {"kubernetes.io/service-name": "sleepy-pods"},
-            },
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": 8000}],
-            "endpoints": [{"addresses": ["10.1.2.3"], "conditions": {"ready": True}}],
-        }
-        await client.call(
-            "POST", "/apis/discovery.k8s.io/v1/namespaces/ml/endpointslices", endpoint_slice
-        )
-    discovery = EndpointSliceDiscovery(kube, "ml", "sleepy-pods", "http")
-    assert await discovery.endpoints() == ["http://10.1.2.3:8000"]
+        await Client(session).call("POST", isvc_path(), make_isvc("sleepy", spec))
 
     waker = ScaleSubresourceWaker(kube, "ml", "sleepy")
     await waker.wake()
@@ -594,3 +630,163 @@ async def test_the_routers_cluster_side_against_the_api_emulator(kmock, tmp_path
     await waker.wake()
     assert stored(kmock, ISVC, "sleepy")["spec"]["replicas"] == 3
     assert "failed" not in caplog.text
+
+
+def endpoint_slice(name: str, service: str, *addresses: str, ready: bool = True) -> dict:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": "ml",
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8000}],
+        "endpoints": [{"addresses": [a], "conditions": {"ready": ready}} for a in addresses],
+    }
+
+
+async def test_the_routers_endpointslice_watch_against_the_api_emulator(kmock, tmp_path):
+    """The router's pod list follows its Service's EndpointSlices through a watch: each
+    change is seen within a second (as one event, not at a poll), a watch the server ends
+    is resumed from the last resourceVersion, and a 410 Gone is answered with a new list."""
+    import kubernetes
+    from pagefleet_operator.kube import Kube
+    from pagefleet_router.endpointslices import EndpointSliceDiscovery
+
+    declare_resources(kmock)
+    slices = "/apis/discovery.k8s.io/v1/namespaces/ml/endpointslices"
+    kube = Kube(kubernetes.config.new_client_from_config(write_kubeconfig(kmock, tmp_path)))
+    # The server ends each watch after a second here (a real one: minutes).
+    discovery = EndpointSliceDiscovery(kube, "ml", "w-pods", "http", watch_timeout_s=1)
+    changed = asyncio.Event()
+
+    async def next_endpoints() -> list[str]:
+        await asyncio.wait_for(changed.wait(), 1.0)
+        changed.clear()
+        return await discovery.endpoints()
+
+    def requests(watch: bool) -> list:
+        return [
+            r
+            for r in list(kmock)
+            if r.resource is not None
+            and r.resource.plural == "endpointslices"
+            and r.method == "GET"
+            and (r.params.get("watch") == "true") == watch
+        ]
+
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
+        client = Client(session)
+        await client.call("POST", slices, endpoint_slice("w-a", "w-pods", "10.1.0.1"))
+        watching = asyncio.create_task(discovery.watch(changed.set))
+        try:
+            assert await next_endpoints() == ["http://10.1.0.1:8000"]  # the list
+            await client.call("POST", slices, endpoint_slice("w-b", "w-pods", "10.1.0.2"))
+            assert await next_endpoints() == ["http://10.1.0.1:8000", "http://10.1.0.2:8000"]
+            # Another Service's slice changes nothing; a pod turning unready leaves.
+            await client.call("POST", slices, endpoint_slice("x-a", "x-pods", "10.9.0.1"))
+            unready = {"endpoints": [{"addresses": ["10.1.0.1"], "conditions": {"ready": False}}]}
+            await client.call("PATCH", f"{slices}/w-a", unready)
+            assert await next_endpoints() == ["http://10.1.0.2:8000"]
+            await client.call("DELETE", f"{slices}/w-b")
+            assert await next_endpoints() == []
+
+            # The server ended the watch (timeoutSeconds): the next one resumes from the
+            # version of the last event seen, with no new list.
+            await asyncio.sleep(1.5)
+            assert len(requests(watch=False)) == 1
+            versions = [r.params.get("resourceVersion") for r in requests(watch=True)]
+            assert len(versions) >= 2 and versions[-1].isdigit(), versions
+
+            # The history was compacted past that version: 410 Gone, a new list, and the
+            # watch goes on from the new list's version.
+            kmock.oldest_watch_version = 10**9
+            await eventually(lambda: len(requests(watch=False)) >= 2, 5, "a list after 410")
+            kmock.oldest_watch_version = 0
+            await client.call("POST", slices, endpoint_slice("w-c", "w-pods", "10.1.0.3"))
+            assert await next_endpoints() == ["http://10.1.0.3:8000"]
+        finally:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
+
+
+async def test_the_autoscaler_counts_the_routers_held_requests(kmock, operator):
+    """At zero, 13 requests held by the router (its /metrics, on a loopback port) are
+    queue depth: the service goes to ceil(13 / 4) = 4 replicas at once, not to 1."""
+    router_metrics = MetricsServer(
+        "# TYPE pagefleet:router_held_requests gauge\npagefleet:router_held_requests 13.0\n"
+    )
+    try:
+        spec = {
+            "model": {"uri": "builtin://smollm2-135m"},
+            "replicas": 0,
+            "router": {"enabled": True},
+            "autoscaling": {
+                "enabled": True,
+                "minReplicas": 0,
+                "maxReplicas": 8,
+                "intervalSeconds": 5,
+            },
+        }
+        await operator.call("POST", isvc_path(), make_isvc("held", spec))
+        router = await eventually(
+            lambda: stored(kmock, "apps/v1/deployments", "held-router"), what="router Deployment"
+        )
+        # The Deployment controller and the kubelet: the router's ReplicaSet and its pod.
+        labels = router["spec"]["template"]["metadata"]["labels"]
+        owner = {"kind": "Deployment", "name": "held-router", "uid": router["metadata"]["uid"]}
+        replica_set = await operator.call(
+            "POST",
+            "/apis/apps/v1/namespaces/ml/replicasets",
+            {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "metadata": {
+                    "name": "held-router-rs",
+                    "namespace": "ml",
+                    "labels": labels,
+                    "ownerReferences": [{**owner, "controller": True}],
+                },
+            },
+        )
+        rs_owner = {"kind": "ReplicaSet", "name": "held-router-rs"}
+        port = {"name": "http", "containerPort": router_metrics.port}
+        await operator.call(
+            "POST",
+            "/api/v1/namespaces/ml/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": "held-router-0",
+                    "namespace": "ml",
+                    "labels": labels,
+                    "ownerReferences": [
+                        {**rs_owner, "uid": replica_set["metadata"]["uid"], "controller": True}
+                    ],
+                },
+                "spec": {"containers": [{"name": "router", "ports": [port]}]},
+                "status": {
+                    "podIP": "127.0.0.1",
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                },
+            },
+        )
+
+        def autoscaler() -> dict:
+            return ((stored(kmock, ISVC, "held") or {}).get("status") or {}).get("autoscaler", {})
+
+        await eventually(
+            lambda: "lastScaleReason" in autoscaler(), timeout=30, what="a scale from zero"
+        )
+        assert stored(kmock, ISVC, "held")["spec"]["replicas"] == 4
+        status = autoscaler()
+        assert (
+            status["lastScaleReason"] == "scale up 0 -> 4: 13 held by the router (target 4/replica)"
+        )
+        assert (status["heldRequests"], status["queueDepth"]) == (13, 13)
+    finally:
+        router_metrics.close()

@@ -10,7 +10,9 @@ from pagefleet_operator.metrics import (
     MetricsError,
     get_metrics_url,
     is_pod_ready,
+    parse_held_requests,
     parse_metrics,
+    scrape_held_requests,
     scrape_pods,
 )
 
@@ -135,3 +137,26 @@ def test_scrape_real_servers(servers):
     for name in ("broken", "garbage", "gone"):
         assert by_name[name].ready and not by_name[name].scraped
     assert not by_name["starting"].ready
+
+
+def test_held_requests_summed_over_the_real_routers_metrics(servers):
+    """The gauge is read from what the router itself renders; each router pod holds
+    its own requests; a router that cannot be read, or is not ready, counts none."""
+    from pagefleet_router.metrics import RouterMetrics
+
+    rendered = []
+    for held in (5, 2):
+        metrics = RouterMetrics()
+        metrics.held.set(held)
+        rendered.append(servers(metrics.render().decode()))
+    assert parse_held_requests(RouterMetrics().render().decode()) == 0
+    with pytest.raises(MetricsError, match="pagefleet:router_held_requests"):
+        parse_held_requests(BODY)  # a serving pod's /metrics
+    routers = [
+        pod("r0", rendered[0].port),
+        pod("r1", rendered[1].port),
+        pod("starting", rendered[0].port, ready=False),
+        pod("gone", 1),
+    ]
+    assert scrape_held_requests(routers) == 7
+    assert scrape_held_requests([]) == 0

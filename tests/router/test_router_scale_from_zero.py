@@ -40,6 +40,9 @@ class LatePod:
             return []
         return [await asyncio.to_thread(lambda: self.server.base_url)]
 
+    async def watch(self, changed) -> None:
+        """Nothing to watch: the scrape rounds read the list."""
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
