@@ -68,7 +68,7 @@ e2e: install
 	$(PY) -m pytest -v -rs e2e/test_e2e_cluster.py
 
 e2e-local: install
-	$(PY) -m pytest -v e2e/test_e2e_local.py e2e/test_e2e_hf.py
+	$(PY) -m pytest -v -m "slow or not slow" e2e/test_e2e_local.py e2e/test_e2e_hf.py e2e/test_e2e_router.py
 
 # The engine's long statistical and quantized-parity tests (seeded and sampled speculative
 # decoding against plain decoding, quantized weights against expanded ones).
