@@ -39,6 +39,37 @@ class Request:
     arrival_time: float
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against; the frontend gets them from the core."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+
+
+def validate_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    limits: RequestLimits,
+    arrival_time: float | None = None,
+) -> Request:
+    """The one check of a request before it is queued (the core trusts it). Raises
+    ValueError (ContextLengthError when it does not fit the context)."""
+    prompt_token_ids = list(prompt_token_ids)
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    if len(prompt_token_ids) + params.max_tokens > limits.max_model_len:  # cheap: first
+        raise ContextLengthError(limits.max_model_len, len(prompt_token_ids), params.max_tokens)
+    vocab = limits.vocab_size
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+    if params.n > limits.max_num_seqs:
+        raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
+    return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
+
+
 class ContextLengthError(ValueError):
     """The prompt plus max_tokens does not fit the model's context; carries the numbers so
     the API can word the error its own way."""
@@ -183,19 +214,22 @@ class LLMEngine:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
-            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            prompt_token_ids = list(prompt)
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:  # cheap: first
-            raise ContextLengthError(self.max_model_len, len(prompt_token_ids), params.max_tokens)
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n must be at most max_num_seqs ({self.config.max_num_seqs})")
-        return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return validate_request(request_id, prompt, params, self.limits, arrival_time)
+
+    @property
+    def limits(self) -> "RequestLimits":
+        return RequestLimits(
+            self.max_model_len, self.model_config.vocab_size, self.config.max_num_seqs
+        )
+
+    def detach_tokenizer(self):
+        """Stop making text and hand the tokenizer over: from here on this engine is a core
+        that sees token ids only, and the caller (a frontend) detokenizes and matches stop
+        strings. Call before adding requests."""
+        tokenizer, self.tokenizer = self.tokenizer, None
+        self.output_processor = OutputProcessor(None)
+        return tokenizer
 
     def add(self, request: Request) -> None:
         """Queue a validated request (engine thread only)."""
@@ -238,13 +272,26 @@ class LLMEngine:
         self.add(self.make_request(request_id, prompt, params))
 
     def abort_request(
-        self, request_id: str, reason: str = "abort", error: str | None = None
+        self,
+        request_id: str,
+        reason: str = "abort",
+        error: str | None = None,
+        sample_index: int | None = None,
     ) -> None:
+        """End a request (or one of its samples): its blocks are freed before the next step
+        and its final output is handed out by the next `step`."""
         for seq in self.scheduler.sequences_of(request_id):
-            self.scheduler.finish(seq, reason)
-        output = self.output_processor.finish(request_id, reason, time.time(), error)
+            if sample_index is None or seq.sample_index == sample_index:
+                self.scheduler.finish(seq, reason)
+        output = self.output_processor.finish(request_id, reason, time.time(), error, sample_index)
         if output is not None:
             self._pending.append(output)
+
+    def running_request_ids(self) -> set[str]:
+        return {seq.request_id for seq in self.scheduler.running}
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.output_processor.requests)
 
     def step_pending(self) -> list[RequestOutput]:
         """Hand out the outputs of aborted requests without running a step."""
