@@ -1,7 +1,7 @@
 """The engine core in its own process behind `pagefleet serve`: the messages it speaks
-round-trip, a killed core turns /health to 503 with the reason within 5 s and ends the
-stream in flight with an error event, SIGTERM leaves no child process behind, and a
-killed server takes its core with it."""
+round-trip, a stalled core (SIGSTOP) and a killed one turn /health to 503 with the reason
+within 5 s (the killed one also ends the stream in flight with an error event), SIGTERM
+drains and leaves no child process behind, and a killed server takes its core with it."""
 
 import os
 import pickle
@@ -99,43 +99,47 @@ def test_messages_round_trip(message):
         assert getattr(again, field.name) == getattr(message, field.name)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server():
     running = ServerProcess(*ENGINE_FLAGS).wait_ready()
     yield running
     running.stop()
 
 
-def test_the_core_runs_in_a_child_process_and_the_server_answers(server):
-    pid = core_pid(server)
-    assert pid != server.process.pid and is_running(pid)
-    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 4
-    assert "engine core process" in server.log_text()
+def health_within_5s(client: httpx.Client, status: int) -> httpx.Response:
+    since = time.monotonic()
+    response = wait_until(
+        lambda: (r := client.get("/health")).status_code == status and r, 5, f"/health {status}"
+    )
+    assert time.monotonic() - since < 5
+    return response
 
 
-def test_a_killed_core_fails_health_within_5s_and_ends_the_stream_with_an_error(server):
+def test_a_stalled_then_killed_core_fails_health_within_5s_and_ends_the_stream(server):
     pid = core_pid(server)
-    body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        os.kill(pid, signal.SIGSTOP)  # hung: alive, but silent
+        try:
+            stalled = health_within_5s(client, 503)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        error = assert_error(stalled, 503, code="engine_unhealthy")
+        assert "engine core has not answered" in error["message"]
+        health_within_5s(client, 200)
+
+        body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with client.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             first = next(line for line in lines if line.startswith("data: {"))
-            killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             events = sse_events([first, *lines])
-        health = wait_until(
-            lambda: (r := client.get("/health")).status_code == 503 and r, 5, "/health 503"
-        )
-        assert time.monotonic() - killed < 5
-    error = assert_error(health, 503, code="engine_unhealthy")
+        killed = health_within_5s(client, 503)
+        late = client.post("/v1/completions", json={"prompt": "hi"})
+    error = assert_error(killed, 503, code="engine_unhealthy")
     assert "engine core process was killed by SIGKILL" in error["message"]
     assert events[-1] == "DONE"
     assert "error" in events[-2], events[-3:]
     assert "SIGKILL" in events[-2]["error"]["message"]
-    late = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi"}, timeout=30)
     assert_error(late, 503, code="engine_unhealthy")
 
 
@@ -143,6 +147,7 @@ def test_sigterm_drains_and_leaves_no_child_process():
     server = ServerProcess(*ENGINE_FLAGS, "--shutdown-timeout", "30").wait_ready()
     try:
         pid = core_pid(server)
+        assert pid != server.process.pid and is_running(pid)
         body = {"prompt": "Once", "max_tokens": 8, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             with client.stream("POST", "/v1/completions", json=body) as stream:

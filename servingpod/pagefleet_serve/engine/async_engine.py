@@ -96,7 +96,7 @@ class AsyncEngine:
     # A step that has not returned within this bound means the engine has hung.
     STEP_TIMEOUT_S = 120.0
     # A core process that has sent nothing (not even a heartbeat) for this long has hung.
-    HEARTBEAT_TIMEOUT_S = 5.0
+    HEARTBEAT_TIMEOUT_S = 4.0
     MAX_CONSECUTIVE_FAILURES = EngineCore.MAX_CONSECUTIVE_FAILURES
 
     def __init__(self, engine: LLMEngine) -> None:

@@ -170,7 +170,7 @@ def _core_main(conn, config: EngineConfig, core_cpus, parent_pid: int, log_level
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - the frontend reports it and exits
         emit(CoreFailed(f"cannot load model {config.model}: {type(exc).__name__}: {exc}"))
-        return
+        _exit_now(1)
     engine.detach_tokenizer()  # the core sees token ids only
     emit(
         CoreReady(
@@ -187,6 +187,14 @@ def _core_main(conn, config: EngineConfig, core_cpus, parent_pid: int, log_level
     threading.Thread(target=_forward, args=(conn, core), name="core-inbox", daemon=True).start()
     threading.Thread(target=_heartbeat, args=(core, emit), name="heartbeat", daemon=True).start()
     core.run()
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown, which collects the model's objects one by
+    one (tens of seconds on a loaded machine) while the frontend waits to exit."""
+    logging.shutdown()
+    os._exit(code)
 
 
 def _forward(conn, core: EngineCore) -> None:
