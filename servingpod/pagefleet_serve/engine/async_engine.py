@@ -274,7 +274,10 @@ class AsyncEngine:
             if message.stats is not None:
                 self.stats = message.stats
             for output in message.outputs:
-                self._deliver(output)
+                try:
+                    self._deliver(output)
+                except Exception as exc:  # noqa: BLE001 - only this request is at fault
+                    self._fail_request(output.request_id, exc)
         elif isinstance(message, RequestRejected):
             mailbox = self._mailboxes.pop(message.request_id, None)
             if mailbox is not None:
@@ -330,6 +333,20 @@ class AsyncEngine:
         if sample.finish_reason is not None:
             mailbox.finished.add(sample.index)
         return True
+
+    def _fail_request(self, request_id: str, exc: Exception) -> None:
+        """An output that could not be handled here (its text, say) fails its request,
+        which the core then stops; the other requests go on."""
+        logger.error("could not handle an output of %s", request_id, exc_info=exc)
+        mailbox = self._mailboxes.pop(request_id, None)
+        if mailbox is None:
+            return
+        self._link.send(AbortRequest(request_id))
+        error = RuntimeError(f"could not handle the engine's output: {type(exc).__name__}: {exc}")
+        try:
+            mailbox.put(error)
+        except RuntimeError:  # its event loop has closed: nobody is waiting there
+            pass
 
     def _fail_all(self, reason: str) -> None:
         self._dead = reason

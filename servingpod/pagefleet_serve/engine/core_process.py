@@ -90,19 +90,26 @@ class CoreProcess:
         threading.Thread(target=self._read, name="engine-core-reader", daemon=True).start()
 
     def _read(self) -> None:
-        try:
-            while True:
+        while True:
+            try:
                 message = self._conn.recv()
-                self.last_heard = time.monotonic()
-                if isinstance(message, Heartbeat):
-                    self._step = (message.step_running_s, self.last_heard)
-                    continue
-                if isinstance(message, StepOutputs):
-                    self._step = (None, self.last_heard)
+            except (EOFError, OSError):
+                if not self._closing:
+                    self._on_lost(self.exit_reason())
+                return
+            except Exception:  # noqa: BLE001 - one unreadable message must not stop the rest
+                logger.exception("could not read a message from the engine core")
+                continue
+            self.last_heard = time.monotonic()
+            if isinstance(message, Heartbeat):
+                self._step = (message.step_running_s, self.last_heard)
+                continue
+            if isinstance(message, StepOutputs):
+                self._step = (None, self.last_heard)
+            try:
                 self._on_message(message)
-        except (EOFError, OSError):
-            if not self._closing:
-                self._on_lost(self.exit_reason())
+            except Exception:  # noqa: BLE001 - as above: the next message is still read
+                logger.exception("could not handle %s from the engine core", type(message).__name__)
 
     def send(self, message: object) -> None:
         try:

@@ -8,7 +8,7 @@ engine's own failure (`EngineFault`), which the caller counts.
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -319,6 +319,13 @@ class LLMEngine:
                 continue
             self.scheduler.add(seq)
 
+    def _wait_for_a_grammar(self) -> None:
+        """With nothing to run but sequences whose grammar is compiling, wait a moment for
+        one compile rather than spin through empty steps (short, so that new requests and
+        aborts are still taken between steps)."""
+        if self._awaiting_grammar:
+            wait(self._awaiting_grammar.values(), timeout=0.05, return_when=FIRST_COMPLETED)
+
     def _with_model_eos(self, params: SamplingParams) -> SamplingParams:
         """The model's EOS ids beyond its main one (generation_config's list) end a
         sequence as its EOS does; they ride along as stop token ids."""
@@ -370,10 +377,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Raises EngineFault when the step failed for all of its sequences (their
         requests' error outputs are then handed out by `step_pending`)."""
+        self._admit_compiled()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         step = self.scheduler.schedule()
         if step.is_empty:
+            self._wait_for_a_grammar()
             return self.step_pending()
         now = time.time()
         for item in step.scheduled:
