@@ -96,8 +96,11 @@ class _ThreadLink:
 class AsyncEngine:
     # A step that has not returned within this bound means the engine has hung.
     STEP_TIMEOUT_S = 120.0
-    # A core process that has sent nothing (not even a heartbeat) for this long has hung.
-    HEARTBEAT_TIMEOUT_S = 4.0
+    # A core process that has sent nothing (not even a heartbeat, twice a second) for this
+    # long has hung. Not less: on a 2-core machine at load 10, a healthy core's heartbeats
+    # have been late by 4s. A silent core turns /health and /ready to 503; requests are
+    # refused only once the core is gone (`dead_reason`), a stall may pass.
+    HEARTBEAT_TIMEOUT_S = 10.0
     MAX_CONSECUTIVE_FAILURES = EngineCore.MAX_CONSECUTIVE_FAILURES
 
     def __init__(self, engine: LLMEngine) -> None:

@@ -83,9 +83,10 @@ class ServerState:
             raise unavailable(
                 "the server is shutting down; retry on another replica", code="server_shutting_down"
             )
-        if not self.engine.is_healthy:
+        # Only a core that is gone refuses work: one that is slow to answer (a stall that
+        # turns /health to 503) may recover, and requests wait for it in its queue.
+        if (reason := self.engine.dead_reason) is not None:
             self.metrics.reject("engine_unhealthy")
-            reason = self.engine.unhealthy_reason
             raise unavailable(f"the engine is not healthy: {reason}", code="engine_unhealthy")
         limit = self.max_num_queued
         if self.num_queued + wanted > limit:
