@@ -56,3 +56,25 @@ class StopStringMatcher:
         out = self.text[self.sent : end]
         self.sent = end
         return out
+
+
+class SampleText:
+    """One sample's text as its tokens arrive: detokenized, cut before the first stop
+    string, with a possible stop string's beginning held back until it is settled."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params) -> None:
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, params.skip_special_tokens
+        )
+        self.matcher = StopStringMatcher(params.stop)
+        self.stopped = False
+
+    def add(self, token_id: int) -> bool:
+        """Take a token; True once a stop string has appeared (later tokens are ignored)."""
+        if not self.stopped:
+            self.stopped = self.matcher.feed(self.detokenizer.add(token_id))
+        return self.stopped
+
+    def release(self, finished: bool) -> str:
+        """The text that is safe to send now (all of it once the sample is finished)."""
+        return self.matcher.release(finished or self.stopped)

@@ -4,7 +4,7 @@ text happens."""
 
 from dataclasses import dataclass, field, replace
 
-from pagefleet_serve.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagefleet_serve.detokenizer import SampleText
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
@@ -13,8 +13,7 @@ from pagefleet_serve.sampling_params import SamplingParams
 
 @dataclass
 class _Sample:
-    detokenizer: IncrementalDetokenizer | None
-    matcher: StopStringMatcher
+    text: SampleText | None  # None: no tokenizer here (a core whose frontend makes text)
     finished: bool = False
 
 
@@ -77,13 +76,13 @@ class OutputProcessor:
                 entry = TokenLogprob(token.token_id, token.logprob, token.top_logprobs or [])
                 delta.logprobs = (delta.logprobs or []) + [entry]
             finish_reason = seq.finish_reason if i == last[seq] else None
-            if sample.detokenizer is not None:
-                if sample.matcher.feed(sample.detokenizer.add(token.token_id)):
-                    finish_reason = "stop"
-                    if not seq.is_finished:
-                        stopped.append(seq)
+            if sample.text is not None and sample.text.add(token.token_id):
+                finish_reason = "stop"
+                if not seq.is_finished:
+                    stopped.append(seq)
             sample.finished = finish_reason is not None
-            delta.text += sample.matcher.release(sample.finished)
+            if sample.text is not None:
+                delta.text += sample.text.release(sample.finished)
             delta.finish_reason = finish_reason
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
@@ -96,21 +95,28 @@ class OutputProcessor:
         return outputs, stopped
 
     def finish(
-        self, request_id: str, reason: str, now: float, error: str | None = None
+        self,
+        request_id: str,
+        reason: str,
+        now: float,
+        error: str | None = None,
+        sample_index: int | None = None,
     ) -> RequestOutput | None:
-        """End every unfinished sample of a request (abort or engine error)."""
+        """End every unfinished sample of a request, or the one at `sample_index` (abort,
+        engine error, a stop string the frontend found)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         outputs = []
-        for index in range(request.params.n):
+        indices = range(request.params.n) if sample_index is None else [sample_index]
+        for index in indices:
             sample = request.samples.get(index)
             if sample is None or not sample.finished:
                 outputs.append(CompletionOutput(index, finish_reason=reason))
                 if sample is not None:
                     sample.finished = True
                 else:
-                    request.samples[index] = _Sample(None, StopStringMatcher(()), finished=True)
+                    request.samples[index] = _Sample(None, finished=True)
         output = self._output(request_id, outputs, now)
         output.error = error
         return output
@@ -134,11 +140,9 @@ class OutputProcessor:
         )
 
     def _new_sample(self, request: _Request, seq: Sequence) -> _Sample:
-        detokenizer = None
+        text = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens
-            )
-        sample = _Sample(detokenizer, StopStringMatcher(request.params.stop))
+            text = SampleText(self.tokenizer, request.prompt_token_ids, request.params)
+        sample = _Sample(text)
         request.samples[seq.sample_index] = sample
         return sample

@@ -6,11 +6,13 @@ ValueError naming the field; a schema is compiled once."""
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
 from engine_prompts import SYSTEM_PROMPT
 from pagefleet_serve import LLM, SamplingParams
+from pagefleet_serve.engine.llm_engine import validate_request
 from pagefleet_serve.structured.constraint import StructuredOutputs
 from pagefleet_serve.structured.grammar import GrammarCompiler
 
@@ -151,3 +153,24 @@ def test_a_schema_compiles_once(llm):
     first = StructuredOutputs(json=json.dumps(ANSWER), field="response_format")
     again = StructuredOutputs(json=json.dumps(ANSWER), field="guided_json")
     assert compiler.compile_async(first) is compiler.compile_async(again)
+
+
+def test_a_request_whose_grammar_the_engine_has_not_compiled_yet_runs(llm):
+    """A core in its own process compiles each constraint again (the frontend validated it
+    with a compiler of its own), so a request can arrive before its grammar is ready: it
+    waits for the compile, then runs, even when no other request comes to move it along."""
+    engine = llm.engine
+    frontend = GrammarCompiler(
+        engine.tokenizer, engine.model_config.vocab_size, engine.grammar_stop_token_ids
+    )
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    params = SamplingParams(
+        max_tokens=20, temperature=0, structured_outputs=StructuredOutputs(json=json.dumps(schema))
+    )
+    prompt = engine.tokenizer.encode(chat(llm, "Is water wet? Answer in JSON."))
+    engine.add(validate_request("uncompiled", prompt, params, engine.limits, frontend))
+    text, deadline = "", time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the request never left the grammar queue"
+        text += "".join(o.outputs[0].text for o in engine.step() if o.outputs)
+    jsonschema.validate(json.loads(text), schema)

@@ -3,12 +3,14 @@ in a thread): OpenAI's error JSON for every case, 401 with an API key, 429 when 
 is full, keep-alive comments while queued, disconnects that free their KV blocks, an engine
 failure that fails one request only, and /health when the engine hangs or dies."""
 
+import json
 import threading
 import time
 
 import httpx
 import openai
 import pytest
+from httpx_sse import connect_sse
 from server_harness import ThreadServer, assert_error, read_metrics, sse_events, wait_until
 
 API_KEY = "test-secret"
@@ -240,6 +242,19 @@ def test_queue_full_is_429_with_retry_after(server, http, idle):
             metrics = read_metrics(server.base_url)
             assert metrics['pagefleet:requests_rejected_total{reason="queue_full"}'] >= 1
             assert metrics["pagefleet:num_requests_queued"] == MAX_QUEUED
+
+
+def test_opted_in_keepalive_comments_are_skipped_by_httpx_sse(server, http, idle):
+    """This server sends a comment every 0.3s of silence; a queued stream read by httpx-sse
+    still yields every event."""
+    with long_stream(http, max_tokens=12) as running:
+        running_lines = running.iter_lines()  # held: a dropped iterator closes the stream
+        read_until(running_lines, is_token)
+        body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "stream": True}
+        with connect_sse(http, "POST", "/v1/completions", json=body) as source:
+            data = [event.data for event in source.iter_sse()]
+    assert data[-1] == "[DONE]"
+    assert sum(1 for d in data[:-1] if json.loads(d)["choices"][0]["finish_reason"]) == 1
 
 
 def test_disconnects_abort_and_free_kv_blocks(server, http, idle):

@@ -1,28 +1,46 @@
-"""Drives an LLMEngine from one background thread for asyncio callers (the HTTP server).
+"""The frontend of an engine core, for asyncio callers (the HTTP server).
 
-Callers never touch engine state: `generate()` validates on the caller's side, then hands
-the request to the step thread through a queue and reads its outputs from a per-request
-mailbox (an asyncio.Queue filled with `call_soon_threadsafe`). Leaving the iterator early
-(a disconnected client) aborts the request; its blocks are freed before the next step.
+The core (`EngineCore`) runs either in a thread of this process, `AsyncEngine(engine)`, or
+in a process of its own, `AsyncEngine.start_core_process(config)` (what `pagefleet serve`
+does: the core's steps then share no interpreter lock with the server). Either way the
+frontend speaks to it in `core_messages` only, and the core sees token ids only: the
+frontend validates requests (once), makes text from the tokens, matches stop strings (one
+found aborts that sample in the core) and hands each request's outputs to the queue its
+caller gave (`add`), from the thread the core's messages arrive on.
 
-The step thread never ends silently: each of its duties (taking requests, stepping,
-publishing stats, delivering outputs) is guarded on its own, and should the loop itself
-break, the reason is recorded, every waiting caller is told, and `/health` reports it.
-Only `EngineFault`s and unexpected step errors count toward declaring the engine dead; a
-request the engine isolated as the cause of a failure fails alone and counts for nothing.
+Health: a core that reports failure, a core process that exits or is killed, a core that
+stops answering (`HEARTBEAT_TIMEOUT_S`) or a step that runs too long (`STEP_TIMEOUT_S`)
+makes the frontend unhealthy, with the reason; requests in flight then end with an error.
 """
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pagefleet_serve.engine.llm_engine import EngineFault, EngineStats, LLMEngine, Request
-from pagefleet_serve.outputs import RequestOutput
+from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.detokenizer import SampleText
+from pagefleet_serve.engine.core import EngineCore
+from pagefleet_serve.engine.core_messages import (
+    AbortRequest,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    RequestRejected,
+    StepOutputs,
+)
+from pagefleet_serve.engine.llm_engine import (
+    EngineStats,
+    LLMEngine,
+    Request,
+    RequestLimits,
+    validate_request,
+)
+from pagefleet_serve.outputs import CompletionOutput, RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -33,58 +51,180 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Mailbox:
+    """Where one request's outputs go, and the text made from them so far."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    tag: object
+    request: Request
+    texts: dict[int, SampleText] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)  # sample indices
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.tag, item))
+
+
+class _ThreadLink:
+    """A core running in a thread of this process."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.thread = threading.Thread(target=core.run, name="engine-step-loop", daemon=True)
+
+    def send(self, message: object) -> None:
+        self.core.submit(message)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def silent_for(self) -> float:
+        return 0.0  # the thread shares this process: it cannot stall apart from it
+
+    def step_running_s(self) -> float | None:
+        started = self.core.step_started
+        return None if started is None else time.monotonic() - started
+
+    def exit_reason(self) -> str:
+        return "the engine step thread has exited"
+
+    def close(self) -> None:
+        self.core.stop()
+        self.thread.join(timeout=10)
 
 
 class AsyncEngine:
     # A step that has not returned within this bound means the engine has hung.
     STEP_TIMEOUT_S = 120.0
-    MAX_CONSECUTIVE_FAILURES = 3
+    # A core process that has sent nothing (not even a heartbeat, twice a second) for this
+    # long has hung. Not less: on a 2-core machine at load 10, a healthy core's heartbeats
+    # have been late by 4s. A silent core turns /health and /ready to 503; requests are
+    # refused only once the core is gone (`dead_reason`), a stall may pass.
+    HEARTBEAT_TIMEOUT_S = 10.0
+    MAX_CONSECUTIVE_FAILURES = EngineCore.MAX_CONSECUTIVE_FAILURES
 
     def __init__(self, engine: LLMEngine) -> None:
+        """A core in a thread of this process, over `engine` (which stops making text: the
+        frontend does)."""
         self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        tokenizer = engine.detach_tokenizer()
+        link = _ThreadLink(EngineCore(engine, self._on_message))
+        ready = CoreReady(
+            0,
+            engine.model_name,
+            engine.max_model_len,
+            engine.model_config.vocab_size,
+            engine.config.max_num_seqs,
+            engine.block_manager.num_blocks,
+            engine.stats(),
+            engine.grammar_stop_token_ids,
+        )
+        # The engine's own compiler: a constraint compiled here to validate it is then
+        # found in its cache when the core adds the request.
+        self._setup(engine.config, ready, tokenizer, engine.grammar_compiler, link)
+        link.thread.start()
+
+    @classmethod
+    def start_core_process(
+        cls, config: EngineConfig, core_cpus: list[int] | None = None, log_level: str = "info"
+    ) -> "AsyncEngine":
+        """A core in a process of its own (loads the model there; raises RuntimeError
+        when it cannot start), with this process's tokenizer for text."""
+        from pagefleet_serve.engine.core_process import CoreProcess
+        from pagefleet_serve.model.loader import load_tokenizer
+
+        self = cls.__new__(cls)
+        self.engine = None
+        link = CoreProcess(config, self._on_message, self._on_core_lost, core_cpus, log_level)
+        try:
+            tokenizer = load_tokenizer(config.model)
+        except BaseException:
+            link.close()
+            raise
+        # The core compiles each constraint again with its own compiler (same tokenizer
+        # files); this one validates, so a bad constraint is a ValueError here, not an error
+        # the core reports after the request was accepted.
+        grammar_compiler = None
+        if tokenizer is not None:
+            grammar_compiler = GrammarCompiler(
+                tokenizer, link.ready.vocab_size, link.ready.grammar_stop_token_ids
+            )
+        self._setup(config, link.ready, tokenizer, grammar_compiler, link)
+        link.start_reading()
+        return self
+
+    def _setup(
+        self,
+        config: EngineConfig,
+        ready: CoreReady,
+        tokenizer,
+        grammar_compiler: GrammarCompiler | None,
+        link,
+    ) -> None:
+        self.config = config
+        self.model_name = ready.model_name
+        self.tokenizer = tokenizer
+        self.grammar_compiler = grammar_compiler
+        self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, ready.max_num_seqs)
+        self.num_blocks = ready.num_blocks
+        self.stats: EngineStats = ready.stats
+        self._link = link
         self._mailboxes: dict[str, _Mailbox] = {}
-        self._stop = threading.Event()
         self._dead: str | None = None
-        self._step_started: float | None = None
-        self.last_step_time = time.monotonic()
-        self.stats: EngineStats = engine.stats()
-        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
-        self._thread.start()
+        self._closing = False
 
-    # -- caller side ----------------------------------------------------------------------
-    async def generate(
+    # -- what callers use ----------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def make_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request, step by step (deltas); raises ValueError for bad input."""
-        if self._dead:
-            raise EngineDeadError(self._dead)
-        async for output in self.run(self.engine.make_request(request_id, prompt, params)):
-            yield output
+    ) -> Request:
+        """Validate (and tokenize text, compile a structured output's constraint); the core
+        trusts what this returns. ValueError."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return validate_request(request_id, prompt, params, self.limits, self.grammar_compiler)
 
-    async def run(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Outputs of a request validated by `make_request`, step by step (deltas)."""
+    def add(self, request: Request, queue: asyncio.Queue, tag: object = None) -> None:
+        """Queue a request from `make_request`. Its outputs (deltas, text included) arrive
+        on `queue` as `(tag, output)`, the last one finished; or `(tag, exception)` when it
+        could not run. Call from the event loop that reads `queue`."""
         request_id = request.request_id
         if self._dead:
             raise EngineDeadError(self._dead)
-        mailbox = _Mailbox(asyncio.get_running_loop(), asyncio.Queue())
         if request_id in self._mailboxes:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        mailbox = _Mailbox(asyncio.get_running_loop(), queue, tag, request)
         self._mailboxes[request_id] = mailbox
         if self._dead:  # died since the check above: nobody would answer this mailbox
             self._mailboxes.pop(request_id, None)
             raise EngineDeadError(self._dead)
-        self._send(("add", request))
+        self._link.send(AddRequest(request))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (its blocks are freed before the core's next step); no more of
+        its outputs are delivered."""
+        if self._mailboxes.pop(request_id, None) is not None:
+            self._link.send(AbortRequest(request_id))
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, step by step (deltas); raises ValueError for bad input.
+        Leaving the iterator early aborts the request."""
+        request = self.make_request(request_id, prompt, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.add(request, queue)
         finished = False
         try:
             while not finished:
-                item = await mailbox.queue.get()
+                _, item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -92,137 +232,131 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
-            self._mailboxes.pop(request_id, None)
-
-    def make_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> Request:
-        return self.engine.make_request(request_id, prompt, params)
-
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
 
     @property
     def default_max_num_queued(self) -> int:
         """As many requests as the KV pool has blocks (each needs one at least, so more
         could never all run at once), and no fewer than one full batch."""
-        return max(self.engine.config.max_num_seqs, self.engine.block_manager.num_blocks)
+        return max(self.limits.max_num_seqs, self.num_blocks)
 
     @property
     def is_healthy(self) -> bool:
-        if self._dead or not self._thread.is_alive():
-            return False
-        started = self._step_started
-        return started is None or time.monotonic() - started < self.STEP_TIMEOUT_S
+        return self.unhealthy_reason is None
 
     @property
     def dead_reason(self) -> str | None:
-        if self._dead is None and not self._thread.is_alive() and not self._stop.is_set():
-            return "the engine step thread has exited"
+        """Why the core is gone for good, if it is."""
+        if self._dead is None and not self._link.alive and not self._closing:
+            return self._link.exit_reason()
         return self._dead
 
+    @property
+    def unhealthy_reason(self) -> str | None:
+        if self._closing:
+            return "the engine has been shut down"
+        if (dead := self.dead_reason) is not None:
+            return dead
+        silent = self._link.silent_for()
+        if silent > self.HEARTBEAT_TIMEOUT_S:
+            return f"the engine core has not answered for {silent:.0f}s"
+        running = self._link.step_running_s()
+        if running is not None and running > self.STEP_TIMEOUT_S:
+            return f"an engine step has not returned in {running:.0f}s"
+        return None
+
     def shutdown(self) -> None:
-        self._stop.set()
-        self._wakeup.set()
-        self._thread.join(timeout=10)
+        """Stop the core (and its process); idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._link.close()
 
-    def _send(self, message: tuple) -> None:
-        self._inbox.put(message)
-        self._wakeup.set()
+    # -- what the core says (on its thread, or this process's pipe reader) --------------
+    def _on_message(self, message: object) -> None:
+        if isinstance(message, StepOutputs):
+            if message.stats is not None:
+                self.stats = message.stats
+            for output in message.outputs:
+                try:
+                    self._deliver(output)
+                except Exception as exc:  # noqa: BLE001 - only this request is at fault
+                    self._fail_request(output.request_id, exc)
+        elif isinstance(message, RequestRejected):
+            mailbox = self._mailboxes.pop(message.request_id, None)
+            if mailbox is not None:
+                error = ValueError if message.invalid else RuntimeError
+                mailbox.put(error(message.error))
+        elif isinstance(message, CoreFailed):
+            self._fail_all(message.reason)
+        else:
+            logger.warning("ignored a message of unknown type from the engine core: %r", message)
 
-    # -- the step thread ------------------------------------------------------------------
-    def _run(self) -> None:
+    def _on_core_lost(self, reason: str) -> None:
+        if not self._closing:
+            logger.error("%s", reason)
+            self._fail_all(reason)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        mailbox = self._mailboxes.get(output.request_id)
+        if mailbox is None:  # aborted, or finished here by a stop string
+            return
+        output.prompt_token_ids = mailbox.request.prompt_token_ids
+        output.outputs = [s for s in output.outputs if self._add_text(mailbox, s)]
+        if len(mailbox.finished) == mailbox.request.params.n:
+            output.finished = True
+        if output.finished:
+            self._mailboxes.pop(output.request_id, None)
         try:
-            self._loop()
-        except BaseException as exc:  # noqa: BLE001 - the thread must not end without a word
-            logger.exception("the engine step loop crashed")
-            self._die(f"the engine step loop crashed: {type(exc).__name__}: {exc}")
+            mailbox.put(output)
+        except RuntimeError:  # the caller's event loop has closed: nobody is listening
+            logger.warning("dropped output of %s: its event loop is closed", output.request_id)
 
-    def _loop(self) -> None:
-        failures = 0
-        while not self._stop.is_set():
-            self._drain_inbox()
-            if not self.engine.has_unfinished_requests():
-                self._refresh_stats()
-                self._wakeup.wait(timeout=1.0)
-                self._wakeup.clear()
-                continue
-            self._step_started = time.monotonic()
-            try:
-                outputs = self.engine.step()
-                failures = 0
-            except Exception as exc:  # noqa: BLE001 - a step failure must not kill the loop
-                failures += 1
-                logger.exception("engine step failed (%d in a row)", failures)
-                if not isinstance(exc, EngineFault):
-                    # Broken outside the model: the step's requests are in an unknown state.
-                    self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
-                outputs = self.engine.step_pending()
-                if failures >= self.MAX_CONSECUTIVE_FAILURES:
-                    self._deliver(outputs)
-                    self._die(f"engine failed {failures} steps in a row; last: {exc!r}")
-                    return
-            finally:
-                self._step_started = None
-                self.last_step_time = time.monotonic()
-            self._refresh_stats()
-            self._deliver(outputs)
+    def _add_text(self, mailbox: _Mailbox, sample: CompletionOutput) -> bool:
+        """Make the text of a sample's delta, ending the sample at a stop string; False
+        for a delta of a sample already ended here."""
+        if sample.index in mailbox.finished:
+            return False
+        if self.tokenizer is not None:
+            request = mailbox.request
+            text = mailbox.texts.get(sample.index)
+            if text is None:
+                text = SampleText(self.tokenizer, request.prompt_token_ids, request.params)
+                mailbox.texts[sample.index] = text
+            for position, token_id in enumerate(sample.token_ids):
+                if text.add(token_id):
+                    del sample.token_ids[position + 1 :]
+                    if sample.logprobs is not None:
+                        del sample.logprobs[position + 1 :]
+                    break
+            if text.stopped and sample.finish_reason != "stop":
+                if sample.finish_reason is None:  # the core runs it still: stop it there
+                    self._link.send(AbortRequest(request.request_id, "stop", sample.index))
+                sample.finish_reason = "stop"
+            sample.text = text.release(sample.finish_reason is not None)
+        if sample.finish_reason is not None:
+            mailbox.finished.add(sample.index)
+        return True
 
-    def _refresh_stats(self) -> None:
+    def _fail_request(self, request_id: str, exc: Exception) -> None:
+        """An output that could not be handled here (its text, say) fails its request,
+        which the core then stops; the other requests go on."""
+        logger.error("could not handle an output of %s", request_id, exc_info=exc)
+        mailbox = self._mailboxes.pop(request_id, None)
+        if mailbox is None:
+            return
+        self._link.send(AbortRequest(request_id))
+        error = RuntimeError(f"could not handle the engine's output: {type(exc).__name__}: {exc}")
         try:
-            self.stats = self.engine.stats()
-        except Exception:  # noqa: BLE001 - stale stats beat a dead loop
-            logger.exception("could not read engine stats")
+            mailbox.put(error)
+        except RuntimeError:  # its event loop has closed: nobody is waiting there
+            pass
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            mailbox = self._mailboxes.get(output.request_id)
+    def _fail_all(self, reason: str) -> None:
+        self._dead = reason
+        for request_id in list(self._mailboxes):
+            mailbox = self._mailboxes.pop(request_id, None)
             if mailbox is None:
                 continue
-            try:
-                mailbox.put(output)
-            except RuntimeError:  # the caller's event loop has closed: nobody is listening
-                logger.warning("dropped output of %s: its event loop is closed", output.request_id)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                if kind == "add":
-                    self._add(payload)
-                elif kind == "abort":
-                    self.engine.abort_request(payload)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the others
-                logger.exception("engine could not handle %s %s", kind, payload)
-
-    def _add(self, request: Request) -> None:
-        try:
-            self.engine.add(request)
-        except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
-            if not isinstance(exc, ValueError):
-                logger.exception("engine could not add request %s", request.request_id)
-            mailbox = self._mailboxes.get(request.request_id)
-            if mailbox is not None:
-                mailbox.put(exc)
-
-    def _fail_running(self, message: str) -> None:
-        """Fail the requests that were in the failed step; waiting ones carry on."""
-        for request_id in {seq.request_id for seq in self.engine.scheduler.running}:
-            self.engine.abort_request(request_id, reason="error", error=message)
-
-    def _die(self, reason: str) -> None:
-        self._dead = reason
-        try:
-            for request_id in list(self.engine.output_processor.requests):
-                self.engine.abort_request(request_id, reason="error", error=reason)
-            self._deliver(self.engine.step_pending())
-        except Exception:  # noqa: BLE001 - the callers below still hear why
-            logger.exception("could not fail the requests of the dead engine one by one")
-        # Callers whose request never reached the engine (still in the inbox) wait too.
-        for mailbox in list(self._mailboxes.values()):
             try:
                 mailbox.put(EngineDeadError(reason))
             except RuntimeError:  # its event loop has closed: nobody is waiting there

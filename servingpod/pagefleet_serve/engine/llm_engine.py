@@ -8,7 +8,7 @@ engine's own failure (`EngineFault`), which the caller counts.
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,6 +40,46 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against; the frontend gets them from the core."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+
+
+def validate_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    limits: RequestLimits,
+    grammar_compiler: GrammarCompiler | None,
+    arrival_time: float | None = None,
+) -> Request:
+    """The one check of a request before it is queued (the core trusts it). Raises
+    ValueError (ContextLengthError when it does not fit the context). A structured output's
+    constraint is compiled here, and the caller waits: a bad one raises (a 400), and the
+    compiled grammar is cached for the engine (`grammar_compiler` None: no tokenizer, so
+    no constraint can be compiled)."""
+    prompt_token_ids = list(prompt_token_ids)
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    if len(prompt_token_ids) + params.max_tokens > limits.max_model_len:  # cheap: first
+        raise ContextLengthError(limits.max_model_len, len(prompt_token_ids), params.max_tokens)
+    vocab = limits.vocab_size
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+    if params.n > limits.max_num_seqs:
+        raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
+    constraint = params.structured_outputs
+    if constraint is not None:
+        if grammar_compiler is None:
+            raise ValueError(f"{constraint.field}: this model has no tokenizer to compile it with")
+        grammar_compiler.compile(constraint)
+    return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
 
 
 class ContextLengthError(ValueError):
@@ -177,9 +217,9 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # aborts, handed out by the next step
         self.grammar_compiler = None
         if self.tokenizer is not None:
-            config = self.model_config
-            eos = {*config.eos_token_ids, config.eos_token_id} - {None}
-            self.grammar_compiler = GrammarCompiler(self.tokenizer, config.vocab_size, sorted(eos))
+            self.grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, self.grammar_stop_token_ids
+            )
         # Sequences whose grammar is still compiling: they join the scheduler when it is.
         self._awaiting_grammar: dict[Sequence, Future] = {}
 
@@ -206,24 +246,32 @@ class LLMEngine:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
-            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            prompt_token_ids = list(prompt)
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:  # cheap: first
-            raise ContextLengthError(self.max_model_len, len(prompt_token_ids), params.max_tokens)
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n must be at most max_num_seqs ({self.config.max_num_seqs})")
-        constraint = params.structured_outputs
-        if constraint is not None:
-            if self.grammar_compiler is None:
-                raise ValueError(f"{constraint.field}: model {self.model_name} has no tokenizer")
-            self.grammar_compiler.compile(constraint)  # the caller waits; a bad one raises here
-        return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return validate_request(
+            request_id, prompt, params, self.limits, self.grammar_compiler, arrival_time
+        )
+
+    @property
+    def limits(self) -> "RequestLimits":
+        return RequestLimits(
+            self.max_model_len, self.model_config.vocab_size, self.config.max_num_seqs
+        )
+
+    @property
+    def grammar_stop_token_ids(self) -> list[int]:
+        """The tokens that end a structured output (the model's EOS ids)."""
+        config = self.model_config
+        return sorted({*config.eos_token_ids, config.eos_token_id} - {None})
+
+    def detach_tokenizer(self):
+        """Stop making text and hand the tokenizer over: from here on this engine is a core
+        that sees token ids only, and the caller (a frontend) detokenizes and matches stop
+        strings. Call before adding requests. The grammar compiler, built with the engine,
+        keeps its reference to the tokenizer: xgrammar reads the vocabulary from it to make
+        the token masks, which the core applies in its steps."""
+        tokenizer, self.tokenizer = self.tokenizer, None
+        self.output_processor = OutputProcessor(None)
+        return tokenizer
 
     def add(self, request: Request) -> None:
         """Queue a validated request (engine thread only)."""
@@ -271,6 +319,13 @@ class LLMEngine:
                 continue
             self.scheduler.add(seq)
 
+    def _wait_for_a_grammar(self) -> None:
+        """With nothing to run but sequences whose grammar is compiling, wait a moment for
+        one compile rather than spin through empty steps (short, so that new requests and
+        aborts are still taken between steps)."""
+        if self._awaiting_grammar:
+            wait(self._awaiting_grammar.values(), timeout=0.05, return_when=FIRST_COMPLETED)
+
     def _with_model_eos(self, params: SamplingParams) -> SamplingParams:
         """The model's EOS ids beyond its main one (generation_config's list) end a
         sequence as its EOS does; they ride along as stop token ids."""
@@ -284,15 +339,29 @@ class LLMEngine:
         self.add(self.make_request(request_id, prompt, params))
 
     def abort_request(
-        self, request_id: str, reason: str = "abort", error: str | None = None
+        self,
+        request_id: str,
+        reason: str = "abort",
+        error: str | None = None,
+        sample_index: int | None = None,
     ) -> None:
+        """End a request (or one of its samples): its blocks are freed before the next step
+        and its final output is handed out by the next `step`."""
         for seq in self.scheduler.sequences_of(request_id):
-            self.scheduler.finish(seq, reason)
+            if sample_index is None or seq.sample_index == sample_index:
+                self.scheduler.finish(seq, reason)
         for seq in [s for s in self._awaiting_grammar if s.request_id == request_id]:
-            del self._awaiting_grammar[seq]
-        output = self.output_processor.finish(request_id, reason, time.time(), error)
+            if sample_index is None or seq.sample_index == sample_index:
+                del self._awaiting_grammar[seq]
+        output = self.output_processor.finish(request_id, reason, time.time(), error, sample_index)
         if output is not None:
             self._pending.append(output)
+
+    def running_request_ids(self) -> set[str]:
+        return {seq.request_id for seq in self.scheduler.running}
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.output_processor.requests)
 
     def step_pending(self) -> list[RequestOutput]:
         """Hand out the outputs of aborted requests without running a step."""
@@ -308,10 +377,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Raises EngineFault when the step failed for all of its sequences (their
         requests' error outputs are then handed out by `step_pending`)."""
+        self._admit_compiled()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         step = self.scheduler.schedule()
         if step.is_empty:
+            self._wait_for_a_grammar()
             return self.step_pending()
         now = time.time()
         for item in step.scheduled:

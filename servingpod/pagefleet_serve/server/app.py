@@ -112,9 +112,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     def health() -> Response:
-        if state.engine.is_healthy:
+        reason = state.engine.unhealthy_reason
+        if reason is None:
             return Response(status_code=200)
-        reason = state.engine.dead_reason or "an engine step has not returned in time"
         return unavailable(
             f"the engine is not healthy: {reason}", code="engine_unhealthy"
         ).response()

@@ -1,10 +1,11 @@
 """One API request's run through the engine, as one stream of choice deltas.
 
 A request becomes one engine request per prompt (a completions prompt may be a batch); each
-yields `n` samples. Their outputs are merged into choice indices (prompt * n + sample),
-coalesced after the first token when asked to, and interleaved with keep-alive ticks while
-nothing arrives. Leaving the stream, or `close()`, aborts every engine request still
-running; `cancel()` (graceful drain) ends the stream with `RequestCancelled`.
+yields `n` samples. The engine puts their outputs straight on this generation's one queue;
+they are merged into choice indices (prompt * n + sample), coalesced after the first token
+when asked to, and interleaved with keep-alive ticks while nothing arrives. Leaving the
+stream, or `close()`, aborts every engine request still running; `cancel()` (graceful
+drain) ends the stream with `RequestCancelled`.
 """
 
 import asyncio
@@ -55,9 +56,9 @@ class Generation:
         self.requests = [
             _EngineRequest(request, i, state.metrics.track()) for i, request in enumerate(requests)
         ]
-        state.admit(self)
+        self.admission = state.admit(len(requests), self.cancel)
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
+        self._started = False
         self._cancel_reason: str | None = None
         self._closed = False
 
@@ -76,7 +77,7 @@ class Generation:
         of silence). The first token goes out at once; later deltas that arrive within
         `coalesce_s` of the last batch are merged into the next one."""
         loop = asyncio.get_running_loop()
-        self._tasks = [asyncio.create_task(self._pump(r)) for r in self.requests]
+        self._start()
         last_sent: float | None = None
         try:
             while not all(r.done for r in self.requests):
@@ -110,22 +111,22 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
-            task.cancel()  # leaving AsyncEngine.generate aborts the engine request
         for request in self.requests:
             if not request.done:
                 request.tracker.abort()
-            if request.queued:
-                request.queued = False
-                self.state.release_queued()
-        self.state.forget(self)
+                self.engine.abort(request.request_id)
+        self.admission.close()
 
-    async def _pump(self, request: _EngineRequest) -> None:
-        try:
-            async for output in self.engine.run(request.request):
-                self._queue.put_nowait((request, output))
-        except Exception as exc:  # noqa: BLE001 - whatever the engine said, this request failed
-            self._queue.put_nowait((request, exc))
+    def _start(self) -> None:
+        """Hand the engine requests to the engine, their outputs to come on our queue."""
+        if self._started:
+            return
+        self._started = True
+        for request in self.requests:
+            try:
+                self.engine.add(request.request, self._queue, request)
+            except Exception as exc:  # noqa: BLE001 - whatever the engine said, it failed
+                self._queue.put_nowait((request, exc))
 
     def _absorb(self, items: list[tuple]) -> list[CompletionOutput]:
         merged: dict[int, CompletionOutput] = {}
@@ -136,7 +137,7 @@ class Generation:
                 raise RequestFailed(f"the engine could not run this request: {item}")
             if request.queued:
                 request.queued = False
-                self.state.release_queued()
+                self.admission.release_slot()
             request.tracker.observe(item)
             request.done = item.finished
             if item.error:

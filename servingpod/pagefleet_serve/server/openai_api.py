@@ -101,8 +101,8 @@ class _Endpoint(abc.ABC):
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.tokenizer = state.engine.engine.tokenizer
-        self.max_model_len = state.engine.engine.max_model_len
+        self.tokenizer = state.engine.tokenizer
+        self.max_model_len = state.engine.max_model_len
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
 
     async def __call__(self, raw: Request) -> Response:
@@ -223,7 +223,7 @@ class _Endpoint(abc.ABC):
             for chunk in self.opening_chunks(run):
                 yield sse_event(self.envelope(run, chunk=True) | {"choices": [chunk]} | usage_field)
             async for deltas in run.generation.stream(
-                settings.sse_keepalive_interval, settings.stream_coalesce_interval
+                settings.sse_keepalive_interval or None, settings.stream_coalesce_interval
             ):
                 if not deltas:
                     yield KEEPALIVE
@@ -459,7 +459,7 @@ def _finish_reason(tools: ToolPlan, reason: str | None, calls: list) -> str | No
 
 
 def list_models(state: ServerState, created: int) -> dict:
-    engine = state.engine.engine
+    engine = state.engine
     return {
         "object": "list",
         "data": [

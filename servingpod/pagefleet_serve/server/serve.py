@@ -18,6 +18,7 @@ from pagefleet_serve.config import (
     EngineConfig,
     parse_bytes,
 )
+from pagefleet_serve.engine.cpu_placement import available_cpus, place_frontend, plan_placement
 from pagefleet_serve.server.settings import SCHEDULING_POLICIES, ServerSettings
 from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -114,6 +115,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     flag("--dtype", "model dtype: auto, float32, float16 or bfloat16", default=engine("dtype"))
     flag("--device", "auto, cpu or cuda[:N]", default=engine("device"))
     flag("--seed", "engine seed", type=int, default=engine("seed"))
+    flag(
+        "--cpu-threads-bind",
+        "CPUs of the engine core process's intra-op threads: auto (4+ CPUs: all but the "
+        "last, which the API process keeps; fewer: all, shared), none (no pinning), or a "
+        "list such as 0-2,4 (the API process keeps the rest)",
+        default="auto",
+    )
     flag("--api-key", "require 'Authorization: Bearer <key>' on /v1/*", default=None)
     flag(
         "--max-num-queued-requests",
@@ -136,7 +144,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     flag(
         "--sse-keepalive-interval",
-        "seconds of stream silence before an SSE comment is sent",
+        "seconds of stream silence before an SSE comment is sent, for proxies that close "
+        "idle connections (0, the default: never; some SSE readers lose the next event)",
         type=float,
         default=server("sse_keepalive_interval"),
     )
@@ -239,24 +248,33 @@ def run(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
         )
+        placement = plan_placement(args.cpu_threads_bind, available_cpus())
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
 
     from pagefleet_serve.engine.async_engine import AsyncEngine
-    from pagefleet_serve.engine.llm_engine import LLMEngine
     from pagefleet_serve.server.uvicorn_server import create_server
 
     try:
-        with _progress(f"loading model {config.model}"):
-            engine = LLMEngine(config)
-    except (ValueError, OSError) as exc:
+        with _progress(f"loading model {config.model} in the engine core process"):
+            engine = AsyncEngine.start_core_process(config, placement.core, args.log_level)
+    except (ValueError, OSError, RuntimeError) as exc:
         logger.error("cannot load model %s: %s", config.model, exc)
         return 1
+    place_frontend(placement.frontend)
+    logger.info(
+        "CPU placement: engine core on %s, API process on %s",
+        placement.core or "any CPU",
+        placement.frontend or "any CPU",
+    )
     if not args.served_model_name:
         settings = dataclasses.replace(settings, served_model_names=(engine.model_name,))
-    server = create_server(settings, AsyncEngine(engine), args.log_level)
-    server.run()
+    server = create_server(settings, engine, args.log_level)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # idempotent: the app's lifespan has usually done it
     return 1 if server.force_exit else 0
 
 

@@ -22,8 +22,10 @@ class ServerSettings:
     # After a stream's first token, deltas arriving within this many seconds of the last
     # sent chunk are merged into one chunk (0: every engine step is its own chunk).
     stream_coalesce_interval: float = 0.0
-    # An SSE comment is sent when a stream has been silent this long (queue, long prefill).
-    sse_keepalive_interval: float = 5.0
+    # An SSE comment is sent when a stream has been silent this long (queue, long prefill),
+    # for proxies with idle timeouts. 0: never (the default): some SSE readers, vLLM's
+    # benchmark client among them, lose the event that follows a comment.
+    sse_keepalive_interval: float = 0.0
     # Request bodies above this get 413, checked while the body is read.
     max_request_body_bytes: int = 4 * 2**20
     # A connection must send a request's headers, then its body, within these many seconds
@@ -53,11 +55,10 @@ class ServerSettings:
             raise ValueError(
                 f"max_num_queued_requests must be >= 0, got {self.max_num_queued_requests}"
             )
-        for name in ("shutdown_timeout", "stream_coalesce_interval"):
+        for name in ("shutdown_timeout", "stream_coalesce_interval", "sse_keepalive_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (
-            "sse_keepalive_interval",
             "header_read_timeout",
             "body_read_timeout",
             "max_request_body_bytes",

@@ -6,15 +6,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from pagefleet_serve.engine.async_engine import AsyncEngine
 from pagefleet_serve.server.errors import APIError, unavailable
 from pagefleet_serve.server.metrics import ServerMetrics
 from pagefleet_serve.server.settings import ServerSettings
-
-if TYPE_CHECKING:
-    from pagefleet_serve.server.generation import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +21,35 @@ _CANCEL_GRACE_S = 5.0
 T = TypeVar("T")
 
 
+class Admission:
+    """An admitted request's hold on the server: queue slots until its engine requests
+    produce their first output, and a place among the requests a drain waits for (and
+    finally cancels through `on_cancel`)."""
+
+    def __init__(self, state: "ServerState", slots: int, on_cancel: Callable[[str], None]):
+        self._state = state
+        self.slots = slots
+        self.cancel = on_cancel
+
+    def release_slot(self) -> None:
+        if self.slots:
+            self.slots -= 1
+            self._state.num_queued -= 1
+
+    def close(self) -> None:
+        """Give back every slot left and leave the in-flight set; idempotent."""
+        while self.slots:
+            self.release_slot()
+        self._state.admissions.discard(self)
+
+
 class ServerState:
     def __init__(self, settings: ServerSettings, engine: AsyncEngine) -> None:
         self.settings = settings
         self.engine = engine
         self.draining = False
         self.num_queued = 0
-        self.generations: set[Generation] = set()
+        self.admissions: set[Admission] = set()
         limit = settings.max_num_queued_requests
         self.max_num_queued = engine.default_max_num_queued if limit is None else limit
         # One thread: parsing, chat templates and tokenizers run there in turn (a fast
@@ -56,20 +75,20 @@ class ServerState:
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
 
-    def admit(self, generation: "Generation") -> None:
-        """Take queue slots for a validated request, or refuse it (503 draining or engine
-        down, 429 queue full)."""
+    def admit(self, wanted: int, on_cancel: Callable[[str], None]) -> Admission:
+        """Take `wanted` queue slots for a validated request, or refuse it (503 draining or
+        engine down, 429 queue full)."""
         if self.draining:
             self.metrics.reject("draining")
             raise unavailable(
                 "the server is shutting down; retry on another replica", code="server_shutting_down"
             )
-        if not self.engine.is_healthy:
+        # Only a core that is gone refuses work: one that is slow to answer (a stall that
+        # turns /health to 503) may recover, and requests wait for it in its queue.
+        if (reason := self.engine.dead_reason) is not None:
             self.metrics.reject("engine_unhealthy")
-            reason = self.engine.dead_reason or "an engine step has not returned in time"
             raise unavailable(f"the engine is not healthy: {reason}", code="engine_unhealthy")
         limit = self.max_num_queued
-        wanted = len(generation.requests)
         if self.num_queued + wanted > limit:
             self.metrics.reject("queue_full")
             raise APIError(
@@ -81,13 +100,9 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
         self.num_queued += wanted
-        self.generations.add(generation)
-
-    def release_queued(self) -> None:
-        self.num_queued -= 1
-
-    def forget(self, generation: "Generation") -> None:
-        self.generations.discard(generation)
+        admission = Admission(self, wanted, on_cancel)
+        self.admissions.add(admission)
+        return admission
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, let those in flight finish for up to `timeout` seconds,
@@ -95,17 +110,17 @@ class ServerState:
         self.draining = True
         loop = asyncio.get_running_loop()
         logger.info(
-            "draining: %d requests in flight, waiting up to %.0fs", len(self.generations), timeout
+            "draining: %d requests in flight, waiting up to %.0fs", len(self.admissions), timeout
         )
         deadline = loop.time() + timeout
-        while self.generations and loop.time() < deadline:
+        while self.admissions and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self.generations:
-            logger.warning("drain timeout: cancelling %d requests", len(self.generations))
-            for generation in list(self.generations):
-                generation.cancel("the server shut down before this request finished")
+        if self.admissions:
+            logger.warning("drain timeout: cancelling %d requests", len(self.admissions))
+            for admission in list(self.admissions):
+                admission.cancel("the server shut down before this request finished")
             deadline = loop.time() + _CANCEL_GRACE_S
-            while self.generations and loop.time() < deadline:
+            while self.admissions and loop.time() < deadline:
                 await asyncio.sleep(0.05)
         logger.info("drain complete")
 

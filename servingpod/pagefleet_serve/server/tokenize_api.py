@@ -37,8 +37,8 @@ class TokenizeEndpoints:
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.tokenizer = state.engine.engine.tokenizer
-        self.max_model_len = state.engine.engine.max_model_len
+        self.tokenizer = state.engine.tokenizer
+        self.max_model_len = state.engine.max_model_len
         self.max_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
 
     def tokenize(self, body: bytes) -> dict:

@@ -1,0 +1,152 @@
+"""The engine core: one loop that takes messages (`core_messages`), steps an `LLMEngine`
+and emits what happened, as token ids. The same class runs in a thread of the caller's
+process (`AsyncEngine(engine)`) and in a process of its own (`core_process`, what
+`pagefleet serve` uses); only how messages travel differs.
+
+The loop never ends silently: each of its duties (taking requests, stepping, reading stats)
+is guarded on its own, and should the loop itself break, every request is failed and a
+`CoreFailed` says why. Only `EngineFault`s and unexpected step errors count toward giving
+up; a request the engine isolated as the cause of a failure fails alone.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from pagefleet_serve.engine.core_messages import (
+    AbortRequest,
+    AddRequest,
+    CoreFailed,
+    RequestRejected,
+    Shutdown,
+    StepOutputs,
+)
+from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
+from pagefleet_serve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# How long the loop waits for a message while it has nothing to step.
+_IDLE_WAIT_S = 1.0
+
+
+class EngineCore:
+    MAX_CONSECUTIVE_FAILURES = 3
+
+    def __init__(self, engine: LLMEngine, emit: Callable[[object], None]) -> None:
+        """`emit` receives each message for the frontend, on the loop's thread."""
+        self.engine = engine
+        self.emit = emit
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self.failed: str | None = None
+        self.step_started: float | None = None  # time.monotonic() of the running step
+
+    def submit(self, message: object) -> None:
+        """Hand the loop a message (any thread)."""
+        self._inbox.put(message)
+        self._wakeup.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> None:
+        """The loop, until `stop()` or a `Shutdown` message."""
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the loop must not end without a word
+            logger.exception("the engine step loop crashed")
+            self._fail(f"the engine step loop crashed: {type(exc).__name__}: {exc}")
+
+    def _loop(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            self._take_messages()
+            if not self.engine.has_unfinished_requests():
+                self._emit_outputs([])
+                self._wakeup.wait(timeout=_IDLE_WAIT_S)
+                self._wakeup.clear()
+                continue
+            self.step_started = time.monotonic()
+            try:
+                outputs = self.engine.step()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - a step failure must not kill the loop
+                failures += 1
+                logger.exception("engine step failed (%d in a row)", failures)
+                if not isinstance(exc, EngineFault):
+                    # Broken outside the model: the step's requests are in an unknown state.
+                    self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
+                outputs = self.engine.step_pending()
+                if failures >= self.MAX_CONSECUTIVE_FAILURES:
+                    self._emit_outputs(outputs)
+                    self._fail(f"engine failed {failures} steps in a row; last: {exc!r}")
+                    return
+            finally:
+                self.step_started = None
+            self._emit_outputs(outputs)
+
+    def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
+        try:
+            stats = self.engine.stats()
+        except Exception:  # noqa: BLE001 - stale stats beat a dead loop
+            logger.exception("could not read engine stats")
+            stats = None
+        if outputs or stats is not None:
+            self.emit(StepOutputs(outputs, stats))
+
+    def _take_messages(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._handle(message)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the others
+                logger.exception("engine could not handle %r", message)
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequest):
+            self.engine.abort_request(
+                message.request_id, message.reason, sample_index=message.sample_index
+            )
+        elif isinstance(message, Shutdown):
+            self.stop()
+        else:
+            raise TypeError(f"unknown message type {type(message).__name__}")
+
+    def _add(self, message: AddRequest) -> None:
+        request = message.request
+        try:
+            self.engine.add(request)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
+            invalid = isinstance(exc, ValueError)
+            if not invalid:
+                logger.exception("engine could not add request %s", request.request_id)
+            self.emit(RequestRejected(request.request_id, str(exc), invalid))
+
+    def _fail_running(self, message: str) -> None:
+        """Fail the requests that were in the failed step; waiting ones carry on."""
+        for request_id in self.engine.running_request_ids():
+            self.engine.abort_request(request_id, reason="error", error=message)
+
+    def _fail(self, reason: str) -> None:
+        self.failed = reason
+        try:
+            for request_id in self.engine.unfinished_request_ids():
+                self.engine.abort_request(request_id, reason="error", error=reason)
+            self.emit(StepOutputs(self.engine.step_pending(), None))
+        except Exception:  # noqa: BLE001 - the frontend still hears why, below
+            logger.exception("could not fail the requests of the failed engine one by one")
+        self.emit(CoreFailed(reason))

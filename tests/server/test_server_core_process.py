@@ -1,0 +1,203 @@
+"""The engine core in its own process behind `pagefleet serve`: the messages it speaks
+round-trip; a stalled core (SIGSTOP) and a killed one turn /health to 503 with the reason
+(requests wait for a stalled core and are refused by a dead one; the killed one's stream in
+flight ends with an error event); SIGTERM drains and leaves no child process behind; a
+killed server takes its core with it."""
+
+import os
+import pickle
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
+from pathlib import Path
+
+import httpx
+import pytest
+from pagefleet_serve.engine.async_engine import AsyncEngine
+from pagefleet_serve.engine.core_messages import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    Heartbeat,
+    RequestRejected,
+    Shutdown,
+    StepOutputs,
+)
+from pagefleet_serve.engine.llm_engine import EngineStats, Request
+from pagefleet_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.constraint import StructuredOutputs
+from server_harness import ServerProcess, assert_error, sse_events, wait_until
+
+ENGINE_FLAGS = ("--max-model-len", "512", "--kv-cache-memory", "64MiB")
+STATS = EngineStats(1, 2, 64, 3, 3 / 64, 10, 4, 0, 40)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        found += [int(child) for child in task.read_text().split()]
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return status.rpartition(")")[2].split()[0] != "Z"
+
+
+def core_pid(server: ServerProcess) -> int:
+    """The core's pid, from the server's log line "engine core process <pid> ready"."""
+    found = re.search(r"engine core process (\d+) ready", server.log_text())
+    assert found, server.log_text()
+    pid = int(found.group(1))
+    assert pid in children(server.process.pid)
+    return pid
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        AddRequest(
+            Request(
+                "cmpl-1-0",
+                [1, 2, 3],
+                SamplingParams(n=2, max_tokens=5, stop=("\n",), seed=7, logprobs=2),
+                1.5,
+            )
+        ),
+        AbortRequest("cmpl-1-0", "stop", 1),
+        Shutdown(),
+        AddRequest(
+            Request(
+                "chatcmpl-2-0",
+                [1, 2, 3],
+                SamplingParams(
+                    max_tokens=5,
+                    structured_outputs=StructuredOutputs(
+                        json='{"type": "object"}', field="response_format"
+                    ),
+                ),
+                1.5,
+            )
+        ),
+        CoreReady(PROTOCOL_VERSION, "smollm2", 512, 49152, 128, 64, STATS, [2]),
+        StepOutputs(
+            [
+                RequestOutput(
+                    "cmpl-1-0",
+                    [1, 2, 3],
+                    [CompletionOutput(0, "", [42], [TokenLogprob(42, -0.5, [(42, -0.5)])])],
+                    False,
+                    num_cached_tokens=16,
+                    metrics=RequestMetrics(1.5, 1.6, 1.7, 1.7),
+                )
+            ],
+            STATS,
+        ),
+        RequestRejected("cmpl-1-0", "request_id 'cmpl-1-0' is already running", True),
+        Heartbeat(0.25),
+        CoreFailed("engine failed 3 steps in a row"),
+    ],
+    ids=lambda message: type(message).__name__,
+)
+def test_messages_round_trip(message):
+    again = pickle.loads(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    assert again == message and type(again) is type(message)
+    for field in fields(message):
+        assert getattr(again, field.name) == getattr(message, field.name)
+
+
+@pytest.fixture
+def server():
+    running = ServerProcess(*ENGINE_FLAGS).wait_ready()
+    yield running
+    running.stop()
+
+
+def health_within(client: httpx.Client, status: int, seconds: float) -> httpx.Response:
+    since = time.monotonic()
+    response = wait_until(
+        lambda: (r := client.get("/health")).status_code == status and r,
+        seconds,
+        f"/health {status}",
+    )
+    assert time.monotonic() - since < seconds
+    return response
+
+
+def test_a_stalled_then_killed_core_fails_health_and_ends_the_stream(server):
+    stall_noticed_s = AsyncEngine.HEARTBEAT_TIMEOUT_S + 5
+    pid = core_pid(server)
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        os.kill(pid, signal.SIGSTOP)  # hung: alive, but silent
+        try:
+            stalled = health_within(client, 503, stall_noticed_s)
+            # A stall may pass: a request is queued for the core, not refused.
+            waiting = ThreadPoolExecutor(1).submit(
+                httpx.post,
+                f"{server.base_url}/v1/completions",
+                json={"prompt": "Once", "max_tokens": 4},
+                timeout=120,
+            )
+            time.sleep(1)
+            assert not waiting.done(), waiting.result().text
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert waiting.result().status_code == 200, waiting.result().text
+        error = assert_error(stalled, 503, code="engine_unhealthy")
+        assert "engine core has not answered" in error["message"]
+        health_within(client, 200, 5)
+
+        body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            os.kill(pid, signal.SIGKILL)
+            events = sse_events([first, *lines])
+        killed = health_within(client, 503, 5)
+        late = client.post("/v1/completions", json={"prompt": "hi"})
+    error = assert_error(killed, 503, code="engine_unhealthy")
+    assert "engine core process was killed by SIGKILL" in error["message"]
+    assert events[-1] == "DONE"
+    assert "error" in events[-2], events[-3:]
+    assert "SIGKILL" in events[-2]["error"]["message"]
+    assert_error(late, 503, code="engine_unhealthy")
+
+
+def test_sigterm_drains_and_leaves_no_child_process():
+    server = ServerProcess(*ENGINE_FLAGS, "--shutdown-timeout", "30").wait_ready()
+    try:
+        pid = core_pid(server)
+        assert pid != server.process.pid and is_running(pid)
+        body = {"prompt": "Once", "max_tokens": 8, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                first = next(line for line in lines if line.startswith("data: {"))
+                server.signal(signal.SIGTERM)
+                events = sse_events([first, *lines])
+        assert events[-1] == "DONE" and not any("error" in e for e in events[:-1])
+        assert server.process.wait(timeout=60) == 0
+        wait_until(lambda: not is_running(pid), 10, "the engine core process to exit")
+    finally:
+        server.stop()
+
+
+def test_a_killed_server_takes_its_core_with_it():
+    server = ServerProcess(*ENGINE_FLAGS).wait_ready()
+    try:
+        pid = core_pid(server)
+        server.signal(signal.SIGKILL)
+        server.process.wait(timeout=30)
+        wait_until(lambda: not is_running(pid), 10, "the orphaned engine core to die")
+    finally:
+        server.stop()
