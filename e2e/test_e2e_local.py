@@ -112,23 +112,29 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
         result = await asyncio.to_thread(walk.stream_chat, service.url, MODEL, 24)
         assert result.error is None and result.text and result.chunks > 1, result
 
-        # Load until the autoscaler adds a replica and that replica is ready.
+        # Load until the autoscaler adds a replica and that replica is ready. A light load
+        # of long streams (below every target on two pods) starts first and runs through
+        # the scale-down: once the new replica is ready, some of its streams go there, so
+        # the pod that goes has streams in flight at SIGTERM however soon after the heavy
+        # load the scale-down comes; its drain must keep them whole.
         def two_ready() -> bool:
             assert not simulation.failures, simulation.failures
             return isvc().get("status", {}).get("readyReplicas") == 2
 
-        await asyncio.to_thread(walk.load_until, service.url, MODEL, two_ready, START_TIMEOUT_S)
-        assert await scaled("scale up 1 -> 2")
-        # No check of spec.replicas from here on: with the load gone the autoscaler may
-        # already be counting down its window while the last streams finish.
-
-        # Light load: below every target, so it scales down after the window, while
-        # streams run on both pods; the pod that goes drains its streams (those of the
-        # load above, if the scale-down came while they finished: checked all the same).
         def settled() -> bool:
             return spec_replicas() == 1 and len(simulation.terminated) == 1
 
-        await asyncio.to_thread(walk.stream_through_scale_down, service.url, MODEL, settled, 300)
+        light = walk.Load(service.url, MODEL, concurrency=4, max_tokens=256, ignore_eos=True)
+        light.__enter__()  # stopped below, off the event loop the simulation runs on
+        try:
+            await asyncio.to_thread(walk.load_until, service.url, MODEL, two_ready, START_TIMEOUT_S)
+            assert await scaled("scale up 1 -> 2")
+            # No check of spec.replicas from here on: with the heavy load gone the
+            # autoscaler may already be counting down its window.
+            await asyncio.to_thread(walk.wait_for, settled, 300, "the scale-down to complete")
+        finally:
+            await asyncio.to_thread(light.stop)
+        walk.check_streams(light.results, 256)
         assert await scaled("scale down 2 -> 1")
         (gone,) = simulation.terminated
         assert gone.exit_code == 0, gone.log_path.read_text()[-3000:]
