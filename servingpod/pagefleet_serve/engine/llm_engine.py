@@ -131,6 +131,8 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        spec = config.speculative_config
+        draft = self._load_draft(spec.model) if spec is not None and spec.model else None
         self.runner = ModelRunner(
             loaded,
             self.device,
@@ -138,6 +140,7 @@ class LLMEngine:
             config.block_size,
             config.attention_backend,
             config.kv_cache_dtype,
+            draft,
         )
         del loaded
         logger.info(
@@ -150,12 +153,8 @@ class LLMEngine:
         )
         logger.info("device %s, dtype %s", self.device, str(self.dtype).removeprefix("torch."))
 
-        spec = config.speculative_config
-        draft = self._load_draft(spec.model) if spec is not None and spec.model else None
-        # A block holds both models' K/V when a draft model speculates: the budget buys
-        # blocks of both at once.
-        bytes_per_block = self.runner.bytes_per_block + (draft.bytes_per_block if draft else 0)
-        num_blocks = self._kv_budget() // bytes_per_block
+        # With a draft model a block holds both models' K/V: the budget buys both at once.
+        num_blocks = self._kv_budget() // self.runner.bytes_per_block
         pool_tokens = num_blocks * config.block_size
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > pool_tokens:
@@ -165,15 +164,12 @@ class LLMEngine:
                 f"kv_cache_memory_bytes or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
-        if draft is not None:
-            draft.allocate_kv_cache(num_blocks)
-            self.runner.draft = draft
         logger.info(
             "KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s), %s",
             num_blocks,
             config.block_size,
             pool_tokens,
-            num_blocks * bytes_per_block / 2**20,
+            num_blocks * self.runner.bytes_per_block / 2**20,
             "target and draft model" if draft else "model",
             str(self.runner.kv_cache_dtype).removeprefix("torch."),
         )

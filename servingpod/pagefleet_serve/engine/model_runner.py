@@ -30,7 +30,12 @@ class ModelRunner:
         block_size: int,
         attention_backend: str,
         kv_cache_dtype: str,
+        draft: "ModelRunner | None" = None,
     ) -> None:
+        """`draft`: a draft model's runner (speculative decoding). Its KV cache follows
+        this one over the same block ids: a block holds both models' K/V, and every batch
+        this runner runs, the draft runs too, so that every computed position (prefix-cache
+        blocks, recompute, chunks) holds both."""
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -51,16 +56,19 @@ class ModelRunner:
             None  # (layers, 2, blocks, block_size, kv_heads), int8/fp8
         )
         self.kv_caches: list[LayerKVCache] = []
-        # A draft model's runner (speculative decoding) that follows every forward pass.
-        self.draft: ModelRunner | None = None
+        self.draft = draft
 
     @property
     def bytes_per_block(self) -> int:
+        """What one block id costs: this model's K/V for its tokens, and its draft's."""
         c = self.config
         per_token_head = bytes_per_token_head(self.kv_cache_dtype, c.head_dim)
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_token_head
+        draft = self.draft.bytes_per_block if self.draft is not None else 0
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_token_head + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
         c = self.config
         shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads)
         self.kv_cache = torch.zeros(
@@ -139,8 +147,6 @@ class ModelRunner:
         self.copy_blocks(step.block_copies)
         hidden = self.forward(*batch)
         if self.draft is not None:
-            # The draft's KV cache follows the target's over the same blocks and slots, so
-            # every computed position (prefix-cache blocks, recompute, chunks) holds both.
             self.draft.copy_blocks(step.block_copies)
             self.draft.forward(*batch)
         return self._sample(step, hidden, list(itertools.accumulate(query_lens)))
