@@ -1,6 +1,7 @@
 """Per step, before scheduling: propose draft tokens for the running decodes, or none when
 the batch is too large for verification to pay; and count what the verification accepted
-(vLLM's spec_decode counters).
+(vLLM's spec_decode counters). The proposer is a strategy behind one interface: n-gram
+prompt lookup (`ngram.py`) or a draft model (`draft_model.py`).
 
 A sequence whose drafts keep being rejected outright backs off: after m such
 verifications in a row it proposes nothing for min(2 ** (m - 1), MAX_BACKOFF_STEPS)
@@ -47,7 +48,8 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Set every running sequence's `spec_token_ids` for the coming step: proposals for
-        those decoding without a grammar, none for the others or when the batch exceeds disable_by_batch_size."""
+        those decoding without a grammar, none for the others or when the batch exceeds
+        disable_by_batch_size."""
         limit = self.config.disable_by_batch_size
         enabled = limit is None or len(running) <= limit
         proposing = []
