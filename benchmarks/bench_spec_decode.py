@@ -10,7 +10,8 @@ rarely match, off vs n-gram. A draft model (`--draft-model`, default the built-i
 drafting for itself: a check of the machinery, not a speed-up, since the draft is as large
 as the target) runs on the rows of `--draft-rows`. All engines run side by side in one
 process, row by row, so each ratio compares runs under the same machine load (the load
-average is recorded with each row). Prints a table and writes JSON.
+average is recorded with each row), taking turns batch by batch. Prints a table and writes
+JSON.
 
     PYTHONPATH=servingpod:kernels python benchmarks/bench_spec_decode.py --out spec.json
 """
@@ -54,15 +55,25 @@ TASKS = [
 ]
 
 
-def run(llm: LLM, prompts: list, params: SamplingParams, concurrency: int) -> dict:
-    """Generate `prompts` `concurrency` at a time; output tokens/s and spec-decode counts."""
-    before = llm.engine.stats().spec_decode
-    started = time.perf_counter()
-    outputs = []
+def run(engines: dict[str, LLM], prompts: list, params: SamplingParams, concurrency: int) -> dict:
+    """Generate `prompts` `concurrency` at a time with every engine, the engines taking
+    turns batch by batch so that a change in the machine's load falls on all of them;
+    per engine: output tokens/s and spec-decode counts."""
+    before = {mode: llm.engine.stats().spec_decode for mode, llm in engines.items()}
+    seconds = dict.fromkeys(engines, 0.0)
+    outputs = {mode: [] for mode in engines}
     for i in range(0, len(prompts), concurrency):
-        outputs += llm.generate(prompts[i : i + concurrency], params)
-    elapsed = time.perf_counter() - started
-    after = llm.engine.stats().spec_decode
+        for mode, llm in engines.items():
+            started = time.perf_counter()
+            outputs[mode] += llm.generate(prompts[i : i + concurrency], params)
+            seconds[mode] += time.perf_counter() - started
+    return {
+        mode: summary(before[mode], llm.engine.stats().spec_decode, outputs[mode], seconds[mode])
+        for mode, llm in engines.items()
+    }
+
+
+def summary(before, after, outputs: list, elapsed: float) -> dict:
     drafts = after.num_drafts - before.num_drafts
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     per_position = [
@@ -164,8 +175,7 @@ def main() -> None:
         prompts, params = workloads[workload]
         modes = [mode for mode in engines if mode != "draft" or pair in draft_rows]
         row = {"workload": workload, "concurrency": concurrency, "loadavg_before": load()}
-        for mode in modes:
-            row[mode] = run(engines[mode], prompts, params, concurrency)
+        row |= run({mode: engines[mode] for mode in modes}, prompts, params, concurrency)
         row["loadavg_after"] = load()
         off = row["off"]
         print(
