@@ -6,13 +6,19 @@ that the answer repeats with an edit (fix a typo, reformat, rename). At concurre
 prompt lookup: output tokens/s, the greedy outputs compared token for token, the mean
 accepted length (tokens per verification: 1 + accepted / drafts) and the acceptance rate
 per draft position. Then concurrency 64 on random prompts (ignore_eos), where proposals
-rarely match, off vs n-gram. Prints a table and writes JSON.
+rarely match, off vs n-gram. A draft model (`--draft-model`, default the built-in model
+drafting for itself: a check of the machinery, not a speed-up, since the draft is as large
+as the target) runs on the rows of `--draft-rows`. All engines run side by side in one
+process, row by row, so each ratio compares runs under the same machine load (the load
+average is recorded with each row), taking turns batch by batch. Prints a table and writes
+JSON.
 
     PYTHONPATH=servingpod:kernels python benchmarks/bench_spec_decode.py --out spec.json
 """
 
 import argparse
 import json
+import os
 import random
 import time
 
@@ -49,15 +55,25 @@ TASKS = [
 ]
 
 
-def run(llm: LLM, prompts: list, params: SamplingParams, concurrency: int) -> dict:
-    """Generate `prompts` `concurrency` at a time; output tokens/s and spec-decode counts."""
-    before = llm.engine.stats().spec_decode
-    started = time.perf_counter()
-    outputs = []
+def run(engines: dict[str, LLM], prompts: list, params: SamplingParams, concurrency: int) -> dict:
+    """Generate `prompts` `concurrency` at a time with every engine, the engines taking
+    turns batch by batch so that a change in the machine's load falls on all of them;
+    per engine: output tokens/s and spec-decode counts."""
+    before = {mode: llm.engine.stats().spec_decode for mode, llm in engines.items()}
+    seconds = dict.fromkeys(engines, 0.0)
+    outputs = {mode: [] for mode in engines}
     for i in range(0, len(prompts), concurrency):
-        outputs += llm.generate(prompts[i : i + concurrency], params)
-    elapsed = time.perf_counter() - started
-    after = llm.engine.stats().spec_decode
+        for mode, llm in engines.items():
+            started = time.perf_counter()
+            outputs[mode] += llm.generate(prompts[i : i + concurrency], params)
+            seconds[mode] += time.perf_counter() - started
+    return {
+        mode: summary(before[mode], llm.engine.stats().spec_decode, outputs[mode], seconds[mode])
+        for mode, llm in engines.items()
+    }
+
+
+def summary(before, after, outputs: list, elapsed: float) -> dict:
     drafts = after.num_drafts - before.num_drafts
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     per_position = [
@@ -82,6 +98,11 @@ def run(llm: LLM, prompts: list, params: SamplingParams, concurrency: int) -> di
     }
 
 
+def load() -> list[float]:
+    """The 1, 5 and 15-minute load averages: the machine is shared."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def _without_tokens(value):
     if isinstance(value, dict):
         return {k: v for k, v in value.items() if k != "token_ids"}
@@ -100,6 +121,12 @@ def main() -> None:
         default="grounded:1,grounded:8,random:64",
         help="workload:concurrency pairs to run, comma-separated",
     )
+    parser.add_argument("--draft-model", default=MODEL, help="the draft model's URI")
+    parser.add_argument(
+        "--draft-rows",
+        default="grounded:1",
+        help="the rows (of --rows) that also run the draft model; empty: none",
+    )
     parser.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes per engine")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--out", default="bench_spec_decode.json")
@@ -113,10 +140,14 @@ def main() -> None:
         "prompt_lookup_min": 1,
     }
     config = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=args.kv_cache_memory)
+    draft = {"model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+    draft_rows = set(filter(None, args.draft_rows.split(",")))
     engines = {
         "off": LLM(MODEL, **config),
         "ngram": LLM(MODEL, **config, speculative_config=ngram),
     }
+    if draft_rows:
+        engines["draft"] = LLM(MODEL, **config, speculative_config=draft)
     tokenizer = engines["off"].tokenizer
     grounded = [
         tokenizer.apply_chat_template(
@@ -142,27 +173,35 @@ def main() -> None:
         workload, concurrency = pair.split(":")
         concurrency = int(concurrency)
         prompts, params = workloads[workload]
-        row = {"workload": workload, "concurrency": concurrency}
-        for mode, llm in engines.items():
-            row[mode] = run(llm, prompts, params, concurrency)
-        row["identical_greedy_output"] = row["off"]["token_ids"] == row["ngram"]["token_ids"]
-        row["speedup"] = round(row["ngram"]["output_tok_s"] / row["off"]["output_tok_s"], 2)
-        results.append(row)
+        modes = [mode for mode in engines if mode != "draft" or pair in draft_rows]
+        row = {"workload": workload, "concurrency": concurrency, "loadavg_before": load()}
+        row |= run({mode: engines[mode] for mode in modes}, prompts, params, concurrency)
+        row["loadavg_after"] = load()
+        off = row["off"]
         print(
-            f"{workload:9s} c={concurrency:<3d} off {row['off']['output_tok_s']:7.1f} tok/s  "
-            f"ngram {row['ngram']['output_tok_s']:7.1f} tok/s  x{row['speedup']:.2f}  "
-            f"identical={row['identical_greedy_output']}  "
-            f"mean accepted length {row['ngram']['mean_accepted_length']}  "
-            f"per position {row['ngram']['acceptance_per_position']}",
+            f"{workload:9s} c={concurrency:<3d} off {off['output_tok_s']:7.1f} tok/s  "
+            f"load {row['loadavg_before']} -> {row['loadavg_after']}",
             flush=True,
         )
+        for mode in modes[1:]:
+            row[mode]["identical_greedy_output"] = row[mode]["token_ids"] == off["token_ids"]
+            row[mode]["speedup"] = round(row[mode]["output_tok_s"] / off["output_tok_s"], 2)
+            print(
+                f"{'':15s} {mode:5s} {row[mode]['output_tok_s']:7.1f} tok/s  "
+                f"x{row[mode]['speedup']:.2f}  "
+                f"identical={row[mode]['identical_greedy_output']}  "
+                f"mean accepted length {row[mode]['mean_accepted_length']}  "
+                f"per position {row[mode]['acceptance_per_position']}",
+                flush=True,
+            )
+        results.append(row)
     with open(args.out, "w") as out:
         json.dump(
             {
                 "model": MODEL,
                 "dtype": "float32",
                 "torch_threads": torch.get_num_threads(),
-                "speculative_config": ngram,
+                "speculative_configs": {"ngram": ngram, "draft": draft if draft_rows else None},
                 "max_tokens": args.max_tokens,
                 "results": [{k: _without_tokens(v) for k, v in r.items()} for r in results],
             },

@@ -256,9 +256,15 @@ def _speculative_config(engine: Mapping[str, Any]) -> str | None:
         return None
     snake = {re.sub(r"([A-Z])", r"_\1", key).lower(): value for key, value in section.items()}
     try:
-        SpeculativeConfig.from_json(snake)
+        config = SpeculativeConfig.from_json(snake)
     except ValueError as exc:
         raise SpecError("engine.speculative", str(exc)) from exc
+    if config is not None and config.model is not None and config.model.startswith("pvc://"):
+        raise SpecError(
+            "engine.speculative.model",
+            "a pvc:// draft model is not mounted (only spec.model's claim is); use hf://, "
+            "file:/// or builtin://",
+        )
     return json.dumps(snake, sort_keys=True)
 
 

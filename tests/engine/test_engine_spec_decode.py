@@ -6,10 +6,11 @@ decoding, with prefix hits, chunked prefill and preemption in the same batches."
 import collections
 import json
 import math
+import random
 
 import pytest
 import torch
-from pagefleet_serve import EngineConfig, SamplingParams
+from pagefleet_serve import LLM, EngineConfig, SamplingParams
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.scheduler import Scheduler
@@ -19,6 +20,9 @@ from pagefleet_serve.engine.spec_decode.ngram import NgramProposer
 from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats, Speculator
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+# The built-in model as its own draft: greedy drafts are the target's own greedy tokens, so
+# nearly all are accepted if the draft's KV cache (written, copied, rolled back) is right.
+SELF_DRAFT = {"model": "builtin://smollm2-135m", "num_speculative_tokens": 4}
 # Prompts whose answers repeat their input, so that most drafts are accepted.
 COPY_PROMPTS = [
     "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the "
@@ -32,12 +36,12 @@ COPY_PROMPTS = [
 def test_ngram_proposes_what_followed_the_most_recent_longest_match():
     proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
     # [2, 3, 4] last occurred at index 5 (followed by 8, 3, 4), earlier at 1 (then 9).
-    assert proposer.propose([1, 2, 3, 4, 9, 2, 3, 4, 8, 3, 4], 3) == [8, 3, 4]
-    assert proposer.propose([7, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # the 3-gram wins
-    assert proposer.propose([5, 6, 7, 5], 10) == [6, 7, 5]  # as many as there are
-    assert proposer.propose([1, 2, 3], 4) == []  # no earlier occurrence
-    assert proposer.propose([1, 2, 1, 2], 0) == []
-    assert NgramProposer(2, 3).propose([4, 1, 4, 2], 3) == []  # 1-gram matches are too short
+    assert proposer.lookup([1, 2, 3, 4, 9, 2, 3, 4, 8, 3, 4], 3) == [8, 3, 4]
+    assert proposer.lookup([7, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # the 3-gram wins
+    assert proposer.lookup([5, 6, 7, 5], 10) == [6, 7, 5]  # as many as there are
+    assert proposer.lookup([1, 2, 3], 4) == []  # no earlier occurrence
+    assert proposer.lookup([1, 2, 1, 2], 0) == []
+    assert NgramProposer(2, 3).lookup([4, 1, 4, 2], 3) == []  # 1-gram matches are too short
 
 
 def test_speculative_config_reads_vllm_json_and_names_bad_fields():
@@ -46,9 +50,17 @@ def test_speculative_config_reads_vllm_json_and_names_bad_fields():
         method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1
     )
     assert EngineConfig(speculative_config="{}").speculative_config is None
+    # vLLM's draft-model form: the method follows from the model.
+    draft = '{"model": "builtin://tiny-random", "num_speculative_tokens": 3}'
+    assert EngineConfig(speculative_config=draft).speculative_config == SpeculativeConfig(
+        method="draft_model", model="builtin://tiny-random", num_speculative_tokens=3
+    )
     for bad, field in (
         ('{"method": "eagle"}', "method"),
-        ('{"model": "builtin://tiny-random"}', "draft-model"),
+        ('{"method": "draft_model"}', "model is required"),
+        ('{"method": "ngram", "model": "builtin://tiny-random"}', "model names a draft"),
+        ('{"model": "builtin://llama-9000"}', "unknown built-in model"),
+        ('{"model": "s3://bucket/draft.gguf"}', "unsupported scheme"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"num_spec_tokens": 4}', "unknown keys ['num_spec_tokens']"),
@@ -104,8 +116,12 @@ def decoding_sequence(block_manager: BlockManager, num_tokens: int) -> Sequence:
     return seq
 
 
-def scheduler_with(seq: Sequence, block_manager: BlockManager, budget: int) -> Scheduler:
-    config = EngineConfig(max_num_batched_tokens=budget, block_size=4)
+def scheduler_with(
+    seq: Sequence, block_manager: BlockManager, budget: int, speculative_config=None
+) -> Scheduler:
+    config = EngineConfig(
+        max_num_batched_tokens=budget, block_size=4, speculative_config=speculative_config
+    )
     scheduler = Scheduler(config, block_manager, max_model_len=64)
     seq.status = seq.status.RUNNING
     scheduler.running.append(seq)
@@ -157,6 +173,37 @@ def test_drafts_stop_short_of_max_tokens_and_are_dropped_before_preempting():
     bm.free(seq)
 
 
+def test_a_draft_model_keeps_lookahead_slots_of_its_own_which_go_before_anyone_is_preempted():
+    draft = {"model": "builtin://tiny-random", "num_speculative_tokens": 3}
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    seq = decoding_sequence(bm, num_tokens=7)  # 6 computed: blocks [0, 1]
+    seq.spec_token_ids = [1, 2, 3]
+    scheduler = scheduler_with(seq, bm, budget=64, speculative_config=draft)
+    step = scheduler.schedule()
+    assert step.scheduled[0].num_new_tokens == 4
+    assert seq.block_table == [0, 1, 2, 3]  # positions 6..9 verified, 10..12 for proposals
+    scheduler.update(step, {seq: [SampledToken(1), SampledToken(9)]})  # draft 2 rejected
+    # 8 computed; the next proposals write positions 8..10: block 3 goes back.
+    assert (seq.num_computed_tokens, seq.block_table) == (8, [0, 1, 2])
+    assert bm.holds_slots(seq, 3) and not bm.holds_slots(seq, 5)
+    child = seq.fork(1, None)  # shares block 2 until its first write copies it
+    bm.fork(child)
+    assert not bm.holds_slots(seq, 3) and not bm.holds_slots(child, 3)
+    bm.free(child)
+    assert bm.holds_slots(seq, 3)
+    bm.free(seq)
+    bm.check_no_leaks()
+
+    bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    seq = decoding_sequence(bm, num_tokens=7)
+    seq.spec_token_ids = [1, 2, 3]
+    step = scheduler_with(seq, bm, budget=64, speculative_config=draft).schedule()
+    (item,) = step.scheduled
+    assert (item.num_new_tokens, item.spec_token_ids, step.preempted) == (1, [], [])
+    assert seq.block_table == [0, 1]
+    bm.free(seq)
+
+
 # -- the real model, float32 ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def copy_prompts(chat_prompts):
@@ -175,19 +222,80 @@ def token_ids(results) -> list[list[int]]:
     return [sample.token_ids for result in results for sample in result.outputs]
 
 
-def test_greedy_tokens_are_those_of_plain_decoding_with_prefix_hits_chunks_and_preemption(
-    make_llm, chat_prompts, copy_prompts, kv_bytes_for_blocks
-):
-    prompts = copy_prompts + chat_prompts[::2]
-    greedy = SamplingParams(max_tokens=24, temperature=0.0)
-    # 24 blocks (384 tokens) cannot hold 12 sequences of ~100 tokens: preemption; a 96-token
-    # budget chunks the ~75-token prompts while others verify drafts; one system prompt.
-    config = dict(
-        max_model_len=256, kv_cache_memory_bytes=kv_bytes_for_blocks(24), max_num_batched_tokens=96
+# K/V x 2 layers x 16 tokens x 2 kv heads x 16 dims x 4 bytes (float32)
+TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+
+
+def test_tiny_draft_keeps_greedy_tokens_through_forks_chunks_preemption_and_rejections(make_llm):
+    """builtin://tiny-random drafting for itself, 8 sequences at once: greedy tokens equal
+    plain decoding's and nearly all drafts are accepted; with a repetition penalty (which
+    the target's greedy pick applies and the draft's does not) many are rejected, and the
+    tokens still equal plain decoding's."""
+    rng = random.Random(0)
+    shared = [rng.randrange(512) for _ in range(40)]  # prefix-cache hits
+    prompts = [shared + [rng.randrange(512) for _ in range(rng.randrange(5, 30))] for _ in range(4)]
+    prompts += [[rng.randrange(512) for _ in range(rng.randrange(10, 60))] for _ in range(4)]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    runs = [
+        [greedy] * 7 + [SamplingParams(n=2, max_tokens=40, temperature=0.0)],
+        [SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.5)] * 8,
+    ]
+    # 20 blocks (320 tokens) for 8 sequences of up to 130: preemption; 48-token chunks.
+    config = dict(model="builtin://tiny-random", max_model_len=128, max_num_batched_tokens=48)
+    plain = make_llm(**config, kv_cache_memory_bytes=20 * TINY_BLOCK_BYTES)
+    tiny_draft = {"model": "builtin://tiny-random", "disable_by_batch_size": None}
+    llm = make_llm(
+        **config, kv_cache_memory_bytes=40 * TINY_BLOCK_BYTES, speculative_config=tiny_draft
     )
-    plain = token_ids(make_llm(**config).generate(prompts, greedy))
-    llm = make_llm(**config, speculative_config=NGRAM | {"disable_by_batch_size": None})
-    speculated = token_ids(llm.generate(prompts, greedy))
+    assert llm.engine.block_manager.num_blocks == 20
+    stats = []
+    for params in runs:
+        assert token_ids(llm.generate(prompts, params)) == token_ids(
+            plain.generate(prompts, params)
+        )
+        assert llm.engine.block_manager.num_used_blocks == 0
+        stats.append(llm.engine.stats())
+    assert stats[-1].num_preemptions >= 1 and stats[-1].prefix_cache_hits > 0
+    first, both = stats[0].spec_decode, stats[1].spec_decode
+    assert first.num_drafts > len(prompts)
+    assert first.num_accepted_tokens >= 0.95 * first.num_draft_tokens, first
+    second_accepted = both.num_accepted_tokens - first.num_accepted_tokens
+    second_drafted = both.num_draft_tokens - first.num_draft_tokens
+    assert 0 < second_accepted < 0.8 * second_drafted, both
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+# 24 blocks (384 tokens) cannot hold 12 sequences of ~100 tokens: preemption; a 96-token
+# budget chunks the ~75-token prompts while others verify drafts; one system prompt.
+GREEDY_CONFIG = dict(max_model_len=256, max_num_batched_tokens=96)
+GREEDY_BLOCKS = 24
+
+
+@pytest.fixture(scope="module")
+def greedy_case(chat_prompts, copy_prompts, kv_bytes_for_blocks):
+    """The prompts of the greedy comparisons and their tokens without speculation."""
+    prompts = copy_prompts + chat_prompts[::2]
+    llm = LLM(
+        "builtin://smollm2-135m",
+        dtype="float32",
+        kv_cache_memory_bytes=kv_bytes_for_blocks(GREEDY_BLOCKS),
+        **GREEDY_CONFIG,
+    )
+    plain = token_ids(llm.generate(prompts, GREEDY))
+    llm.engine.block_manager.check_no_leaks()
+    return prompts, plain
+
+
+def test_greedy_tokens_are_those_of_plain_decoding_with_prefix_hits_chunks_and_preemption(
+    make_llm, greedy_case, kv_bytes_for_blocks
+):
+    prompts, plain = greedy_case
+    llm = make_llm(
+        **GREEDY_CONFIG,
+        kv_cache_memory_bytes=kv_bytes_for_blocks(GREEDY_BLOCKS),
+        speculative_config=NGRAM | {"disable_by_batch_size": None},
+    )
+    speculated = token_ids(llm.generate(prompts, GREEDY))
     assert speculated == plain
     stats = llm.engine.stats()
     assert stats.num_preemptions >= 1 and stats.prefix_cache_hits > 0
@@ -196,9 +304,33 @@ def test_greedy_tokens_are_those_of_plain_decoding_with_prefix_hits_chunks_and_p
     assert spec.accepted_per_position[0] >= spec.accepted_per_position[-1] > 0
 
 
+def test_self_draft_gives_the_greedy_tokens_and_accepts_nearly_every_draft(
+    make_llm, greedy_case, kv_bytes_for_blocks
+):
+    # Six of the prompts, 16 tokens each: the first 16 of their plain greedy tokens (float32
+    # greedy tokens do not depend on the batch). 16 blocks cannot hold the six: preemption.
+    prompts, plain = greedy_case
+    prompts, plain = prompts[:6], [tokens[:16] for tokens in plain[:6]]
+    # Twice the bytes buy the same 16 blocks: each holds the target's and the draft's K/V.
+    llm = make_llm(
+        **GREEDY_CONFIG,
+        kv_cache_memory_bytes=kv_bytes_for_blocks(2 * 16),
+        speculative_config=SELF_DRAFT | {"disable_by_batch_size": None},
+    )
+    assert llm.engine.block_manager.num_blocks == 16
+    assert token_ids(llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))) == plain
+    assert llm.engine.block_manager.num_used_blocks == 0
+    stats = llm.engine.stats()
+    assert stats.num_preemptions >= 1 and stats.prefix_cache_hits > 0
+    spec = stats.spec_decode
+    assert spec.num_drafts >= 2 * len(prompts)
+    assert spec.num_accepted_tokens >= 0.95 * spec.num_draft_tokens, spec
+
+
 @pytest.mark.slow  # minutes of sampling on 2 cores: `make test-engine-slow`
+@pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "draft_model"])
 def test_seeded_samples_are_the_tokens_and_logprobs_of_plain_decoding(
-    make_llm, chat_prompts, copy_prompts
+    make_llm, chat_prompts, copy_prompts, spec
 ):
     # Penalties see the drafts before each position as output; top-k/top-p/min-p apply.
     params = [
@@ -217,14 +349,15 @@ def test_seeded_samples_are_the_tokens_and_logprobs_of_plain_decoding(
     prompts = copy_prompts + chat_prompts[:2]
     config = dict(max_model_len=256, kv_cache_memory_bytes=64 << 20)
     plain = make_llm(**config).generate(prompts, params)
-    llm = make_llm(**config, speculative_config=NGRAM)
+    llm = make_llm(**config, speculative_config=spec)
     speculated = llm.generate(prompts, params)
     assert token_ids(speculated) == token_ids(plain)
     for ours, theirs in zip(speculated, plain, strict=True):
         got = [entry.logprob for entry in ours.outputs[0].logprobs]
         want = [entry.logprob for entry in theirs.outputs[0].logprobs]
         assert got == pytest.approx(want, abs=1e-3)
-    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    spec_stats = llm.engine.stats().spec_decode
+    assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:
@@ -233,7 +366,10 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
 
 
 @pytest.mark.slow  # minutes of sampling on 2 cores: `make test-engine-slow`
-def test_sampled_distribution_at_temperature_0_8_is_that_of_plain_decoding(make_llm, copy_prompts):
+@pytest.mark.parametrize("proposal", [NGRAM, SELF_DRAFT], ids=["ngram", "draft_model"])
+def test_sampled_distribution_at_temperature_0_8_is_that_of_plain_decoding(
+    make_llm, copy_prompts, proposal
+):
     """300 unseeded samples of the first 4 tokens with and without speculation (global
     seed fixed); a two-sample chi-square test on the joint 4-token outcomes (those seen
     fewer than 10 times pooled are lumped) must not reject at p = 0.001."""
@@ -241,7 +377,7 @@ def test_sampled_distribution_at_temperature_0_8_is_that_of_plain_decoding(make_
     params = SamplingParams(n=num_samples, max_tokens=4, temperature=0.8)
     config = dict(max_model_len=256, max_num_seqs=num_samples, max_num_batched_tokens=2048)
     counts = []
-    for spec in (None, NGRAM | {"disable_by_batch_size": None}):
+    for spec in (None, proposal | {"disable_by_batch_size": None}):
         llm = make_llm(**config, kv_cache_memory_bytes=512 << 20, speculative_config=spec)
         torch.manual_seed(0)
         (result,) = llm.generate(copy_prompts[1], params)

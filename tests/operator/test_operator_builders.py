@@ -45,6 +45,14 @@ def container_of(body) -> dict:
             {"speculative": {"method": "ngram", "numSpeculativeTokens": 3}},
             {"PAGEFLEET_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'},
         ),
+        (
+            {"speculative": {"model": "builtin://smollm2-135m", "numSpeculativeTokens": 3}},
+            {
+                "PAGEFLEET_SPECULATIVE_CONFIG": (
+                    '{"model": "builtin://smollm2-135m", "num_speculative_tokens": 3}'
+                )
+            },
+        ),
         ({}, {"PAGEFLEET_PORT": "8000", "PAGEFLEET_SERVED_MODEL_NAME": "smollm2-135m"}),
         # A user env entry replaces the operator's own.
         ({"env": [{"name": "PAGEFLEET_HOST", "value": "::"}]}, {"PAGEFLEET_HOST": "::"}),
@@ -255,6 +263,14 @@ def test_desired_objects_cover_every_managed_kind():
         ({**BUILTIN, "engine": {"env": [{"value": "x"}]}}, "engine.env"),
         ({**BUILTIN, "engine": {"speculative": {"numSpecTokens": 3}}}, "engine.speculative"),
         ({**BUILTIN, "engine": {"speculative": {"promptLookupMin": 0}}}, "engine.speculative"),
+        (
+            {**BUILTIN, "engine": {"speculative": {"model": "pvc://weights/draft"}}},
+            "engine.speculative.model",
+        ),
+        (
+            {**BUILTIN, "engine": {"speculative": {"method": "draft_model"}}},
+            "engine.speculative",
+        ),
         (
             {**BUILTIN, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
             "autoscaling.minReplicas",

@@ -163,6 +163,8 @@ def test_defaults_are_filled():
         ({**BUILTIN, "router": {"holdTimeoutSeconds": 0}}, "less than the minimum"),
         ({**BUILTIN, "router": {"maxHeld": 3}}, "unknown field .spec.router.maxHeld"),
         ({**BUILTIN, "engine": {"kvCacheDtype": "fp4"}}, "is not one of"),
+        ({**BUILTIN, "engine": {"speculative": {"model": "pvc://claim/draft"}}}, "does not match"),
+        ({**BUILTIN, "engine": {"speculative": {"method": "eagle"}}}, "is not one of"),
         ({**BUILTIN, "engine": {"gpuMemoryUtilization": 1.2}}, "maximum"),
         ({**BUILTIN, "engine": {"maxNumSeq": 8}}, "unknown field .spec.engine.maxNumSeq"),
         ({**BUILTIN, "replica": 2}, "unknown field .spec.replica"),
@@ -184,6 +186,7 @@ BODIES = [
             "model": {"uri": "pvc://weights/llama"},
             "engine": {
                 "image": "registry.local/pagefleet:dev",
+                "speculative": {"model": "builtin://smollm2-135m", "numSpeculativeTokens": 3},
                 "imagePullPolicy": "Always",
                 "extraArgs": ["--enable-prefix-caching", "true"],
                 "apiKeySecretRef": {"name": "keys", "key": "api"},

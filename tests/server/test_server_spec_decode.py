@@ -3,6 +3,8 @@ line, the same greedy text through the OpenAI client as without it, and vLLM's
 spec_decode counters on /metrics."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from openai import OpenAI
@@ -44,3 +46,24 @@ def test_spec_decode_counters_count_the_drafts_of_a_real_request(server):
     assert per_position == sorted(per_position, reverse=True)  # position i needs i - 1
     # Accepted drafts are tokens the request produced beyond one per verification step.
     assert response.usage.completion_tokens >= accepted
+
+
+@pytest.mark.parametrize(
+    ("config", "complaint"),
+    [
+        # Refused while reading the flags, before any model loads.
+        ({"method": "draft_model"}, "speculative_config.model is required"),
+        # Refused at start-up: tiny-random's 512 token ids are not SmolLM2's 49152.
+        ({"model": "builtin://tiny-random"}, "speculative_config.model: the draft tiny-random"),
+    ],
+)
+def test_a_draft_model_the_server_cannot_use_stops_it_with_the_field_named(config, complaint):
+    result = subprocess.run(
+        [sys.executable, "-m", "pagefleet_serve.cli", "serve", "--max-model-len", "512"]
+        + ["--speculative-config", json.dumps(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert complaint in result.stderr + result.stdout, result.stderr

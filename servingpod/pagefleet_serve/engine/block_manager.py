@@ -200,13 +200,24 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
-    def trim(self, seq: Sequence) -> None:
-        """Release the blocks past the sequence's computed tokens: those a step allocated
-        for draft tokens that were then rejected (speculative decoding)."""
-        keep = self.blocks_needed(seq.num_computed_tokens)
+    def trim(self, seq: Sequence, num_lookahead_tokens: int = 0) -> None:
+        """Release the blocks past the sequence's computed tokens (and the lookahead slots a
+        draft model writes its next proposals into): those a step allocated for draft
+        tokens that were then rejected (speculative decoding)."""
+        keep = self.blocks_needed(seq.num_computed_tokens + num_lookahead_tokens)
         for block_id in reversed(seq.block_table[keep:]):
             self._release(self.blocks[block_id])
         del seq.block_table[keep:]
+
+    def holds_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the slots of the sequence's next `num_tokens` positions are allocated in
+        blocks it alone holds (a fork shares its parent's partial block until the first
+        write copies it), so that a draft model may write them before the step."""
+        first = seq.num_computed_tokens // self.block_size
+        last = (seq.num_computed_tokens + num_tokens - 1) // self.block_size
+        return last < len(seq.block_table) and all(
+            self.blocks[block_id].ref_count == 1 for block_id in seq.block_table[first : last + 1]
+        )
 
     def _release(self, block: KVBlock) -> None:
         block.ref_count -= 1

@@ -20,6 +20,7 @@ from pagefleet_serve.engine.model_runner import ModelRunner
 from pagefleet_serve.engine.sampler import SampledToken, SamplingError
 from pagefleet_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
+from pagefleet_serve.engine.spec_decode.draft_model import DraftModelProposer, check_vocabulary
 from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats, Speculator
 from pagefleet_serve.model.loader import load_model
 from pagefleet_serve.output_processor import OutputProcessor
@@ -170,6 +171,8 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        spec = config.speculative_config
+        draft = self._load_draft(spec.model) if spec is not None and spec.model else None
         self.runner = ModelRunner(
             loaded,
             self.device,
@@ -177,6 +180,7 @@ class LLMEngine:
             config.block_size,
             config.attention_backend,
             config.kv_cache_dtype,
+            draft,
         )
         del loaded
         logger.info(
@@ -189,6 +193,7 @@ class LLMEngine:
         )
         logger.info("device %s, dtype %s", self.device, str(self.dtype).removeprefix("torch."))
 
+        # With a draft model a block holds both models' K/V: the budget buys both at once.
         num_blocks = self._kv_budget() // self.runner.bytes_per_block
         pool_tokens = num_blocks * config.block_size
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -200,19 +205,22 @@ class LLMEngine:
             )
         self.runner.allocate_kv_cache(num_blocks)
         logger.info(
-            "KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB, %s",
+            "KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s), %s",
             num_blocks,
             config.block_size,
             pool_tokens,
             num_blocks * self.runner.bytes_per_block / 2**20,
+            "target and draft model" if draft else "model",
             str(self.runner.kv_cache_dtype).removeprefix("torch."),
         )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        spec = config.speculative_config
-        self.speculator = Speculator(spec) if spec is not None else None
+        self.speculator = None
+        if spec is not None:
+            proposer = DraftModelProposer(draft, self.block_manager) if draft else None
+            self.speculator = Speculator(spec, proposer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # aborts, handed out by the next step
         self.grammar_compiler = None
@@ -222,6 +230,22 @@ class LLMEngine:
             )
         # Sequences whose grammar is still compiling: they join the scheduler when it is.
         self._awaiting_grammar: dict[Sequence, Future] = {}
+
+    def _load_draft(self, uri: str) -> ModelRunner:
+        """The draft model's runner (speculative decoding), in the target's dtype,
+        quantization, attention backend and KV cache dtype."""
+        config = self.config
+        loaded = load_model(uri, self.dtype, weight_quantization(config, self.device))
+        check_vocabulary(loaded, self.model_config, self.tokenizer)
+        logger.info("draft model %s: %d layers", loaded.name, loaded.config.num_layers)
+        return ModelRunner(
+            loaded,
+            self.device,
+            self.dtype,
+            config.block_size,
+            config.attention_backend,
+            config.kv_cache_dtype,
+        )
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory_bytes is not None:

@@ -1,6 +1,8 @@
 """Runs one scheduled step: builds the flattened batch, runs the model over the paged KV
 cache, samples the next tokens."""
 
+import itertools
+
 import torch
 from pagefleet_kernels.kv_cache import (
     SCALE_DTYPE,
@@ -28,7 +30,12 @@ class ModelRunner:
         block_size: int,
         attention_backend: str,
         kv_cache_dtype: str,
+        draft: "ModelRunner | None" = None,
     ) -> None:
+        """`draft`: a draft model's runner (speculative decoding). Its KV cache follows
+        this one over the same block ids: a block holds both models' K/V, and every batch
+        this runner runs, the draft runs too, so that every computed position (prefix-cache
+        blocks, recompute, chunks) holds both."""
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -49,14 +56,19 @@ class ModelRunner:
             None  # (layers, 2, blocks, block_size, kv_heads), int8/fp8
         )
         self.kv_caches: list[LayerKVCache] = []
+        self.draft = draft
 
     @property
     def bytes_per_block(self) -> int:
+        """What one block id costs: this model's K/V for its tokens, and its draft's."""
         c = self.config
         per_token_head = bytes_per_token_head(self.kv_cache_dtype, c.head_dim)
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_token_head
+        draft = self.draft.bytes_per_block if self.draft is not None else 0
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_token_head + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
         c = self.config
         shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads)
         self.kv_cache = torch.zeros(
@@ -71,24 +83,26 @@ class ModelRunner:
         else:
             self.kv_caches = [LayerKVCache(layer[0], layer[1]) for layer in self.kv_cache]
 
-    @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> dict[Sequence, list[SampledToken]]:
-        copies = step.block_copies
-        if copies:
-            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies, strict=True))
-            for pool in (self.kv_cache, self.kv_scales):
-                if pool is not None:
-                    pool[:, :, dst] = pool[:, :, src]
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (src, dst) block's K/V (and scales) into dst."""
+        if not copies:
+            return
+        src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies, strict=True))
+        for pool in (self.kv_cache, self.kv_scales):
+            if pool is not None:
+                pool[:, :, dst] = pool[:, :, src]
 
-        input_ids: list[int] = []
-        query_lens, seq_lens, starts, tables = [], [], [], []
-        for item in step.scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            input_ids.extend(item.input_token_ids)
-            starts.append(start)
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(start + item.num_new_tokens)
-            tables.append(seq.block_table)
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: list[int],
+        starts: list[int],
+        query_lens: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Run the model over a flattened batch: sequence i's `query_lens[i]` tokens sit at
+        positions from `starts[i]` and their K/V go to the slots its block table names.
+        Returns the hidden states, one row per input token."""
         width = max(len(t) for t in tables)
         dev = self.device
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
@@ -109,17 +123,33 @@ class ModelRunner:
         attn = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            seq_lens=(q_lens + torch.tensor(starts)).to(dev),
             query_start_loc=query_start_loc.to(dev),
             query_lens=query_lens,
         )
-        hidden = self.model(
+        return self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions.to(dev),
             self.kv_caches,
             attn,
         )
-        return self._sample(step, hidden, query_start_loc[1:].tolist())
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> dict[Sequence, list[SampledToken]]:
+        input_ids: list[int] = []
+        query_lens, starts, tables = [], [], []
+        for item in step.scheduled:
+            input_ids.extend(item.input_token_ids)
+            starts.append(item.seq.num_computed_tokens)
+            query_lens.append(item.num_new_tokens)
+            tables.append(item.seq.block_table)
+        batch = (input_ids, starts, query_lens, tables)
+        self.copy_blocks(step.block_copies)
+        hidden = self.forward(*batch)
+        if self.draft is not None:
+            self.draft.copy_blocks(step.block_copies)
+            self.draft.forward(*batch)
+        return self._sample(step, hidden, list(itertools.accumulate(query_lens)))
 
     def _sample(
         self, step: SchedulerOutput, hidden: torch.Tensor, ends: list[int]

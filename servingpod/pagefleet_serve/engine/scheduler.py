@@ -9,7 +9,9 @@ is recomputed later (its full blocks usually survive in the prefix cache).
 
 Speculative decoding rides on the same rule: a decoding sequence's draft tokens are
 scheduled as extra query tokens within the budget, and `update` counts as computed only
-the drafts the model accepted, handing back the blocks of the rejected ones.
+the drafts the model accepted, handing back the blocks of the rejected ones. A draft model
+writes its next proposals' K/V before the step that verifies them, so with one a sequence
+reaching its end also keeps `num_lookahead_tokens` slots allocated past it (as vLLM does).
 """
 
 import bisect
@@ -66,6 +68,10 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_manager = block_manager
+        spec = config.speculative_config
+        self.num_lookahead_tokens = (
+            spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+        )
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -109,10 +115,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             drafts = self._drafts(seq, budget)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget) + len(drafts)
-            while (copies := self.block_manager.allocate(seq, num_new)) is None:
-                if drafts:  # drop the drafts before preempting anyone for them
+            lookahead = self._lookahead(seq, seq.num_computed_tokens + num_new)
+            while (copies := self.block_manager.allocate(seq, num_new + lookahead)) is None:
+                if drafts or lookahead:  # drop the speculation before preempting anyone for it
                     num_new -= len(drafts)
-                    drafts = []
+                    drafts, lookahead = [], 0
                     continue
                 victim = max(self.running, key=lambda s: s.sort_key)
                 if victim in scheduled:
@@ -135,7 +142,10 @@ class Scheduler:
                 break
             prefix = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
-            copies = self.block_manager.allocate(seq, num_new, prefix)
+            lookahead = self._lookahead(seq, len(prefix) * self.block_manager.block_size + num_new)
+            copies = self.block_manager.allocate(seq, num_new + lookahead, prefix)
+            if copies is None and lookahead:
+                copies = self.block_manager.allocate(seq, num_new, prefix)
             if copies is None:
                 break
             num_hit = seq.num_computed_tokens
@@ -162,6 +172,13 @@ class Scheduler:
             self.max_model_len - seq.num_tokens - 1,
         )
         return seq.spec_token_ids[: max(room, 0)]
+
+    def _lookahead(self, seq: Sequence, num_computed_after: int) -> int:
+        """The slots past a sequence's tokens to allocate for a draft model's proposals:
+        when this step reaches its end and it may speculate next."""
+        if num_computed_after < seq.num_tokens or seq.sibling_generators:
+            return 0
+        return self.num_lookahead_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -209,7 +226,7 @@ class Scheduler:
         if drafts and not seq.is_finished:
             seq.num_computed_tokens += len(appended) - 1
             self.block_manager.cache_full_blocks(seq)
-            self.block_manager.trim(seq)
+            self.block_manager.trim(seq, self.num_lookahead_tokens)
         return appended
 
     def _fork(

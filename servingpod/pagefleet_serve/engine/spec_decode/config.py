@@ -3,13 +3,18 @@
 import json
 from dataclasses import dataclass, fields
 
-SPEC_METHODS = ("ngram",)
+from pagefleet_serve.model.uri import ModelURIError, parse_model_uri
+
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    # draft_model: the draft's URI (any form the loader reads); it must share the target's
+    # vocabulary, and runs in the target's dtype, quantization and KV cache dtype.
+    model: str | None = None
     # n-gram prompt lookup: the longest and shortest suffix of the sequence looked up.
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -23,6 +28,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}"
             )
+        self._check_model()
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -41,6 +47,24 @@ class SpeculativeConfig:
                 f"got {size!r}"
             )
 
+    def _check_model(self) -> None:
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError(
+                    "speculative_config.model names a draft model, which method 'ngram' does "
+                    "not use; drop it or set method to 'draft_model'"
+                )
+            return
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(
+                "speculative_config.model is required by method 'draft_model': the draft "
+                f"model's URI, got {self.model!r}"
+            )
+        try:
+            parse_model_uri(self.model)
+        except ModelURIError as exc:
+            raise ValueError(f"speculative_config.model: {exc}") from exc
+
     @classmethod
     def from_json(cls, text: str | dict | None) -> "SpeculativeConfig | None":
         """Parse the flag's JSON (a dict is taken as already parsed); None or {} is off."""
@@ -55,11 +79,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
         if not text:
             return None
-        if "model" in text:
-            raise ValueError(
-                "speculative_config.model: draft-model proposals are not available; "
-                'use {"method": "ngram"}'
-            )
+        if "model" in text and "method" not in text:  # vLLM's short form of a draft model
+            text = {"method": "draft_model", **text}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(text) - known)
         if unknown:

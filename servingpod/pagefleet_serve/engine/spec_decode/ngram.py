@@ -8,13 +8,19 @@ reformatting code, quoting), and proposes nothing when there is no earlier occur
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pagefleet_serve.engine.sequence import Sequence
+
 
 class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
 
-    def propose(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[list[int]]:
+        """Each sequence's drafts (up to `num_tokens`; none without an earlier match)."""
+        return [self.lookup(seq.token_ids, num_tokens) for seq in seqs]
+
+    def lookup(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
         """Up to `max_num_tokens` tokens following the most recent earlier occurrence of the
         longest suffix (of prompt_lookup_max down to prompt_lookup_min tokens) that has one."""
         if max_num_tokens < 1 or len(token_ids) < self.prompt_lookup_min + 1:
