@@ -32,7 +32,7 @@ serve: install
 # real serving pods against an API emulator and a simulated kubelet).
 # In file order (pytest-randomly off), so a failure reproduces as is.
 test: install
-	$(PY) -m pytest -q -p no:randomly -m "not slow and not gpu" tests e2e/test_e2e_local.py e2e/test_e2e_hf.py
+	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" tests e2e/test_e2e_local.py e2e/test_e2e_hf.py
 
 # The same tests in a random order (pytest-randomly): tests must not depend on one another.
 # The seed is printed first; `make test-random RANDOM_SEED=<seed>` replays an order.
