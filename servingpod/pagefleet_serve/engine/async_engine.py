@@ -109,16 +109,7 @@ class AsyncEngine:
         self.engine = engine
         tokenizer = engine.detach_tokenizer()
         link = _ThreadLink(EngineCore(engine, self._on_message))
-        ready = CoreReady(
-            0,
-            engine.model_name,
-            engine.max_model_len,
-            engine.model_config.vocab_size,
-            engine.config.max_num_seqs,
-            engine.block_manager.num_blocks,
-            engine.stats(),
-            engine.grammar_stop_token_ids,
-        )
+        ready = CoreReady.of(engine)
         # The engine's own compiler: a constraint compiled here to validate it is then
         # found in its cache when the core adds the request.
         self._setup(engine.config, ready, tokenizer, engine.grammar_compiler, link)

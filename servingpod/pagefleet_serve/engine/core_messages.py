@@ -8,7 +8,7 @@ core's `CoreReady`; bump it when a message changes shape.
 
 from dataclasses import dataclass
 
-from pagefleet_serve.engine.llm_engine import EngineStats, Request
+from pagefleet_serve.engine.llm_engine import EngineStats, LLMEngine, Request
 from pagefleet_serve.outputs import RequestOutput
 
 PROTOCOL_VERSION = 2
@@ -44,6 +44,20 @@ class CoreReady:
     stats: EngineStats
     # What ends a structured output: the frontend compiles constraints to validate them.
     grammar_stop_token_ids: list[int]
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "CoreReady":
+        """What a frontend needs to know of the engine a core runs."""
+        return cls(
+            PROTOCOL_VERSION,
+            engine.model_name,
+            engine.max_model_len,
+            engine.model_config.vocab_size,
+            engine.config.max_num_seqs,
+            engine.block_manager.num_blocks,
+            engine.stats(),
+            engine.grammar_stop_token_ids,
+        )
 
 
 @dataclass(frozen=True)

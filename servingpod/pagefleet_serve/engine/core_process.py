@@ -179,18 +179,7 @@ def _core_main(conn, config: EngineConfig, core_cpus, parent_pid: int, log_level
         emit(CoreFailed(f"cannot load model {config.model}: {type(exc).__name__}: {exc}"))
         _exit_now(1)
     engine.detach_tokenizer()  # the core sees token ids only (its grammar compiler keeps it)
-    emit(
-        CoreReady(
-            PROTOCOL_VERSION,
-            engine.model_name,
-            engine.max_model_len,
-            engine.model_config.vocab_size,
-            engine.config.max_num_seqs,
-            engine.block_manager.num_blocks,
-            engine.stats(),
-            engine.grammar_stop_token_ids,
-        )
-    )
+    emit(CoreReady.of(engine))
     core = EngineCore(engine, emit)
     threading.Thread(target=_forward, args=(conn, core), name="core-inbox", daemon=True).start()
     threading.Thread(target=_heartbeat, args=(core, emit), name="heartbeat", daemon=True).start()
