@@ -36,6 +36,7 @@ from pagefleet_serve.engine.llm_engine import (
     LLMEngine,
     Request,
     RequestLimits,
+    prompt_token_ids,
     validate_request,
 )
 from pagefleet_serve.outputs import CompletionOutput, RequestOutput
@@ -174,12 +175,7 @@ class AsyncEngine:
     ) -> Request:
         """Validate (and tokenize text, compile a structured output's constraint); the core
         trusts what this returns. ValueError."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
-            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt = prompt_token_ids(prompt, self.tokenizer, self.model_name)
         return validate_request(request_id, prompt, params, self.limits, self.grammar_compiler)
 
     def add(self, request: Request, queue: asyncio.Queue, tag: object = None) -> None:

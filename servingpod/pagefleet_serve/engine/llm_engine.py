@@ -52,6 +52,17 @@ class RequestLimits:
     max_num_seqs: int
 
 
+def prompt_token_ids(prompt: str | list[int], tokenizer, model_name: str) -> list[int]:
+    """A prompt as token ids (text is tokenized without special tokens). ValueError."""
+    if not isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    if tokenizer is None:
+        raise ValueError(f"model {model_name} has no tokenizer: pass token ids")
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
 def validate_request(
     request_id: str,
     prompt_token_ids: list[int],
@@ -265,12 +276,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         """Validate and tokenize; safe to call from any thread. Raises ValueError."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
-            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt = prompt_token_ids(prompt, self.tokenizer, self.model_name)
         return validate_request(
             request_id, prompt, params, self.limits, self.grammar_compiler, arrival_time
         )
