@@ -187,11 +187,6 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GGUF_SUPPORTED = ", ".join(sorted(GGUF_ARCHITECTURES))
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp stores q/k rows interleaved for its rope; undo it to Hugging Face's order."""
     rows = weight.shape[0]
@@ -206,23 +201,23 @@ def _gguf_config(reader, arch: str) -> dict:
     """The GGUF's metadata as a Hugging Face config.json dict."""
     hf = {"model_type": GGUF_ARCHITECTURES[arch].model_type}
     for key, hf_key in _GGUF_CONFIG_KEYS.items():
-        value = _field(reader, f"{arch}.{key}")
+        value = reader.fields.get(f"{arch}.{key}")
         if value is not None:
             hf[hf_key] = value
     hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
     if _GEMMA_27B_LAYERS.get(arch) == hf["num_hidden_layers"]:
         hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    original = reader.fields.get(f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         hf["original_max_position_embeddings"] = original
-    attention_factor = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    attention_factor = reader.fields.get(f"{arch}.rope.scaling.attn_factor")
     if attention_factor is not None:  # longrope's (Phi-3 128k); read by _longrope
         hf["rope_attention_factor"] = attention_factor
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         hf["rope_scaling"] = {
             "rope_type": scaling,
-            "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+            "factor": float(reader.fields.get(f"{arch}.rope.scaling.factor", 1.0)),
         }
     return hf
 
@@ -230,8 +225,10 @@ def _gguf_config(reader, arch: str) -> dict:
 def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) -> LoadedModel:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
+    from pagefleet_serve.model.gguf_file import GGUFFile
+
+    reader = GGUFFile(path)
+    arch = reader.fields.get("general.architecture")
     spec = GGUF_ARCHITECTURES.get(arch)
     if spec is None:
         raise UnsupportedModelError(
@@ -277,25 +274,21 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
     scaling = _rope_scaling(hf, path)
     if rope_freqs is not None:
         scaling = (("divisors", rope_freqs), ("rope_type", "freqs"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     hf["vocab_size"] = weights["embed_tokens.weight"].shape[0]
-    hf["bos_token_id"] = _field(reader, "tokenizer.ggml.bos_token_id")
+    hf["bos_token_id"] = reader.fields.get("tokenizer.ggml.bos_token_id")
     config = _model_config(hf, scaling, () if eos is None else (eos,), weights)
     return LoadedModel(name, config, weights, _gguf_tokenizer(path, reader))
 
 
 def _gguf_tokenizer(path: Path, reader=None):
     """transformers converts a GGUF vocabulary in seconds; keep the result on disk so later
-    starts (and every test process) load it in milliseconds. None when the file carries no
-    vocabulary (such a model is served on token ids, like builtin://tiny-random)."""
-    import gguf
+    starts (and every test process) load it in milliseconds, without reading the file. None
+    when the file carries no vocabulary (such a model is served on token ids, like
+    builtin://tiny-random)."""
     from transformers import AutoTokenizer
 
-    if reader is None:
-        reader = gguf.GGUFReader(str(path))
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        logger.warning("%s has no vocabulary: prompts must be token ids", path.name)
-        return None
+    from pagefleet_serve.model.gguf_file import GGUFFile
 
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
@@ -303,6 +296,9 @@ def _gguf_tokenizer(path: Path, reader=None):
     cache = cache_root / "tokenizers" / key[:16]
     if (cache / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(cache)
+    if "tokenizer.ggml.tokens" not in (reader or GGUFFile(path)).fields:
+        logger.warning("%s has no vocabulary: prompts must be token ids", path.name)
+        return None
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     try:
         tokenizer.save_pretrained(cache)
