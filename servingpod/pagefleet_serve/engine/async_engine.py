@@ -129,7 +129,8 @@ class AsyncEngine:
         self.engine = None
         link = CoreProcess(config, self._on_message, self._on_core_lost, core_cpus, log_level)
         try:
-            tokenizer = load_tokenizer(config.model)
+            tokenizer = load_tokenizer(config.model)  # while the core loads the model
+            link.wait_ready()
         except BaseException:
             link.close()
             raise

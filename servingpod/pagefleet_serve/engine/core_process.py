@@ -36,9 +36,10 @@ _SHUTDOWN_WAIT_S = 10.0
 
 
 class CoreProcess:
-    """Starts the core process and waits for it to be ready (raises RuntimeError with the
-    core's reason when it cannot start); `start_reading()` then hands every message to
-    `on_message` and a lost core's reason to `on_lost`, from a reader thread."""
+    """Starts the core process; `wait_ready()` waits until it has loaded the model (raises
+    RuntimeError with the core's reason when it cannot start), so the caller can do its own
+    loading meanwhile; `start_reading()` then hands every message to `on_message` and a
+    lost core's reason to `on_lost`, from a reader thread."""
 
     def __init__(
         self,
@@ -64,9 +65,9 @@ class CoreProcess:
         self._closing = False
         self.last_heard = time.monotonic()
         self._step: tuple[float | None, float] = (None, self.last_heard)
-        self.ready = self._handshake()
+        self.ready: CoreReady | None = None
 
-    def _handshake(self) -> CoreReady:
+    def wait_ready(self) -> CoreReady:
         try:
             while not self._conn.poll(0.5):
                 if not self.process.is_alive():
@@ -84,6 +85,7 @@ class CoreProcess:
                 f"(this frontend speaks version {PROTOCOL_VERSION})"
             )
         logger.info("engine core process %d ready", self.process.pid)
+        self.ready = message
         return message
 
     def start_reading(self) -> None:
