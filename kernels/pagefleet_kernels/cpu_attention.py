@@ -15,6 +15,7 @@ when it cannot.
 """
 
 import functools
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +37,15 @@ def _extension():
     """The compiled module, or None when it cannot be built here."""
     from torch.utils import cpp_extension
 
+    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
+    # Named by its source and flags: builds of two versions (an upgrade, two checkouts
+    # sharing TORCH_EXTENSIONS_DIR) sit side by side instead of rebuilding over each other.
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
     try:
         return cpp_extension.load(
-            name="pagefleet_paged_attention_cpu",
+            name=f"pagefleet_paged_attention_cpu_{digest[:12]}",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"],
+            extra_cflags=flags,
         )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no headers
         logger.warning("the CPU attention kernel could not be built (%s); using torch", exc)
