@@ -161,3 +161,22 @@ def test_auto_dtype_is_bfloat16_only_on_cpus_with_native_bf16(monkeypatch, nativ
     llm = LLM("builtin://tiny-random", max_model_len=64, kv_cache_memory_bytes=1 << 20)
     assert llm.engine.dtype == expected
     assert next(llm.engine.runner.model.parameters()).dtype == expected
+
+
+def test_rotary_frequencies_stay_float32_in_a_bfloat16_model():
+    """Module.to(bfloat16) would round them (2^-9 relative): at position 2,000 the angle
+    of a mid frequency would be off by about a radian."""
+    from pagefleet_serve.model.llama import rope_inv_freq
+
+    llm = LLM(
+        "builtin://smollm2-135m", dtype="bfloat16", max_model_len=64, kv_cache_memory_bytes=8 << 20
+    )
+    model = llm.engine.runner.model
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert model.inv_freq.dtype == torch.float32
+    assert torch.equal(model.inv_freq, rope_inv_freq(model.config))
+    # The cos/sin of a far position are those of the exact angle, rounded once.
+    positions = torch.tensor([2000])
+    cos, _ = model._rope(positions, model.inv_freq, torch.bfloat16)
+    exact = torch.cos(2000.0 * rope_inv_freq(model.config).double())
+    assert torch.allclose(cos[0, : exact.numel()].double(), exact, atol=1e-2)

@@ -259,7 +259,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given an (uninitialised) weight, Embedding skips its normal_ init, which on the meta
+        # device imports torch._dynamo (~3 s of start-up); the checkpoint replaces it anyway.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, backend, i) for i in range(config.num_layers)]
         )
@@ -267,13 +273,27 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        if config.local_rope_theta is not None:
-            self.register_buffer("inv_freq_local", rope_inv_freq(config, True), persistent=False)
-        if config.longrope_switch is not None:
-            self.register_buffer(
-                "inv_freq_long", rope_inv_freq(config, long=True), persistent=False
-            )
+        self._set_rope_frequencies(torch.device("cpu"))
+
+    def _set_rope_frequencies(self, device: torch.device) -> None:
+        """The rotary frequencies, computed (never loaded) in float32 on `device`: on the
+        CPU when the module is built on the meta device (meta arithmetic imports
+        torch._dynamo, seconds of start-up), and again after every `to()`, which would
+        cast them to the model's dtype: a bfloat16 frequency is off by up to 2^-9, which
+        at position 2,000 turns the angle by about a radian."""
+        with torch.device(device):
+            frequencies = {"inv_freq": rope_inv_freq(self.config)}
+            if self.config.local_rope_theta is not None:
+                frequencies["inv_freq_local"] = rope_inv_freq(self.config, True)
+            if self.config.longrope_switch is not None:
+                frequencies["inv_freq_long"] = rope_inv_freq(self.config, long=True)
+        for name, value in frequencies.items():
+            self.register_buffer(name, value, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._set_rope_frequencies(self.inv_freq.device)
+        return self
 
     def forward(
         self,
@@ -355,12 +375,6 @@ class LlamaForCausalLM(nn.Module):
                 f"weights do not fit the model's configuration: missing {sorted(missing)[:5]}, "
                 f"unexpected {sorted(unexpected)[:5]}"
             )
-        # Computed, not loaded: rebuilt here in case the module was built on the meta device.
-        self.inv_freq = rope_inv_freq(self.config)
-        if self.config.local_rope_theta is not None:
-            self.inv_freq_local = rope_inv_freq(self.config, True)
-        if self.config.longrope_switch is not None:
-            self.inv_freq_long = rope_inv_freq(self.config, long=True)
 
     def _quantize_layer(self, path: str, weight: QuantizedWeight, weights: dict) -> None:
         """Swap the Linear at `path` for a QuantizedLinear of `weight` (and its bias)."""
