@@ -95,6 +95,7 @@ def measure(args) -> dict:
         max_model_len=args.prompt_len + args.steps + 16,
         kv_cache_memory_bytes=512 << 20,
         **({"quantization": args.quantization} if args.quantization else {}),
+        **({"enforce_eager": args.enforce_eager} if args.enforce_eager is not None else {}),
     )
     engine = LLMEngine(config)
     rows = []
@@ -104,6 +105,7 @@ def measure(args) -> dict:
     return {
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": args.quantization or "(none: before the flag existed)",
+        "enforce_eager": getattr(engine.config, "enforce_eager", True),
         "threads": torch.get_num_threads(),
         "rows": rows,
     }
@@ -120,7 +122,8 @@ def baseline(args, src: Path) -> dict:
 
 
 def print_table(name: str, result: dict) -> None:
-    print(f"{name}: dtype {result['dtype']}, quantization {result['quantization']}")
+    eager = result.get("enforce_eager", True)
+    print(f"{name}: dtype {result['dtype']}, quantization {result['quantization']}, eager {eager}")
     print(f"{'batch':>6} {'step ms':>9} {'GEMMs ms':>9} {'share':>6} {'tok/s':>7}")
     for r in result["rows"]:
         print(
@@ -134,6 +137,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None, help="the engine's --quantization")
+    parser.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        help="the engine's --enforce-eager (default: the engine's); not passed to the baseline",
+    )
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per batch")
     parser.add_argument("--baseline-src", type=Path, help="another checkout to measure first")

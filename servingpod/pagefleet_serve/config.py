@@ -63,6 +63,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     quantization: str = "none"
+    # vLLM's --enforce-eager: True runs every op eagerly; False compiles each layer's work
+    # around its attention with torch.compile (inductor), paid for by the first steps.
+    enforce_eager: bool = True
     seed: int = 0
     # vLLM's --speculative-config: a SpeculativeConfig, its JSON text or dict; None: off.
     speculative_config: SpeculativeConfig | str | dict | None = None

@@ -52,3 +52,9 @@ def test_bad_environment_value_names_the_variable(monkeypatch, capsys):
         parse(monkeypatch, {"PAGEFLEET_MAX_NUM_SEQS": "many"})
     assert exc.value.code == 2
     assert "PAGEFLEET_MAX_NUM_SEQS='many'" in capsys.readouterr().err
+
+
+def test_enforce_eager_defaults_to_the_engine_and_can_be_turned_off(monkeypatch):
+    assert parse(monkeypatch, {}).enforce_eager is True
+    assert parse(monkeypatch, {}, "--no-enforce-eager").enforce_eager is False
+    assert parse(monkeypatch, {"PAGEFLEET_ENFORCE_EAGER": "false"}).enforce_eager is False

@@ -192,6 +192,7 @@ class LLMEngine:
             config.attention_backend,
             config.kv_cache_dtype,
             draft,
+            config.enforce_eager,
         )
         del loaded
         logger.info(
@@ -256,6 +257,7 @@ class LLMEngine:
             config.block_size,
             config.attention_backend,
             config.kv_cache_dtype,
+            enforce_eager=config.enforce_eager,
         )
 
     def _kv_budget(self) -> int:

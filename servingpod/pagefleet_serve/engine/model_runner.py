@@ -31,6 +31,7 @@ class ModelRunner:
         attention_backend: str,
         kv_cache_dtype: str,
         draft: "ModelRunner | None" = None,
+        enforce_eager: bool = True,
     ) -> None:
         """`draft`: a draft model's runner (speculative decoding). Its KV cache follows
         this one over the same block ids: a block holds both models' K/V, and every batch
@@ -49,6 +50,8 @@ class ModelRunner:
             )
         self.model.load_hf_state_dict(loaded.weights)
         self.model.to(device=device, dtype=dtype).eval()
+        if not enforce_eager:
+            self.model.compile_around_attention()
         self.kv_cache: torch.Tensor | None = (
             None  # (layers, 2, blocks, block_size, kv_heads, head_dim)
         )

@@ -162,9 +162,10 @@ def make_norm(config: ModelConfig, size: int) -> RMSNorm:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); cos/sin: (T, D). Hugging Face's rotate-half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """x: (T, H, D); cos (T, D); sin (T, D) with its first half negated (as `_rope` makes
+    it), so that Hugging Face's rotate-half, cat(-x2, x1) * sin, is one roll times it:
+    the same products exactly (a negation rounds nothing), in two fewer ops."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
@@ -187,7 +188,8 @@ class LlamaAttention(nn.Module):
         self.softcap = config.attn_logit_softcapping
         self.backend = backend
 
-    def forward(self, x, cos, sin, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k, v (T, heads, D) of the normed hidden states: projected, q/k-normed, rotated."""
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.split
         qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -197,6 +199,10 @@ class LlamaAttention(nn.Module):
         # q and k side by side: rotated in one pass, then split (views).
         q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def attend(self, q, k, v, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
+        """Write k/v to the paged cache, attend: (T, heads * D), before o_proj."""
         cache = kv_cache  # LayerKVCache: key, value (+ their scales when int8/fp8)
         self.backend.write_kv_cache(
             k, v, cache.key, cache.value, attn.slot_mapping, cache.key_scale, cache.value_scale
@@ -216,7 +222,7 @@ class LlamaAttention(nn.Module):
             sliding_window=self.sliding_window,
             softcap=self.softcap,
         )
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return out.reshape(-1, self.num_heads * self.head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -247,12 +253,28 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        q, k, v = self.attention_inputs(x, cos, sin)
+        return self.attention_outputs(x, self.self_attn.attend(q, k, v, kv_cache, attn))
+
+    # The layer around its attention: pure tensor functions, what compile_around_attention
+    # compiles.
+    def attention_inputs(self, x, cos, sin):
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attention_outputs(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn.o_proj(attended)
         if not self.sandwich_norms:
             x = x + h
             return x + self.mlp(self.post_attention_layernorm(x))
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def compile_around_attention(self) -> None:
+        """Compile the parts around attention with inductor (each into a few fused
+        kernels); attention itself stays eager, it reads per-step metadata. Every layer
+        shares the compiled code (the modules' weights are its inputs)."""
+        self.attention_inputs = torch.compile(self.attention_inputs, dynamic=None)
+        self.attention_outputs = torch.compile(self.attention_outputs, dynamic=None)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -316,6 +338,13 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
 
+    def compile_around_attention(self) -> None:
+        """torch.compile every layer's work before and after its attention (see
+        `LlamaDecoderLayer.compile_around_attention`); the first steps of each new batch
+        shape (one token, then any other count) pay the compilation."""
+        for layer in self.layers:
+            layer.compile_around_attention()
+
     def _global_inv_freq(self, attn: AttentionMetadata) -> torch.Tensor:
         """(D/2,) frequencies, or (T, D/2) with longrope: the long factors for the tokens of
         a sequence whose context (this step's tokens included) passes the switch, as
@@ -328,10 +357,13 @@ class LlamaForCausalLM(nn.Module):
         return torch.where(long[:, None], self.inv_freq_long, self.inv_freq)
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-        """cos, sin (T, D) of each token; `inv_freq` (D/2,) or per token (T, D/2)."""
+        """cos, sin (T, D) of each token, sin's first half negated (see `apply_rope`);
+        `inv_freq` (D/2,) or per token (T, D/2)."""
         freqs = positions.float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # what apply_rope takes
         factor = self.config.rope_attention_factor
         if factor != 1.0:  # in float32, before the cast, as transformers does
             cos, sin = cos * factor, sin * factor

@@ -112,6 +112,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=engine("quantization"),
         choices=QUANTIZATIONS,
     )
+    flag(
+        "--enforce-eager",
+        "run the model op by op; --no-enforce-eager compiles each layer's work around its "
+        "attention with torch.compile (a C++ compiler on CPU; slower start-up)",
+        action=argparse.BooleanOptionalAction,
+        default=engine("enforce_eager"),
+    )
     flag("--dtype", "model dtype: auto, float32, float16 or bfloat16", default=engine("dtype"))
     flag("--device", "auto, cpu or cuda[:N]", default=engine("device"))
     flag("--seed", "engine seed", type=int, default=engine("seed"))
@@ -226,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
+            enforce_eager=args.enforce_eager,
             seed=args.seed,
             speculative_config=args.speculative_config,
         )
