@@ -3,7 +3,8 @@ SDK against a `pagefleet serve` subprocess with the built-in model: `.parse()` w
 pydantic model (stream and not) for 20 prompts, json_object, regex and choice on
 /v1/completions, a 400 for a schema that cannot compile, tool calls with
 tool_choice required and named whose arguments validate, a follow-up turn with the tool's
-result, streamed tool calls assembled by the SDK, /tokenize, /detokenize and
+result, streamed tool calls (the name first, then argument fragments) assembled by the
+SDK, /tokenize, /detokenize and
 /v1/models' max_model_len."""
 
 import asyncio
@@ -282,22 +283,43 @@ def test_tool_call_round_trip(client, tool_choice):
     assert answer.message.content and not answer.message.tool_calls
 
 
-def test_streamed_tool_calls_assemble_into_the_same_calls(client):
+@pytest.mark.parametrize(
+    ("tool_choice", "finish_reason"),
+    [("required", "tool_calls"), ({"type": "function", "function": {"name": "get_time"}}, "stop")],
+    ids=["required", "named"],
+)
+def test_streamed_tool_calls_assemble_into_the_same_calls(client, tool_choice, finish_reason):
     request = {
         "model": MODEL_NAME,
         "messages": ASK,
         "tools": [WEATHER, TIME],
-        "tool_choice": "required",
+        "tool_choice": tool_choice,
         "max_tokens": 80,
         "temperature": 0,
+        "logprobs": True,  # marks the chunks that carry newly generated tokens
     }
     whole = client.chat.completions.create(**request).choices[0].message
+    # Argument fragments per call that came with the tokens they were generated from (a
+    # stream that waited for the whole call would send them all after the last token).
+    live_fragments: dict[int, int] = {}
     with client.chat.completions.stream(**request) as stream:
+        for event in stream:
+            if event.type != "chunk" or not event.chunk.choices:
+                continue
+            choice = event.chunk.choices[0]
+            for call in choice.delta.tool_calls or []:
+                if call.id:  # a call's first delta: its name, before any argument
+                    assert call.function.name and not call.function.arguments
+                elif call.function.arguments and choice.logprobs and choice.logprobs.content:
+                    live_fragments[call.index] = live_fragments.get(call.index, 0) + 1
         streamed = stream.get_final_completion().choices[0]
-    assert streamed.finish_reason == "tool_calls"
+    assert streamed.finish_reason == finish_reason
     assert_calls_validate(streamed.message, set(SCHEMAS))
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls
+    assert len(live_fragments) == len(streamed.message.tool_calls), live_fragments
+    assert all(n > 1 for n in live_fragments.values()), live_fragments
+    # The fragments join into the very text of the whole response's arguments.
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in streamed.message.tool_calls
     ]
 
 
