@@ -12,9 +12,11 @@ import jsonschema
 import pytest
 from engine_prompts import SYSTEM_PROMPT
 from pagefleet_serve import LLM, SamplingParams
+from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import validate_request
 from pagefleet_serve.structured.constraint import StructuredOutputs
 from pagefleet_serve.structured.grammar import GrammarCompiler
+from slow_grammar import SlowCompiler
 
 DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 # Small on purpose: a handful of tokens per answer keeps these tests fast on a CPU.
@@ -174,3 +176,67 @@ def test_a_request_whose_grammar_the_engine_has_not_compiled_yet_runs(llm):
         assert time.monotonic() < deadline, "the request never left the grammar queue"
         text += "".join(o.outputs[0].text for o in engine.step() if o.outputs)
     jsonschema.validate(json.loads(text), schema)
+
+
+SLOW = StructuredOutputs(json=json.dumps({"title": "Slowpoke", **ANSWER}), field="response_format")
+
+
+def test_a_grammar_that_compiles_too_long_is_refused_and_holds_up_no_other(llm):
+    compiler = SlowCompiler.of(llm.engine, SLOW, compile_timeout=0.5)
+    try:
+        slow = compiler.compile_async(SLOW)
+        assert compiler.started.wait(10)
+        # Another constraint compiles while the slow one is stuck.
+        compiler.matcher(StructuredOutputs(regex="[0-9]+"))
+        with pytest.raises(ValueError) as caught:
+            slow.result(timeout=10)
+        message = str(caught.value)
+        assert message.startswith("response_format: the json constraint ")
+        assert "Slowpoke" in message and "did not compile within 0.5 s" in message
+        assert "--structured-outputs-compile-timeout" in message
+        # Sent again while it still compiles: refused at once, not after another timeout.
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="did not compile within"):
+            compiler.compile(SLOW)
+        assert time.monotonic() - started < 0.2
+    finally:
+        compiler.release.set()
+    # Once the compile ends after all, its grammar serves the requests that follow.
+    deadline = time.monotonic() + 30
+    while compiler.compile_async(SLOW).exception() is not None:
+        assert time.monotonic() < deadline, "the late grammar never replaced the failure"
+        time.sleep(0.05)
+    assert compiler.matcher(SLOW) is not None
+
+
+def test_a_grammar_the_core_cannot_compile_in_time_fails_only_its_request(llm, monkeypatch):
+    """The core compiles again (the frontend validated with its own compiler); past the
+    timeout there, the request, already streaming, ends with an error naming the schema,
+    and a request in the same steps runs on."""
+    engine = llm.engine
+    frontend = engine.grammar_compiler  # it compiles SLOW at once
+    core = SlowCompiler.of(engine, SLOW, compile_timeout=0.3)
+    monkeypatch.setattr(engine, "grammar_compiler", core)
+    prompt = engine.tokenizer.encode(chat(llm, "Is water wet? Answer in JSON."))
+    try:
+        slow = SamplingParams(max_tokens=20, temperature=0, structured_outputs=SLOW)
+        engine.add(validate_request("slow", prompt, slow, engine.limits, frontend))
+        engine.add(
+            validate_request("plain", prompt, SamplingParams(max_tokens=4), engine.limits, None)
+        )
+        finished, deadline = {}, time.monotonic() + 60
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+    finally:
+        core.release.set()
+    assert finished["slow"].outputs[0].finish_reason == "error"
+    assert "did not compile within 0.3 s" in finished["slow"].error
+    assert finished["plain"].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("seconds", [0, -1.5])
+def test_the_compile_timeout_is_a_positive_number_of_seconds(seconds):
+    with pytest.raises(ValueError, match="structured_outputs_compile_timeout must be a positive"):
+        EngineConfig(structured_outputs_compile_timeout=seconds)
+
