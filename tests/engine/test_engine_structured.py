@@ -10,11 +10,12 @@ import time
 
 import jsonschema
 import pytest
+import xgrammar as xgr
 from engine_prompts import SYSTEM_PROMPT
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import validate_request
-from pagefleet_serve.structured.constraint import StructuredOutputs
+from pagefleet_serve.structured.constraint import StructuredOutputs, structural_tag_text
 from pagefleet_serve.structured.grammar import GrammarCompiler
 from slow_grammar import SlowCompiler
 
@@ -240,3 +241,32 @@ def test_the_compile_timeout_is_a_positive_number_of_seconds(seconds):
     with pytest.raises(ValueError, match="structured_outputs_compile_timeout must be a positive"):
         EngineConfig(structured_outputs_compile_timeout=seconds)
 
+
+def test_a_structural_tag_holds_the_output_to_its_tags(llm):
+    """vLLM's current form: xgrammar's format, here one tag around a JSON schema."""
+    tag = {"type": "tag", "begin": "<answer>", "end": "</answer>"}
+    tag["content"] = {"type": "json_schema", "json_schema": ANSWER}
+    constraint = StructuredOutputs(structural_tag=structural_tag_text({"format": tag}))
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=constraint)
+    [output] = llm.generate([chat(llm, "Is water wet? Answer in JSON.")], params)
+    text = output.outputs[0].text
+    assert text.startswith("<answer>") and text.endswith("</answer>"), text
+    jsonschema.validate(json.loads(text.removeprefix("<answer>").removesuffix("</answer>")), ANSWER)
+
+
+def test_the_older_structural_tag_form_is_free_text_with_triggered_tags(llm):
+    """vLLM's older form (structures and triggers) means: any text, in which a trigger
+    opens one of the tags, whose content then matches its schema."""
+    legacy = {
+        "structures": [{"begin": "<f=add>", "schema": ANSWER, "end": "</f>"}],
+        "triggers": ["<f="],
+    }
+    constraint = StructuredOutputs(structural_tag=structural_tag_text(legacy))
+    compiled = llm.engine.grammar_compiler.compile(constraint)
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('Let me see. <f=add>{"answer": "yes", "count": 2}</f> Done.')
+    assert accepts("No call at all.")
+    assert not accepts('<f=add>{"answer": "maybe", "count": 2}</f>')

@@ -171,6 +171,8 @@ class GrammarCompiler:
             if constraint.choice is not None:
                 alternatives = " | ".join(json.dumps(c) for c in constraint.choice)
                 return compiler.compile_grammar(f"root ::= {alternatives}")
+            if constraint.structural_tag is not None:
+                return compiler.compile_structural_tag(constraint.structural_tag)
             return compiler.compile_grammar(constraint.grammar)
         except Exception as exc:  # noqa: BLE001 - xgrammar's errors for bad input vary by kind
             message = (_NOISE.sub("", str(exc)).strip().splitlines() or [type(exc).__name__])[0]
