@@ -4,6 +4,8 @@ hits; unconstrained requests in the same batch get the tokens they get alone; EO
 only once the grammar is complete, else "length"; a constraint that cannot compile is a
 ValueError naming the field; a schema is compiled once."""
 
+import asyncio
+import contextlib
 import json
 import re
 import time
@@ -207,6 +209,26 @@ def test_a_grammar_that_compiles_too_long_is_refused_and_holds_up_no_other(llm):
     while compiler.compile_async(SLOW).exception() is not None:
         assert time.monotonic() < deadline, "the late grammar never replaced the failure"
         time.sleep(0.05)
+    assert compiler.matcher(SLOW) is not None
+
+
+def test_a_request_that_leaves_while_its_grammar_compiles_cancels_it_for_no_other(llm):
+    """The server awaits a shared compile future on its event loop; a request whose task is
+    cancelled there (the client left, the server stops) must not cancel the compile."""
+    compiler = SlowCompiler.of(llm.engine, SLOW, compile_timeout=30)
+
+    async def leave() -> None:
+        waiting = asyncio.ensure_future(asyncio.wrap_future(compiler.compile_async(SLOW)))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+
+    try:
+        asyncio.run(leave())
+        assert compiler.started.wait(10)
+    finally:
+        compiler.release.set()
     assert compiler.matcher(SLOW) is not None
 
 

@@ -73,7 +73,11 @@ class GrammarMatcher:
 def mask_logits(logits: torch.Tensor, matchers: dict[int, GrammarMatcher]) -> None:
     """Set to -inf, in place, the logits of tokens each row's grammar forbids next;
     `matchers` maps row -> matcher and only those rows are touched."""
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    # Uninitialized: each masked row is written whole by its matcher, and the other rows
+    # are not read. xgrammar's allocator fills the whole tensor, a parallel op that costs
+    # milliseconds a step when the CPU's cores are contended.
+    shape = xgr.get_bitmask_shape(logits.shape[0], logits.shape[1])
+    bitmask = torch.empty(shape, dtype=xgr.bitmask_dtype)
     for row, matcher in matchers.items():
         matcher.fill_bitmask(bitmask, row)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(matchers))
@@ -111,6 +115,9 @@ class GrammarCompiler:
                 self._cache.move_to_end(constraint)
                 return future
             future = Future()
+            # Shared by every request of this constraint: running, so none of them can
+            # cancel it (an awaiting task that is cancelled cancels what it awaits).
+            future.set_running_or_notify_cancel()
             self._cache[constraint] = future
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
