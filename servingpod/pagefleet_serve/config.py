@@ -69,6 +69,8 @@ class EngineConfig:
     seed: int = 0
     # vLLM's --speculative-config: a SpeculativeConfig, its JSON text or dict; None: off.
     speculative_config: SpeculativeConfig | str | dict | None = None
+    # Seconds a structured output's grammar may take to compile before its request fails.
+    structured_outputs_compile_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -105,6 +107,11 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ValueError(
+                "structured_outputs_compile_timeout must be a positive number of seconds, "
+                f"got {self.structured_outputs_compile_timeout!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

@@ -4,17 +4,22 @@ hits; unconstrained requests in the same batch get the tokens they get alone; EO
 only once the grammar is complete, else "length"; a constraint that cannot compile is a
 ValueError naming the field; a schema is compiled once."""
 
+import asyncio
+import contextlib
 import json
 import re
 import time
 
 import jsonschema
 import pytest
+import xgrammar as xgr
 from engine_prompts import SYSTEM_PROMPT
 from pagefleet_serve import LLM, SamplingParams
+from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import validate_request
-from pagefleet_serve.structured.constraint import StructuredOutputs
+from pagefleet_serve.structured.constraint import StructuredOutputs, structural_tag_text
 from pagefleet_serve.structured.grammar import GrammarCompiler
+from slow_grammar import SlowCompiler
 
 DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 # Small on purpose: a handful of tokens per answer keeps these tests fast on a CPU.
@@ -174,3 +179,116 @@ def test_a_request_whose_grammar_the_engine_has_not_compiled_yet_runs(llm):
         assert time.monotonic() < deadline, "the request never left the grammar queue"
         text += "".join(o.outputs[0].text for o in engine.step() if o.outputs)
     jsonschema.validate(json.loads(text), schema)
+
+
+SLOW = StructuredOutputs(json=json.dumps({"title": "Slowpoke", **ANSWER}), field="response_format")
+
+
+def test_a_grammar_that_compiles_too_long_is_refused_and_holds_up_no_other(llm):
+    compiler = SlowCompiler.of(llm.engine, SLOW, compile_timeout=0.5)
+    try:
+        slow = compiler.compile_async(SLOW)
+        assert compiler.started.wait(10)
+        # Another constraint compiles while the slow one is stuck.
+        compiler.matcher(StructuredOutputs(regex="[0-9]+"))
+        with pytest.raises(ValueError) as caught:
+            slow.result(timeout=10)
+        message = str(caught.value)
+        assert message.startswith("response_format: the json constraint ")
+        assert "Slowpoke" in message and "did not compile within 0.5 s" in message
+        assert "--structured-outputs-compile-timeout" in message
+        # Sent again while it still compiles: refused at once, not after another timeout.
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="did not compile within"):
+            compiler.compile(SLOW)
+        assert time.monotonic() - started < 0.2
+    finally:
+        compiler.release.set()
+    # Once the compile ends after all, its grammar serves the requests that follow.
+    deadline = time.monotonic() + 30
+    while compiler.compile_async(SLOW).exception() is not None:
+        assert time.monotonic() < deadline, "the late grammar never replaced the failure"
+        time.sleep(0.05)
+    assert compiler.matcher(SLOW) is not None
+
+
+def test_a_request_that_leaves_while_its_grammar_compiles_cancels_it_for_no_other(llm):
+    """The server awaits a shared compile future on its event loop; a request whose task is
+    cancelled there (the client left, the server stops) must not cancel the compile."""
+    compiler = SlowCompiler.of(llm.engine, SLOW, compile_timeout=30)
+
+    async def leave() -> None:
+        waiting = asyncio.ensure_future(asyncio.wrap_future(compiler.compile_async(SLOW)))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+
+    try:
+        asyncio.run(leave())
+        assert compiler.started.wait(10)
+    finally:
+        compiler.release.set()
+    assert compiler.matcher(SLOW) is not None
+
+
+def test_a_grammar_the_core_cannot_compile_in_time_fails_only_its_request(llm, monkeypatch):
+    """The core compiles again (the frontend validated with its own compiler); past the
+    timeout there, the request, already streaming, ends with an error naming the schema,
+    and a request in the same steps runs on."""
+    engine = llm.engine
+    frontend = engine.grammar_compiler  # it compiles SLOW at once
+    core = SlowCompiler.of(engine, SLOW, compile_timeout=0.3)
+    monkeypatch.setattr(engine, "grammar_compiler", core)
+    prompt = engine.tokenizer.encode(chat(llm, "Is water wet? Answer in JSON."))
+    try:
+        slow = SamplingParams(max_tokens=20, temperature=0, structured_outputs=SLOW)
+        engine.add(validate_request("slow", prompt, slow, engine.limits, frontend))
+        engine.add(
+            validate_request("plain", prompt, SamplingParams(max_tokens=4), engine.limits, None)
+        )
+        finished, deadline = {}, time.monotonic() + 60
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+    finally:
+        core.release.set()
+    assert finished["slow"].outputs[0].finish_reason == "error"
+    assert "did not compile within 0.3 s" in finished["slow"].error
+    assert finished["plain"].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("seconds", [0, -1.5])
+def test_the_compile_timeout_is_a_positive_number_of_seconds(seconds):
+    with pytest.raises(ValueError, match="structured_outputs_compile_timeout must be a positive"):
+        EngineConfig(structured_outputs_compile_timeout=seconds)
+
+
+def test_a_structural_tag_holds_the_output_to_its_tags(llm):
+    """vLLM's current form: xgrammar's format, here one tag around a JSON schema."""
+    tag = {"type": "tag", "begin": "<answer>", "end": "</answer>"}
+    tag["content"] = {"type": "json_schema", "json_schema": ANSWER}
+    constraint = StructuredOutputs(structural_tag=structural_tag_text({"format": tag}))
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=constraint)
+    [output] = llm.generate([chat(llm, "Is water wet? Answer in JSON.")], params)
+    text = output.outputs[0].text
+    assert text.startswith("<answer>") and text.endswith("</answer>"), text
+    jsonschema.validate(json.loads(text.removeprefix("<answer>").removesuffix("</answer>")), ANSWER)
+
+
+def test_the_older_structural_tag_form_is_free_text_with_triggered_tags(llm):
+    """vLLM's older form (structures and triggers) means: any text, in which a trigger
+    opens one of the tags, whose content then matches its schema."""
+    legacy = {
+        "structures": [{"begin": "<f=add>", "schema": ANSWER, "end": "</f>"}],
+        "triggers": ["<f="],
+    }
+    constraint = StructuredOutputs(structural_tag=structural_tag_text(legacy))
+    compiled = llm.engine.grammar_compiler.compile(constraint)
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('Let me see. <f=add>{"answer": "yes", "count": 2}</f> Done.')
+    assert accepts("No call at all.")
+    assert not accepts('<f=add>{"answer": "maybe", "count": 2}</f>')

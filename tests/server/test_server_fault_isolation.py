@@ -2,16 +2,21 @@
 its engine): a request the engine cannot run fails alone, other requests in the same steps
 finish with the tokens they get when run alone, failures a client causes never mark the
 engine dead, the step thread survives errors in each of its duties and, should it crash,
-/health says why; and 200 streams dropped at random times leave no KV block behind."""
+/health says why; a grammar that compiles too long is a 400 for its request only; and 200
+streams dropped at random times leave no KV block behind."""
 
 import asyncio
+import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from inflight import StreamInFlight, run_normal
 from pagefleet_serve.engine import sampler
+from pagefleet_serve.structured.constraint import StructuredOutputs
 from server_harness import ThreadServer, assert_error, read_metrics, wait_until
+from slow_grammar import SlowCompiler
 
 POISON_SEED = 666_666  # a sampling setting the injected sampler fault trips on
 POISON_TOKEN = 4242  # a prompt token the injected model fault trips on
@@ -155,6 +160,50 @@ def test_step_thread_survives_errors_in_its_duties(server, http, alone, healthy_
     assert run_normal(server.base_url) == alone
     assert broken == {"stats": 0, "add": 0}
     assert server.engine.is_healthy
+
+
+def structured_chat(schema: dict) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "Is water wet? Answer in JSON."}],
+        "max_tokens": 6,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    }
+
+
+def test_a_grammar_that_compiles_too_long_is_a_400_and_holds_up_no_other_request(
+    server, http, healthy_after, monkeypatch
+):
+    slow_schema = {"title": "Slowpoke", "type": "object", "properties": {"a": {"type": "string"}}}
+    engine = server.engine  # its frontend compiler validates every constraint
+    compiler = SlowCompiler(
+        engine.tokenizer,
+        engine.engine.model_config.vocab_size,
+        engine.engine.grammar_stop_token_ids,
+        StructuredOutputs(json=json.dumps(slow_schema)),
+        compile_timeout=4,
+    )
+    monkeypatch.setattr(engine, "grammar_compiler", compiler)
+    other_schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            refused = pool.submit(
+                httpx.post,
+                f"{server.base_url}/v1/chat/completions",
+                json=structured_chat(slow_schema),
+                timeout=60,
+            )
+            assert compiler.started.wait(30)
+            # While it compiles: a plain request and one under another schema run through.
+            plain = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            other = http.post("/v1/chat/completions", json=structured_chat(other_schema))
+            assert not refused.done(), "the other requests waited for the slow grammar"
+            response = refused.result()
+    finally:
+        compiler.release.set()
+    assert plain.status_code == other.status_code == 200, (plain.text, other.text)
+    error = assert_error(response, 400)
+    assert error["param"] == "response_format", error
+    assert "Slowpoke" in error["message"] and "did not compile within 4 s" in error["message"]
 
 
 def test_disconnect_storm_leaves_no_kv_block_behind(server, healthy_after):

@@ -1,10 +1,11 @@
 """Structured outputs, tool calling and the tokenizer endpoints through the real `openai`
 SDK against a `pagefleet serve` subprocess with the built-in model: `.parse()` with a
 pydantic model (stream and not) for 20 prompts, json_object, regex and choice on
-/v1/completions, a 400 for a schema that cannot compile, tool calls with
-tool_choice required and named whose arguments validate, a follow-up turn with the tool's
-result, streamed tool calls assembled by the SDK, /tokenize, /detokenize and
-/v1/models' max_model_len."""
+/v1/completions, vLLM's structural_tag response format, a 400 for a schema that cannot
+compile, tool calls with tool_choice required and named whose arguments validate, a
+follow-up turn with the tool's result, streamed tool calls (the name first, then argument
+fragments as they are generated) assembled by the SDK into the non-stream calls,
+/tokenize, /detokenize and /v1/models' max_model_len."""
 
 import asyncio
 import json
@@ -16,6 +17,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pagefleet_serve.server.errors import APIError
+from pagefleet_serve.server.protocol import ChatCompletionRequest, parse
+from pagefleet_serve.structured.constraint import structural_tag_text
 from pydantic import BaseModel, Field
 from server_harness import ServerProcess
 
@@ -236,6 +240,62 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_it(client):
     assert "cannot be compiled" in error["message"] and "nope" in error["message"], error
 
 
+def test_a_structural_tag_response_format(client):
+    """vLLM's `structural_tag` response format: here the answer between tags, as JSON;
+    one that cannot compile is a 400 naming the field."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    tag = {"type": "tag", "begin": "<answer>", "end": "</answer>"}
+    tag["content"] = {"type": "json_schema", "json_schema": schema}
+    completion = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Is water wet? Answer in JSON."}],
+        max_tokens=30,
+        temperature=0,
+        extra_body={"response_format": {"type": "structural_tag", "format": tag}},
+    )
+    text = completion.choices[0].message.content
+    assert text.startswith("<answer>") and text.endswith("</answer>"), text
+    jsonschema.validate(json.loads(text.removeprefix("<answer>").removesuffix("</answer>")), schema)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=ASK,
+            max_tokens=4,
+            extra_body={"response_format": {"type": "structural_tag", "format": {"type": "nope"}}},
+        )
+    assert caught.value.body["param"] == "response_format", caught.value.body
+    assert "nope" in caught.value.body["message"], caught.value.body
+
+
+def structural_tag_of(extra: dict) -> str:
+    body = {"messages": ASK} | extra
+    return parse(ChatCompletionRequest, json.dumps(body).encode()).constraint().structural_tag
+
+
+def test_structural_tag_in_each_form_vllm_takes():
+    fmt = {"type": "tag", "begin": "<a>", "content": {"type": "json_schema", "json_schema": {}}}
+    fmt["end"] = "</a>"
+    current = {"type": "structural_tag", "format": fmt}
+    legacy = {"structures": [{"begin": "<f=x>", "schema": {"type": "object"}, "end": "</f>"}]}
+    legacy["triggers"] = ["<f="]
+    assert structural_tag_of({"response_format": current}) == structural_tag_text(current)
+    assert structural_tag_of(
+        {"structured_outputs": {"structural_tag": json.dumps(current)}}
+    ) == structural_tag_text(current)
+    assert structural_tag_of(
+        {"response_format": {"type": "structural_tag", **legacy}}
+    ) == structural_tag_text(legacy)
+    assert json.loads(structural_tag_text(legacy))["format"]["type"] == "triggered_tags"
+    for extra, field in [
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": '{"structures": [{}]}'}}, "structured_outputs"),
+    ]:
+        with pytest.raises(APIError) as caught:
+            structural_tag_of(extra)
+        assert (caught.value.status_code, caught.value.param) == (400, field)
+
+
 def assert_calls_validate(message, names: set[str]) -> None:
     assert message.tool_calls, message
     for call in message.tool_calls:
@@ -282,22 +342,43 @@ def test_tool_call_round_trip(client, tool_choice):
     assert answer.message.content and not answer.message.tool_calls
 
 
-def test_streamed_tool_calls_assemble_into_the_same_calls(client):
+@pytest.mark.parametrize(
+    ("tool_choice", "finish_reason"),
+    [("required", "tool_calls"), ({"type": "function", "function": {"name": "get_time"}}, "stop")],
+    ids=["required", "named"],
+)
+def test_streamed_tool_calls_assemble_into_the_same_calls(client, tool_choice, finish_reason):
     request = {
         "model": MODEL_NAME,
         "messages": ASK,
         "tools": [WEATHER, TIME],
-        "tool_choice": "required",
+        "tool_choice": tool_choice,
         "max_tokens": 80,
         "temperature": 0,
+        "logprobs": True,  # marks the chunks that carry newly generated tokens
     }
     whole = client.chat.completions.create(**request).choices[0].message
+    # Argument fragments per call that came with the tokens they were generated from (a
+    # stream that waited for the whole call would send them all after the last token).
+    live_fragments: dict[int, int] = {}
     with client.chat.completions.stream(**request) as stream:
+        for event in stream:
+            if event.type != "chunk" or not event.chunk.choices:
+                continue
+            choice = event.chunk.choices[0]
+            for call in choice.delta.tool_calls or []:
+                if call.id:  # a call's first delta: its name, before any argument
+                    assert call.function.name and not call.function.arguments
+                elif call.function.arguments and choice.logprobs and choice.logprobs.content:
+                    live_fragments[call.index] = live_fragments.get(call.index, 0) + 1
         streamed = stream.get_final_completion().choices[0]
-    assert streamed.finish_reason == "tool_calls"
+    assert streamed.finish_reason == finish_reason
     assert_calls_validate(streamed.message, set(SCHEMAS))
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls
+    assert len(live_fragments) == len(streamed.message.tool_calls), live_fragments
+    assert all(n > 1 for n in live_fragments.values()), live_fragments
+    # The fragments join into the very text of the whole response's arguments.
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in streamed.message.tool_calls
     ]
 
 

@@ -1,14 +1,18 @@
 """Tool-call parsers on model-shaped texts, whole and streamed: several calls, nested JSON,
 text before the call, and malformed output that comes back as plain content (never an
-error); the stream's deltas assemble into the same calls as the whole text."""
+error); the stream sends each call's name first, then its arguments in fragments as they
+are generated, and the deltas assemble into the same calls as the whole text."""
 
 import json
 
 import pytest
 from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
+from pagefleet_serve.server.tool_parsers.partial_json import normal_prefix
 from pagefleet_serve.server.tools import NamedToolCall, RequiredToolCalls, ToolCallStream, ToolPlan
 
 NESTED = {"filter": {"city": "Paris", "tags": ["a", "b"], "range": {"min": 1, "max": 2.5}}}
+# Written as no normalizer would: compact, escapes, a surrogate pair, 1.50 and 1e2.
+ODD_ARGUMENTS = '{"q":"caf\\u00e9 \\"x\\"\\n\\ud83d\\ude00","n":1.50,"e":1e2,"t":[true,null,-0]}'
 
 # (parser, text, expected content, expected [(name, arguments)])
 CASES = [
@@ -31,6 +35,18 @@ CASES = [
         '<tool_call>\n{"name": "get_time", "arguments": {}}',
         None,
         [("get_time", {})],
+    ),
+    (
+        "hermes",
+        f'<tool_call>{{"name":"search","arguments":{ODD_ARGUMENTS}}}</tool_call>',
+        None,
+        [("search", json.loads(ODD_ARGUMENTS))],
+    ),
+    (  # arguments written as JSON text
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>',
+        None,
+        [("f", {"a": [1, 2]})],
     ),
     (
         "llama3_json",
@@ -67,15 +83,20 @@ CASES = [
     ),
 ]
 
+# Malformed before any call has begun: the stream, too, ends as plain content.
 MALFORMED = [
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
     ("hermes", "<tool_call>\nnot json\n</tool_call>"),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+    ("mistral", '[TOOL_CALLS]{"name": "f", "arguments": {}}'),  # not an array
+    ("mistral", "[TOOL_CALLS][{]"),
+]
+# Malformed only after a call has begun (its name was whole): the whole text is content,
+# the stream cannot take back the call it began, and ends without an error.
+MALFORMED_LATE = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
     ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call> and then more text'),
     ("llama3_json", '{"name": "get_weather", "parameters": [1, 2]}'),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}'),
-    ("mistral", '[TOOL_CALLS]{"name": "f", "arguments": {}}'),  # not an array
-    ("mistral", "[TOOL_CALLS][{]"),
 ]
 
 PLAIN = ["The weather in Paris is sunny.", "Use <b>tags</b> or {braces} freely.", ""]
@@ -85,21 +106,37 @@ def calls_of(calls):
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
-def streamed(parser, text: str, piece: int = 3) -> tuple[str | None, list]:
-    """Feed `text` in pieces; assemble the deltas as the OpenAI SDK does."""
+def stream_deltas(parser, text: str, piece: int) -> list[dict]:
     stream = ToolCallStream(ToolPlan(parser, None, None))
     pieces = [text[i : i + piece] for i in range(0, len(text), piece)] or [""]
+    return [
+        delta
+        for i, chunk in enumerate(pieces)
+        for delta in stream.feed(chunk, finished=i == len(pieces) - 1)
+    ]
+
+
+def assemble(deltas: list[dict]) -> tuple[str | None, dict[int, dict]]:
+    """Deltas -> (content, calls by index), as the OpenAI SDK's accumulator joins them."""
     content, calls = None, {}
-    for i, chunk in enumerate(pieces):
-        for delta in stream.feed(chunk, finished=i == len(pieces) - 1):
-            if "content" in delta:
-                content = (content or "") + delta["content"]
-            for call in delta.get("tool_calls", []):
-                entry = calls.setdefault(call["index"], {"name": "", "arguments": "", "id": None})
-                entry["id"] = call.get("id", entry["id"])
-                entry["name"] += call.get("function", {}).get("name", "")
-                entry["arguments"] += call.get("function", {}).get("arguments", "")
-    assert all(e["id"] for e in calls.values())
+    for delta in deltas:
+        if "content" in delta:
+            content = (content or "") + delta["content"]
+        for call in delta.get("tool_calls", []):
+            entry = calls.setdefault(call["index"], {"arguments": "", "fragments": 0})
+            if "id" in call:  # the first delta of a call: id and whole name, no arguments
+                assert "id" not in entry and call["function"]["arguments"] == ""
+                entry |= {"id": call["id"], "name": call["function"]["name"]}
+            else:
+                assert "id" in entry, "arguments before the call's name"
+                entry["arguments"] += call["function"]["arguments"]
+                entry["fragments"] += 1
+    return content, calls
+
+
+def streamed(parser, text: str, piece: int = 3) -> tuple[str | None, list]:
+    """Feed `text` in pieces; assemble the deltas as the OpenAI SDK does."""
+    content, calls = assemble(stream_deltas(parser, text, piece))
     return content, [(e["name"], json.loads(e["arguments"])) for _, e in sorted(calls.items())]
 
 
@@ -109,9 +146,17 @@ def test_calls_are_parsed_whole_and_streamed(name, text, content, expected):
     got_content, calls = parser.parse(text)
     assert (got_content, calls_of(calls)) == (content, expected)
     assert len({c.id for c in calls}) == len(calls)
-    streamed_content, streamed_calls = streamed(parser, text)
-    assert streamed_calls == expected
-    assert (streamed_content or None) == (content or None)
+    for piece in (1, 3, len(text)):
+        streamed_content, streamed_calls = streamed(parser, text, piece)
+        assert streamed_calls == expected
+        assert (streamed_content or None) == (content or None)
+    # Token by token, each call's arguments arrive in pieces (arguments written as JSON
+    # text: once that string has ended), and join into exactly the text of the whole
+    # response (normalized alike), not only into equal JSON.
+    _, by_index = assemble(stream_deltas(parser, text, 1))
+    assert [e["arguments"] for _, e in sorted(by_index.items())] == [c.arguments for c in calls]
+    as_text = '"arguments": "' in text
+    assert all(e["fragments"] > 1 or as_text for e in by_index.values())
 
 
 @pytest.mark.parametrize(("name", "text"), MALFORMED)
@@ -119,6 +164,28 @@ def test_malformed_calls_come_back_as_plain_content(name, text):
     parser = TOOL_CALL_PARSERS[name]()
     assert parser.parse(text) == (text, [])
     assert streamed(parser, text) == (text, [])
+
+
+@pytest.mark.parametrize(("name", "text"), MALFORMED_LATE)
+def test_a_call_that_turns_malformed_after_it_began_ends_the_stream_quietly(name, text):
+    parser = TOOL_CALL_PARSERS[name]()
+    assert parser.parse(text) == (text, [])
+    content, calls = assemble(stream_deltas(parser, text, 2))
+    assert content is None and [e["name"] for e in calls.values()] in (["get_weather"], ["f"])
+
+
+def test_arguments_stream_as_a_prefix_of_their_normal_form():
+    text = f'{{"a": {ODD_ARGUMENTS}, "b": "x\\u00'
+    whole = json.dumps(json.loads(ODD_ARGUMENTS), ensure_ascii=False)
+    sent = ""
+    for end in range(len(text) + 1):
+        prefix, _ = normal_prefix(text[:end])
+        assert prefix.startswith(sent)
+        sent = prefix
+    assert sent == f'{{"a": {whole}, "b": "x'
+    assert normal_prefix(ODD_ARGUMENTS) == (whole, len(ODD_ARGUMENTS))
+    with pytest.raises(ValueError, match="no JSON value"):
+        normal_prefix('{"a": tru3}')
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))
@@ -138,6 +205,15 @@ def test_a_partial_marker_is_held_back_until_it_is_decided():
 def test_mistral_ids_are_nine_letters_and_digits():
     _, calls = TOOL_CALL_PARSERS["mistral"]().parse('[TOOL_CALLS][{"name": "f", "arguments": {}}]')
     assert len(calls[0].id) == 9 and calls[0].id.isalnum()
+
+
+def test_a_named_choice_sends_its_name_before_any_argument():
+    stream = ToolCallStream(ToolPlan(NamedToolCall("get_weather"), None, None, False, "stop"))
+    [header] = stream.feed("", finished=False)
+    assert header["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert stream.feed('{"city": "Pa', finished=False) == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]}
+    ]
 
 
 def test_grammar_shaped_outputs_of_required_and_named_choices():

@@ -140,7 +140,10 @@ class AsyncEngine:
         grammar_compiler = None
         if tokenizer is not None:
             grammar_compiler = GrammarCompiler(
-                tokenizer, link.ready.vocab_size, link.ready.grammar_stop_token_ids
+                tokenizer,
+                link.ready.vocab_size,
+                link.ready.grammar_stop_token_ids,
+                config.structured_outputs_compile_timeout,
             )
         self._setup(config, link.ready, tokenizer, grammar_compiler, link)
         link.start_reading()
@@ -174,10 +177,21 @@ class AsyncEngine:
     def make_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> Request:
-        """Validate (and tokenize text, compile a structured output's constraint); the core
-        trusts what this returns. ValueError."""
+        """Validate (and tokenize text, start compiling a structured output's constraint:
+        await `grammar_compiled` before `add`); the core trusts what this returns.
+        ValueError."""
         prompt = prompt_token_ids(prompt, self.tokenizer, self.model_name)
-        return validate_request(request_id, prompt, params, self.limits, self.grammar_compiler)
+        return validate_request(
+            request_id, prompt, params, self.limits, self.grammar_compiler, wait_for_grammar=False
+        )
+
+    async def grammar_compiled(self, request: Request) -> None:
+        """Wait, on the event loop and holding no thread, until the request's constraint
+        has compiled (at once when cached); ValueError if it cannot be, or not within the
+        compile timeout. Other requests are validated and run meanwhile."""
+        constraint = request.params.structured_outputs
+        if constraint is not None:
+            await asyncio.wrap_future(self.grammar_compiler.compile_async(constraint))
 
     def add(self, request: Request, queue: asyncio.Queue, tag: object = None) -> None:
         """Queue a request from `make_request`. Its outputs (deltas, text included) arrive
@@ -207,6 +221,7 @@ class AsyncEngine:
         """Outputs of one request, step by step (deltas); raises ValueError for bad input.
         Leaving the iterator early aborts the request."""
         request = self.make_request(request_id, prompt, params)
+        await self.grammar_compiled(request)
         queue: asyncio.Queue = asyncio.Queue()
         self.add(request, queue)
         finished = False

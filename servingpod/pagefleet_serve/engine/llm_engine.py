@@ -70,12 +70,14 @@ def validate_request(
     limits: RequestLimits,
     grammar_compiler: GrammarCompiler | None,
     arrival_time: float | None = None,
+    wait_for_grammar: bool = True,
 ) -> Request:
     """The one check of a request before it is queued (the core trusts it). Raises
     ValueError (ContextLengthError when it does not fit the context). A structured output's
     constraint is compiled here, and the caller waits: a bad one raises (a 400), and the
     compiled grammar is cached for the engine (`grammar_compiler` None: no tokenizer, so
-    no constraint can be compiled)."""
+    no constraint can be compiled). With `wait_for_grammar` false the compile is only
+    started, and the caller awaits its future before queueing the request."""
     prompt_token_ids = list(prompt_token_ids)
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
@@ -90,7 +92,9 @@ def validate_request(
     if constraint is not None:
         if grammar_compiler is None:
             raise ValueError(f"{constraint.field}: this model has no tokenizer to compile it with")
-        grammar_compiler.compile(constraint)
+        compiling = grammar_compiler.compile_async(constraint)
+        if wait_for_grammar:
+            compiling.result()
     return Request(request_id, prompt_token_ids, params, arrival_time or time.time())
 
 
@@ -238,7 +242,10 @@ class LLMEngine:
         self.grammar_compiler = None
         if self.tokenizer is not None:
             self.grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.model_config.vocab_size, self.grammar_stop_token_ids
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.grammar_stop_token_ids,
+                config.structured_outputs_compile_timeout,
             )
         # Sequences whose grammar is still compiling: they join the scheduler when it is.
         self._awaiting_grammar: dict[Sequence, Future] = {}

@@ -111,6 +111,11 @@ class _Endpoint(abc.ABC):
         request, engine_requests, tools = await self.state.off_loop(
             lambda: self._validate(body, request_id)
         )
+        try:  # the grammar compiles while the frontend thread serves other requests
+            for engine_request in engine_requests:
+                await self.state.engine.grammar_compiled(engine_request)
+        except ValueError as exc:
+            raise value_error(exc, self.request_model) from None
         generation = Generation(self.state, engine_requests)
         run = _Run(
             request_id,

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import APIError, bad_request
-from pagefleet_serve.structured.constraint import StructuredOutputs
+from pagefleet_serve.structured.constraint import StructuredOutputs, structural_tag_text
 
 _CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 # Request bodies keep unknown fields, so that unimplemented ones can be refused by name.
@@ -67,10 +67,35 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
+class TaggedStructure(BaseModel):
+    """One structure of vLLM's older structural_tag form."""
+
+    model_config = _CONFIG
+    begin: str
+    schema_: dict | None = Field(default=None, alias="schema")
+    end: str
+
+
 class ResponseFormat(BaseModel):
     model_config = _CONFIG
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    # type structural_tag, as vLLM takes it: xgrammar's `format`, or the older
+    # `structures` and `triggers`.
+    format: dict | None = None
+    structures: list[TaggedStructure] | None = None
+    triggers: list[str] | None = None
+
+    def structural_tag(self) -> str:
+        if self.format is not None:
+            return structural_tag_text({"format": self.format})
+        if self.structures is None or self.triggers is None:
+            raise bad_request(
+                "response_format: type structural_tag needs format (or structures and triggers)",
+                param="response_format",
+            )
+        structures = [s.model_dump(by_alias=True) for s in self.structures]
+        return structural_tag_text({"structures": structures, "triggers": self.triggers})
 
 
 class StructuredOutputsRequest(BaseModel):
@@ -82,6 +107,7 @@ class StructuredOutputsRequest(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None  # JSON text, either form response_format takes
 
 
 class _GenerationRequest(BaseModel):
@@ -155,6 +181,8 @@ class _GenerationRequest(BaseModel):
                     param="response_format",
                 )
             yield _constraint("response_format", json=json.dumps(fmt.json_schema.schema_))
+        elif fmt is not None and fmt.type == "structural_tag":
+            yield _constraint("response_format", structural_tag=fmt.structural_tag())
         so = self.structured_outputs
         if so is not None:
             schema = so.json_ if not isinstance(so.json_, dict) else json.dumps(so.json_)
@@ -165,6 +193,7 @@ class _GenerationRequest(BaseModel):
                 choice=so.choice,
                 grammar=so.grammar,
                 json_object=bool(so.json_object),
+                structural_tag=_structural_tag_field(so.structural_tag),
             )
         if self.guided_json is not None:
             schema = self.guided_json
@@ -223,6 +252,24 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+
+
+def _structural_tag_field(text: str | None) -> str | None:
+    """structured_outputs.structural_tag (JSON text of either form) -> xgrammar's form."""
+    if text is None:
+        return None
+    try:
+        spec = json.loads(text)
+        if not isinstance(spec, dict):
+            raise ValueError("not a JSON object")
+        return structural_tag_text(spec)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise bad_request(
+            "structured_outputs: structural_tag must be the JSON text of a structural tag "
+            '({"type": "structural_tag", "format": ...} or {"structures": [...], '
+            f'"triggers": [...]}}): {exc}',
+            param="structured_outputs",
+        ) from None
 
 
 def _constraint(field: str, **kinds) -> StructuredOutputs:

@@ -205,6 +205,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=server("enable_auto_tool_choice"),
     )
     flag(
+        "--structured-outputs-compile-timeout",
+        "seconds a response_format / structured_outputs / tools grammar may take to compile; "
+        "a request whose grammar takes longer gets a 400 naming it",
+        type=float,
+        default=engine("structured_outputs_compile_timeout"),
+    )
+    flag(
         "--tool-call-parser",
         "format of the model's tool calls, parsed into message.tool_calls",
         default=None,
@@ -236,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             seed=args.seed,
             speculative_config=args.speculative_config,
+            structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
         )
         settings = ServerSettings(
             served_model_names=tuple(args.served_model_name or [args.model]),

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pagefleet_serve.server.errors import bad_request
 from pagefleet_serve.server.settings import ServerSettings
 from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS, ToolCall, ToolParser
-from pagefleet_serve.server.tool_parsers.base import json_values, make_call
+from pagefleet_serve.server.tool_parsers.base import (
+    CallPrefix,
+    array_call_prefixes,
+    json_values,
+    make_call,
+)
+from pagefleet_serve.server.tool_parsers.partial_json import normal_prefix, skip_whitespace
 from pagefleet_serve.structured.constraint import StructuredOutputs
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -31,6 +37,9 @@ class RequiredToolCalls(ToolParser):
         [items] = json_values(section)
         return [make_call(item, "parameters") for item in items]
 
+    def call_prefixes(self, section: str) -> list[CallPrefix]:
+        return array_call_prefixes(section, skip_whitespace(section, 0), ("parameters",))
+
 
 @dataclass
 class NamedToolCall(ToolParser):
@@ -44,6 +53,9 @@ class NamedToolCall(ToolParser):
     def parse_calls(self, section: str) -> list[ToolCall]:
         [arguments] = json_values(section)
         return [make_call({"name": self.name, "arguments": arguments})]
+
+    def call_prefixes(self, section: str) -> list[CallPrefix]:
+        return [CallPrefix(self.name, normal_prefix(section)[0])]
 
 
 @dataclass(frozen=True)
@@ -120,17 +132,30 @@ def split_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]
 
 
 @dataclass
+class _SentCall:
+    id: str
+    name: str
+    arguments: str = ""  # the arguments sent so far
+
+
+@dataclass
 class ToolCallStream:
     """One streamed choice: content goes out as it comes, up to where a tool-call section
-    starts (or might start: the end of a marker is held back); at the end the section
-    becomes `tool_calls` deltas (a header with id and name, then the arguments in
-    pieces), or plain content when it does not parse."""
+    starts (or might start: the end of a marker is held back); from there each call goes
+    out as it is generated: a first delta with its id and name, once the name is whole,
+    then its arguments in fragments as they are decided (normalized as in the whole
+    response, so the fragments join into the same `arguments`). A section that turns out
+    not to be calls ends as plain content when no call had begun; a call already begun
+    cannot be taken back (text cut by max_tokens ends with what was sent, and
+    finish_reason "length")."""
 
     plan: ToolPlan
     text: str = ""
     sent: int = 0  # characters of `text` already sent as content
     start: int | None = None  # where the tool-call section begins
-    calls: list[ToolCall] = field(default_factory=list)
+    sent_calls: list[_SentCall] = field(default_factory=list)
+    broken: bool = False  # the section stopped reading as calls: no more fragments
+    calls: list[ToolCall] = field(default_factory=list)  # the whole output's calls, at the end
 
     def feed(self, text: str, finished: bool) -> list[dict]:
         """New text of this choice -> the `delta` objects to send (possibly none)."""
@@ -146,22 +171,44 @@ class ToolCallStream:
         if safe > self.sent:
             deltas.append({"content": self.text[self.sent : safe]})
             self.sent = safe
-        if finished and self.start is not None:
+        if self.start is None:
+            return deltas
+        deltas.extend(self._fragments(self._prefixes()))
+        if finished:
             _, self.calls = split_output(self.plan, self.text)
             if self.calls:
-                deltas.extend(_call_deltas(self.calls))
-            elif len(self.text) > self.sent:
+                deltas.extend(
+                    self._fragments([CallPrefix(c.name, c.arguments) for c in self.calls])
+                )
+            elif not self.sent_calls and len(self.text) > self.sent:
                 deltas.append({"content": self.text[self.sent :]})
         return deltas
 
+    def _prefixes(self) -> list[CallPrefix]:
+        if self.broken:
+            return []
+        try:
+            return self.plan.parser.call_prefixes(self.text[self.start :])
+        except (ValueError, KeyError, TypeError):
+            self.broken = True
+            return []
 
-def _call_deltas(calls: list[ToolCall]) -> list[dict]:
-    deltas = []
-    for index, call in enumerate(calls):
-        header = call.as_message() | {"index": index}
-        header["function"] = {"name": call.name, "arguments": ""}
-        deltas.append({"tool_calls": [header]})
-        half = len(call.arguments) // 2
-        for piece in (call.arguments[:half], call.arguments[half:]):
-            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
-    return deltas
+    def _fragments(self, prefixes: list[CallPrefix]) -> list[dict]:
+        """The deltas that bring the calls sent so far up to `prefixes`."""
+        deltas = []
+        for index, prefix in enumerate(prefixes[: None if self.plan.parallel else 1]):
+            if not prefix.name:
+                break
+            if index == len(self.sent_calls):
+                call = _SentCall(self.plan.parser.new_id(), prefix.name)
+                self.sent_calls.append(call)
+                header = ToolCall(call.name, "", call.id).as_message() | {"index": index}
+                deltas.append({"tool_calls": [header]})
+            call = self.sent_calls[index]
+            if call.name != prefix.name or not prefix.arguments.startswith(call.arguments):
+                break  # not the call that was begun: what was sent stands
+            if len(prefix.arguments) > len(call.arguments):
+                piece = prefix.arguments[len(call.arguments) :]
+                deltas.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+                call.arguments = prefix.arguments
+        return deltas

@@ -1,13 +1,22 @@
 """What every tool-call parser shares: finding where the model's tool-call section starts
-(also in a stream, holding back text that may be the start of a marker), and turning the
-whole output into (content, tool calls). Output that does not parse stays plain content:
-a model's malformed call is its answer, never a server error."""
+(also in a stream, holding back text that may be the start of a marker), turning the
+whole output into (content, tool calls), and reading a section still being generated into
+the calls decided so far (`call_prefixes`, for streaming). Output that does not parse
+stays plain content: a model's malformed call is its answer, never a server error."""
 
 import abc
 import json
 import secrets
 import string
 from dataclasses import dataclass
+
+from pagefleet_serve.server.tool_parsers.partial_json import (
+    Incomplete,
+    expect,
+    normal_prefix,
+    read_string,
+    skip_whitespace,
+)
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,14 @@ class ToolCall:
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
+
+
+@dataclass(frozen=True)
+class CallPrefix:
+    """A call as far as a stream has generated it."""
+
+    name: str | None  # None until the whole name has been read
+    arguments: str  # the decided start of the arguments as ToolCall.arguments will hold them
 
 
 def call_id() -> str:
@@ -59,6 +76,7 @@ class ToolParser(abc.ABC):
     `parse_calls` for the section (from its marker on)."""
 
     markers: tuple[str, ...] = ()
+    new_id = staticmethod(call_id)
 
     def find_start(self, text: str) -> int | None:
         found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
@@ -73,6 +91,12 @@ class ToolParser(abc.ABC):
     @abc.abstractmethod
     def parse_calls(self, section: str) -> list[ToolCall]:
         """The calls in `section`; ValueError (or KeyError, TypeError) if malformed."""
+
+    @abc.abstractmethod
+    def call_prefixes(self, section: str) -> list[CallPrefix]:
+        """The calls of a section that may stop anywhere, as far as they go; what a longer
+        section gives extends this (same names, longer arguments, more calls). ValueError
+        once the section cannot be calls."""
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The whole output -> (content before the calls or None, calls)."""
@@ -89,3 +113,70 @@ class ToolParser(abc.ABC):
 
 
 ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def object_call_prefix(
+    text: str, position: int, arguments_keys: tuple[str, ...]
+) -> tuple[CallPrefix, int | None]:
+    """A call written as `{"name": ..., <one of arguments_keys>: {...}}` from `position`,
+    as far as it goes, and where it ends (None: not yet). The arguments are normalized as
+    `make_call` does, so the finished prefix is the call's `arguments`."""
+    name, arguments = None, None
+    try:
+        position = skip_whitespace(text, expect(text, position, "{"))
+        while not text.startswith("}", position):
+            key, position = read_string(text, position)
+            position = skip_whitespace(text, expect(text, position, ":"))
+            if key == "name":
+                name, position = read_string(text, position)
+            elif key in arguments_keys and arguments is None:
+                arguments, position = _arguments_prefix(text, position)
+            else:
+                _, position = normal_prefix(text, position)
+            if position is None:
+                raise Incomplete
+            position = skip_whitespace(text, position)
+            if text.startswith(",", position):
+                position = skip_whitespace(text, position + 1)
+            elif position < len(text) and text[position] != "}":
+                raise ValueError(f"expected ',' or '}}' at {position}")
+        if not name:
+            raise ValueError("a tool call is an object with a non-empty string name")
+        return CallPrefix(name, "{}" if arguments is None else arguments), position + 1
+    except Incomplete:
+        return CallPrefix(name, arguments or ""), None
+
+
+def _arguments_prefix(text: str, position: int) -> tuple[str, int | None]:
+    """Arguments as an object, or as JSON text in a string (some models write them so;
+    that string is normalized once it has ended)."""
+    if text.startswith('"', position):
+        value, end = read_string(text, position)
+        return json.dumps(json.loads(value), ensure_ascii=False), end
+    if position < len(text) and text[position] != "{":
+        raise ValueError("a tool call's arguments are an object")
+    return normal_prefix(text, position)
+
+
+def array_call_prefixes(
+    text: str, position: int, arguments_keys: tuple[str, ...]
+) -> list[CallPrefix]:
+    """A JSON array of call objects from `position`, as far as it goes."""
+    prefixes: list[CallPrefix] = []
+    try:
+        position = skip_whitespace(text, expect(text, position, "["))
+        while not text.startswith("]", position):
+            prefix, end = object_call_prefix(text, position, arguments_keys)
+            prefixes.append(prefix)
+            if end is None:
+                break
+            position = skip_whitespace(text, end)
+            if text.startswith(",", position):
+                position = skip_whitespace(text, position + 1)
+            elif position < len(text) and text[position] != "]":
+                raise ValueError(f"expected ',' or ']' at {position}")
+            elif position == len(text):
+                break
+    except Incomplete:
+        pass
+    return prefixes

@@ -4,13 +4,22 @@ close before it stopped still counts."""
 
 import re
 
-from pagefleet_serve.server.tool_parsers.base import ToolCall, ToolParser, json_values, make_call
+from pagefleet_serve.server.tool_parsers.base import (
+    CallPrefix,
+    ToolCall,
+    ToolParser,
+    json_values,
+    make_call,
+    object_call_prefix,
+)
+
+TOOL_CALL = "<tool_call>"
 
 _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 class HermesToolParser(ToolParser):
-    markers = ("<tool_call>",)
+    markers = (TOOL_CALL,)
 
     def parse_calls(self, section: str) -> list[ToolCall]:
         calls = []
@@ -22,3 +31,8 @@ class HermesToolParser(ToolParser):
         if _CALL.sub("", section).strip():
             raise ValueError("text between or after the tool-call tags")
         return calls
+
+    def call_prefixes(self, section: str) -> list[CallPrefix]:
+        return [
+            object_call_prefix(body, 0, ("arguments",))[0] for body in section.split(TOOL_CALL)[1:]
+        ]
