@@ -10,8 +10,15 @@ rarely match, off vs n-gram. A draft model (`--draft-model`, default the built-i
 drafting for itself: a check of the machinery, not a speed-up, since the draft is as large
 as the target) runs on the rows of `--draft-rows`. All engines run side by side in one
 process, row by row, so each ratio compares runs under the same machine load (the load
-average is recorded with each row), taking turns batch by batch. Prints a table and writes
-JSON.
+average is recorded with each row), taking turns batch by batch in alternating order over
+`--repeats` passes. Prints a table and writes JSON.
+
+One intra-op thread by default (`--threads 0`: torch's default, one per core): on a machine
+shared with other jobs, every OpenMP parallel region waits until all of its threads are
+scheduled, and float32 products of several rows are MKL's parallel GEMM while a one-row
+product is a serial GEMV. A 5-token verification forward measured 0.8-2.0 s with 2 threads
+at load 4-6 on 2 cores (0.16 s with one), the 1-token decode forward 0.1 s either way, so
+the ratio measured the machine's load rather than the engine (0.49x instead of 2x).
 
     PYTHONPATH=servingpod:kernels python benchmarks/bench_spec_decode.py --out spec.json
 """
@@ -55,17 +62,22 @@ TASKS = [
 ]
 
 
-def run(engines: dict[str, LLM], prompts: list, params: SamplingParams, concurrency: int) -> dict:
-    """Generate `prompts` `concurrency` at a time with every engine, the engines taking
-    turns batch by batch so that a change in the machine's load falls on all of them;
-    per engine: output tokens/s and spec-decode counts."""
+def run(
+    engines: dict[str, LLM], prompts: list, params: SamplingParams, concurrency: int, repeats: int
+) -> dict:
+    """Generate `prompts` `concurrency` at a time with every engine, `repeats` times, the
+    engines taking turns batch by batch, in the opposite order on every other turn (ABBA),
+    so that a change in the machine's load falls on all of them alike (a row of one batch
+    included); per engine: output tokens/s and spec-decode counts."""
     before = {mode: llm.engine.stats().spec_decode for mode, llm in engines.items()}
     seconds = dict.fromkeys(engines, 0.0)
     outputs = {mode: [] for mode in engines}
-    for i in range(0, len(prompts), concurrency):
-        for mode, llm in engines.items():
+    batches = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+    for turn, batch in enumerate(batches * repeats):
+        order = list(engines) if turn % 2 == 0 else list(reversed(engines))
+        for mode in order:
             started = time.perf_counter()
-            outputs[mode] += llm.generate(prompts[i : i + concurrency], params)
+            outputs[mode] += engines[mode].generate(batch, params)
             seconds[mode] += time.perf_counter() - started
     return {
         mode: summary(before[mode], llm.engine.stats().spec_decode, outputs[mode], seconds[mode])
@@ -127,8 +139,13 @@ def main() -> None:
         default="grounded:1",
         help="the rows (of --rows) that also run the draft model; empty: none",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="times each row's prompts run (order alternates)"
+    )
     parser.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes per engine")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)"
+    )
     parser.add_argument("--out", default="bench_spec_decode.json")
     args = parser.parse_args()
     if args.threads:
@@ -175,7 +192,9 @@ def main() -> None:
         prompts, params = workloads[workload]
         modes = [mode for mode in engines if mode != "draft" or pair in draft_rows]
         row = {"workload": workload, "concurrency": concurrency, "loadavg_before": load()}
-        row |= run({mode: engines[mode] for mode in modes}, prompts, params, concurrency)
+        row |= run(
+            {mode: engines[mode] for mode in modes}, prompts, params, concurrency, args.repeats
+        )
         row["loadavg_after"] = load()
         off = row["off"]
         print(
@@ -203,6 +222,7 @@ def main() -> None:
                 "torch_threads": torch.get_num_threads(),
                 "speculative_configs": {"ngram": ngram, "draft": draft if draft_rows else None},
                 "max_tokens": args.max_tokens,
+                "repeats": args.repeats,
                 "results": [{k: _without_tokens(v) for k, v in r.items()} for r in results],
             },
             out,

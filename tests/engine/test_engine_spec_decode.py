@@ -18,6 +18,7 @@ from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
 from pagefleet_serve.engine.spec_decode.ngram import NgramProposer
 from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats, Speculator
+from pagefleet_serve.model.llama import LlamaForCausalLM, ModelConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 # The built-in model as its own draft: greedy drafts are the target's own greedy tokens, so
@@ -42,6 +43,23 @@ def test_ngram_proposes_what_followed_the_most_recent_longest_match():
     assert proposer.lookup([1, 2, 3], 4) == []  # no earlier occurrence
     assert proposer.lookup([1, 2, 1, 2], 0) == []
     assert NgramProposer(2, 3).lookup([4, 1, 4, 2], 3) == []  # 1-gram matches are too short
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])
+def test_logits_of_a_verification_span_are_each_rows_vocabulary_product(rows):
+    """A span's few float32 rows take the product with the vocabulary matrix as it lies
+    (faster than MKL's GEMM there): every row's logits must be what that row alone gets."""
+    config = ModelConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=16,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config, backend=None).eval()
+    hidden = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+        expected = torch.stack([hidden[i] @ model.lm_head.weight.T for i in range(rows)])
+    assert logits.shape == (rows, config.vocab_size) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_speculative_config_reads_vllm_json_and_names_bad_fields():
