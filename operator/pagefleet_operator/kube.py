@@ -96,9 +96,7 @@ class Kube:
             raise _error(response.status, text)
         return json.loads(text) if text else {}
 
-    def open_stream(
-        self, path: str, *, query: Mapping[str, str], read_timeout_s: float
-    ) -> Any:
+    def open_stream(self, path: str, *, query: Mapping[str, str], read_timeout_s: float) -> Any:
         """A GET whose body is read as it arrives (a watch): the unread urllib3 response,
         to iterate line by line and close. A connection silent for `read_timeout_s`
         fails the read; a non-2xx answer raises KubeError as `request` does."""
