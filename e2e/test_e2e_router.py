@@ -12,6 +12,7 @@ leaves it to `make e2e-local`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import urllib.request
 
@@ -42,6 +43,24 @@ def fetch(url: str) -> str:
         return response.read().decode()
 
 
+@contextlib.asynccontextmanager
+async def cluster(kmock, tmp_path):
+    """The simulated kubelet (its pods reach the emulator through a kubeconfig, as the
+    router's EndpointSlice watch needs) and the Service's forwarder."""
+    async with (
+        aiohttp.ClientSession(base_url=str(kmock.url).rstrip("/")) as api,
+        KubeletSimulation(
+            api,
+            NAMESPACE,
+            tmp_path,
+            prestop_seconds=0,
+            kubeconfig=write_kubeconfig(kmock, tmp_path),
+        ) as simulation,
+        Forwarder(simulation, MODEL) as service,
+    ):
+        yield simulation, service
+
+
 async def test_the_router_scales_to_zero_and_back(kmock, operator, tmp_path):  # noqa: F811
     """The router in front, minReplicas 0: idle, the service goes to zero; requests sent
     then are held by the router, which wakes the service; the pod that starts (found
@@ -64,17 +83,7 @@ async def test_the_router_scales_to_zero_and_back(kmock, operator, tmp_path):  #
         "intervalSeconds": 5,
         "scaleToZeroAfterSeconds": 5,
     }
-    async with (
-        aiohttp.ClientSession(base_url=api_url) as api,
-        KubeletSimulation(
-            api,
-            NAMESPACE,
-            tmp_path,
-            prestop_seconds=0,
-            kubeconfig=write_kubeconfig(kmock, tmp_path),
-        ) as simulation,
-        Forwarder(simulation, MODEL) as service,
-    ):
+    async with cluster(kmock, tmp_path) as (simulation, service):
         await operator.call("POST", ISVC_PATH, resource)
         await until(
             lambda: condition(isvc(), "Ready").get("status") == "True",
@@ -147,17 +156,7 @@ async def test_requests_sharing_a_prefix_land_on_one_pod(kmock, operator, tmp_pa
     resource["spec"]["router"] = {"enabled": True}
     resource["spec"]["replicas"] = 3
     del resource["spec"]["autoscaling"]
-    async with (
-        aiohttp.ClientSession(base_url=api_url) as api,
-        KubeletSimulation(
-            api,
-            NAMESPACE,
-            tmp_path,
-            prestop_seconds=0,
-            kubeconfig=write_kubeconfig(kmock, tmp_path),
-        ) as simulation,
-        Forwarder(simulation, MODEL) as service,
-    ):
+    async with cluster(kmock, tmp_path) as (simulation, service):
         await operator.call("POST", ISVC_PATH, resource)
         await until(
             lambda: (
