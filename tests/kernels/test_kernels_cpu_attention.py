@@ -37,6 +37,25 @@ def test_cpu_kernel_matches_torch_backend_and_naive_loop(layout, heads, block_si
     torch.testing.assert_close(actual, naive_attention(batch), atol=atol, rtol=rtol)
 
 
+# Head sizes with register-resident inner loops (64, 80, 128) and one without (40); a decode
+# batch wide enough for one work item per token (all KV heads of a key read as one run),
+# and one so narrow that each KV head is its own item.
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+@pytest.mark.parametrize("head_dim", [40, 64, 80, 128])
+@pytest.mark.parametrize("num_decode_rows", [2, 64])
+def test_cpu_kernel_head_sizes_and_work_splits(head_dim, num_decode_rows, cache):
+    context_lens = [1 + (37 * i) % 90 for i in range(num_decode_rows)]
+    batch = make_batch(
+        [1] * num_decode_rows, context_lens, 6, 2, head_dim=head_dim, cache=cache, seed=head_dim
+    )
+    actual = batch.attention(cpu_attention)
+    atol, rtol = KERNEL_TOLERANCE[torch.float32]
+    torch.testing.assert_close(actual, batch.attention(torch_attention), atol=atol, rtol=rtol)
+    if cache != "auto":
+        atol, rtol = QUANTIZATION_TOLERANCE[cache]
+    torch.testing.assert_close(actual, naive_attention(batch), atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(7, None), (None, 5.0), (20, 30.0)])
 def test_cpu_kernel_sliding_window_and_softcap(sliding_window, softcap):
     batch = make_batch([1, 12, 1], [40, 50, 3], 6, 2)
