@@ -95,6 +95,18 @@ def prepare(metadata: AttentionMetadata, block_size: int, sliding_windows) -> No
     )
 
 
+def _decode(query, caches, split: _Split, scale, sliding_window, softcap) -> torch.Tensor:
+    """The C++ kernel over the batch's decode rows (`query` holds just those, in order)."""
+    return _extension().paged_attention(
+        query.float().contiguous(),
+        *caches,
+        *split.decode,
+        scale,
+        sliding_window or 0,
+        softcap or 0.0,
+    )
+
+
 def paged_attention(
     query: torch.Tensor,  # (T, Hq, D)
     key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
@@ -120,19 +132,12 @@ def paged_attention(
     split = None if plan_cache is None else plan_cache.get("cpu")
     if split is None:
         split = _split(block_tables, seq_lens, query_start_loc, query_lens)
+    caches = (key_cache, value_cache, key_scale, value_scale)
+    if split.prefill is None:  # a decode-only step (the common one): no gather, no scatter
+        return _decode(query, caches, split, scale, sliding_window, softcap).to(query.dtype)
     out = torch.empty_like(query)
     if len(split.decode_tokens):
-        decoded = _extension().paged_attention(
-            query[split.decode_tokens].float().contiguous(),
-            key_cache,
-            value_cache,
-            key_scale,
-            value_scale,
-            *split.decode,
-            scale,
-            sliding_window or 0,
-            softcap or 0.0,
-        )
+        decoded = _decode(query[split.decode_tokens], caches, split, scale, sliding_window, softcap)
         out[split.decode_tokens] = decoded.to(query.dtype)
     if split.prefill is not None:
         tables, lens, starts, prefill_lens = split.prefill
