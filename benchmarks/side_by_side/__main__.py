@@ -53,13 +53,14 @@ from .workloads import (
 
 DEFAULT_SERVERS = [
     "pagefleet",
+    "pagefleet-q4",
     "vllm",
     "llama-server",
     "llama-cpp-python",
     "transformers-cb",
     "transformers",
 ]
-QUICK_SERVERS = ["pagefleet", "vllm", "llama-server"]
+QUICK_SERVERS = ["pagefleet", "pagefleet-q4", "vllm", "llama-server"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="workload 1 only, 8/16/64 prompts at c=1/8/64, each level to the end, on "
-        "PageFleet, vLLM and llama-server (~15-20 minutes here once the peers are installed)",
+        "PageFleet (bfloat16 and --quantization auto), vLLM and llama-server (~20 minutes here "
+        "once the peers are installed)",
     )
     parser.add_argument(
         "--no-vllm-client",

@@ -424,6 +424,13 @@ def server_specs(args: argparse.Namespace, gguf: Path, special_ids: list[int]) -
             vllm_client=True,
         ),
         ServerSpec(
+            "pagefleet-q4",
+            "PageFleet `pagefleet serve --quantization auto` (the GGUF's Q4_1 weights kept as int4)",
+            pagefleet("--quantization", "auto"),
+            "smollm2-135m",
+            ready_path="/ready",
+        ),
+        ServerSpec(
             "transformers",
             "`transformers serve`",
             transformers(),
