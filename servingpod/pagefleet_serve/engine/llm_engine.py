@@ -321,7 +321,9 @@ class LLMEngine:
         def generator(index: int) -> torch.Generator | None:
             if params.seed is None:
                 return None
-            return torch.Generator().manual_seed((params.seed + index) % 2**63)
+            # On the device the sampler draws on (see engine/sampler.py).
+            generator = torch.Generator(device=self.device)
+            return generator.manual_seed((params.seed + index) % 2**63)
 
         seq = Sequence(
             request_id=request.request_id,

@@ -185,7 +185,9 @@ class ModelRunner:
             for item in sampling
             if item.spec_token_ids and item.seq.generator is not None and not item.seq.params.greedy
         }
-        tokens = sample(logits[row_logits].cpu(), rows)
+        if row_logits != list(range(len(scored))):  # n > 1: a row per sample
+            logits = logits[torch.tensor(row_logits, device=self.device)]
+        tokens = sample(logits, rows)
         result, k = {}, 0
         for item in sampling:
             seq, drafts = item.seq, item.spec_token_ids

@@ -43,4 +43,4 @@ def rewind(generator: torch.Generator, state: torch.Tensor, num_draws: int, voca
     the positions after a rejection drew noise that no emitted token used."""
     generator.set_state(state)
     for _ in range(num_draws):
-        torch.empty(vocab).exponential_(generator=generator)
+        torch.empty(vocab, device=generator.device).exponential_(generator=generator)
