@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from pagefleet_serve import LLM
 from pagefleet_serve.engine.sampler import SampleRow, _apply_penalties, sample
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -238,3 +239,17 @@ def test_batched_sampling_equals_sampling_each_row_alone(case, device):
     # The comparison tells rows apart: the same rows over each other's logits differ.
     shifted = one_at_a_time(logits.roll(1, dims=0), batch_rows(BATCH_CASES[case], device)[1])
     assert [t.token_id for t in shifted] != [t.token_id for t in batched]
+
+
+def test_the_engine_hands_the_repetition_penalty_the_prompt_and_the_output():
+    llm = LLM("builtin://tiny-random", dtype="float32")
+    prompt = list(range(100, 140))
+
+    def greedy(repetition_penalty):
+        params = SamplingParams(max_tokens=16, temperature=0, repetition_penalty=repetition_penalty)
+        return llm.generate([prompt], params)[0].outputs[0].token_ids
+
+    plain = greedy(1.0)  # this random model repeats itself and echoes the prompt
+    assert len(set(plain)) < len(plain) and set(plain) & set(prompt)
+    penalized = greedy(100.0)
+    assert len(set(penalized)) == len(penalized) and not set(penalized) & set(prompt)

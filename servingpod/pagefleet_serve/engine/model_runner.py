@@ -211,11 +211,9 @@ class ModelRunner:
                 scored.extend(range(end - len(drafts) - 1, end))
                 rows.extend(draft_rows(seq, drafts))
                 continue
-            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            output, prompt = seq.penalty_token_ids()
             for generator in [seq.generator, *seq.sibling_generators]:
-                rows.append(
-                    SampleRow(seq.params, generator, seq.output_token_ids, prompt, seq.grammar)
-                )
+                rows.append(SampleRow(seq.params, generator, output, prompt, seq.grammar))
                 row_logits.append(len(scored))
             scored.append(end - 1)
         if not sampling:

@@ -21,8 +21,7 @@ from pagefleet_serve.engine.sequence import Sequence
 def draft_rows(seq: Sequence, draft_token_ids: list[int]) -> list[SampleRow]:
     """One sample row per scored position: before each draft token, then the bonus; the
     penalties of position j see the drafts before it as output."""
-    prompt = seq.token_ids[: seq.num_prompt_tokens]
-    output = seq.output_token_ids
+    output, prompt = seq.penalty_token_ids()
     return [
         SampleRow(seq.params, seq.generator, output + draft_token_ids[:j], prompt)
         for j in range(len(draft_token_ids) + 1)
