@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from pagefleet_serve.engine.llm_engine import kv_cache_budget
+from pagefleet_serve.engine.llm_engine import CudaMemory, kv_cache_budget
 from pagefleet_serve.engine.model_runner import ModelRunner
 from pagefleet_serve.model.loader import load_model
 
@@ -76,3 +76,17 @@ def test_the_warm_up_runs_the_largest_prefill_and_decode_and_frees_its_cache():
     scratch = runner.warm_up(max_num_batched_tokens=100, max_model_len=48, max_num_seqs=8)
     assert scratch == 9 * runner.bytes_per_block
     assert runner.kv_cache is None and runner.kv_caches == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_warm_up_peak_is_measured_and_reserved():
+    device = torch.device("cuda")
+    loaded = load_model("builtin://smollm2-135m", torch.bfloat16)
+    runner = ModelRunner(loaded, device, torch.bfloat16, 16, "auto", "auto")
+    memory = CudaMemory(device)
+    without = kv_cache_budget(memory, 0.9, lambda: 0)
+    with_warm_up = kv_cache_budget(memory, 0.9, lambda: runner.warm_up(2048, 2048, 64))
+    # The prefill's gate/up output alone, 2048 x 3072 in bfloat16, is 12 MiB.
+    assert without - with_warm_up >= 12 << 20
+    assert runner.kv_cache is None
