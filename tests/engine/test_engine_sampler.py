@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from pagefleet_serve import LLM
 from pagefleet_serve.engine.sampler import SampleRow, _apply_penalties, sample
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -178,3 +179,77 @@ def test_logprobs_are_exact_and_ranked():
     assert zero.logprob == pytest.approx(math.log(5 / 8), abs=1e-6) and zero.top_logprobs == []
     off = sample(logits, [row(SamplingParams(temperature=0.0))])[0]
     assert off.logprob is None and off.top_logprobs is None
+
+
+# -- the batched path against the same rows sampled one at a time -----------------------------
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+BATCH_VOCAB = 257
+BATCH_CASES = {
+    "greedy": [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2)],
+    "temperature": [SamplingParams(temperature=0.7), SamplingParams(temperature=1.6)],
+    "top_k": [SamplingParams(top_k=5), SamplingParams(top_k=40, temperature=0.8)],
+    "top_p": [SamplingParams(top_p=0.8), SamplingParams(top_p=0.5, temperature=1.3)],
+    "min_p": [SamplingParams(min_p=0.2), SamplingParams(min_p=0.05, temperature=1.2)],
+    "penalties": [
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(presence_penalty=0.8, frequency_penalty=0.4, temperature=0.0),
+        SamplingParams(repetition_penalty=0.7, frequency_penalty=-0.3, top_k=30),
+    ],
+    "mixed": [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=20, top_p=0.9, min_p=0.05, temperature=0.9, logprobs=3),
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logprobs=0),
+        SamplingParams(temperature=1.1),
+    ],
+}
+
+
+def batch_rows(params_list, device, repeats=4):
+    """`repeats` rows of each setting, each with its own seed, output and prompt."""
+    rng = torch.Generator().manual_seed(7)
+    rows = []
+    for r in range(repeats):
+        for j, params in enumerate(params_list):
+            seed = 1000 * r + j
+            generator = None if params.greedy else torch.Generator(device).manual_seed(seed)
+            output = torch.randint(BATCH_VOCAB, (3 + r,), generator=rng).tolist()
+            prompt = torch.randint(BATCH_VOCAB, (5 + j,), generator=rng).tolist()
+            rows.append(SampleRow(params, generator, output, prompt))
+    logits = torch.randn(len(rows), BATCH_VOCAB, generator=rng) * 3
+    return logits.to(device), rows
+
+
+def one_at_a_time(logits, rows):
+    return [sample(logits[i : i + 1], [r])[0] for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(BATCH_CASES))
+def test_batched_sampling_equals_sampling_each_row_alone(case, device):
+    logits, rows = batch_rows(BATCH_CASES[case], device)
+    _, alone_rows = batch_rows(BATCH_CASES[case], device)  # the same seeds, fresh generators
+    for _ in range(2):  # a second step: the generators advanced alike
+        batched = sample(logits, rows)
+        alone = one_at_a_time(logits, alone_rows)
+        assert [t.token_id for t in batched] == [t.token_id for t in alone]
+        assert [(t.logprob, t.top_logprobs) for t in batched] == [
+            (pytest.approx(t.logprob, abs=1e-5) if t.logprob is not None else None, t.top_logprobs)
+            for t in alone
+        ]
+    # The comparison tells rows apart: the same rows over each other's logits differ.
+    shifted = one_at_a_time(logits.roll(1, dims=0), batch_rows(BATCH_CASES[case], device)[1])
+    assert [t.token_id for t in shifted] != [t.token_id for t in batched]
+
+
+def test_the_engine_hands_the_repetition_penalty_the_prompt_and_the_output():
+    llm = LLM("builtin://tiny-random", dtype="float32")
+    prompt = list(range(100, 140))
+
+    def greedy(repetition_penalty):
+        params = SamplingParams(max_tokens=16, temperature=0, repetition_penalty=repetition_penalty)
+        return llm.generate([prompt], params)[0].outputs[0].token_ids
+
+    plain = greedy(1.0)  # this random model repeats itself and echoes the prompt
+    assert len(set(plain)) < len(plain) and set(plain) & set(prompt)
+    penalized = greedy(100.0)
+    assert len(set(penalized)) == len(penalized) and not set(penalized) & set(prompt)

@@ -8,9 +8,11 @@ engine's own failure (`EngineFault`), which the caller counts.
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -176,10 +178,53 @@ def weight_quantization(config: EngineConfig, device: torch.device) -> str:
     return "none"
 
 
+class DeviceMemory(Protocol):
+    """What the KV budget reads of a device's memory (a fake one in tests)."""
+
+    def reset_peak(self) -> None: ...
+    def mem_get_info(self) -> tuple[int, int]: ...  # free, total bytes of the device
+    def allocated(self) -> int: ...  # bytes torch holds now
+    def peak_allocated(self) -> int: ...  # the most it held since reset_peak
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    device: torch.device
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        torch.cuda.empty_cache()  # what the warm-up freed is free for the KV cache
+        return torch.cuda.mem_get_info(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def kv_cache_budget(memory: DeviceMemory, utilization: float, warm_up: Callable[[], int]) -> int:
+    """Bytes for the KV cache: `utilization` of the device, less what is in use after
+    `warm_up` (the weights, the CUDA context, compiled kernels) and less its activation
+    peak, held in reserve for the largest steps. `warm_up` runs them over a scratch KV
+    cache, alive throughout the peak, and returns its bytes (as nano-vllm does)."""
+    memory.reset_peak()
+    scratch = warm_up()
+    free, total = memory.mem_get_info()
+    reserve = max(memory.peak_allocated() - memory.allocated() - scratch, 0)
+    logger.info("warm-up: %.1f MiB of activations held in reserve", reserve / 2**20)
+    return max(int(total * utilization) - (total - free) - reserve, 0)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches on the current device, whatever the tensors' device.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.monotonic()
         loaded = load_model(config.model, self.dtype, weight_quantization(config, self.device))
@@ -210,9 +255,9 @@ class LLMEngine:
         logger.info("device %s, dtype %s", self.device, str(self.dtype).removeprefix("torch."))
 
         # With a draft model a block holds both models' K/V: the budget buys both at once.
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         num_blocks = self._kv_budget() // self.runner.bytes_per_block
         pool_tokens = num_blocks * config.block_size
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > pool_tokens:
             raise ValueError(
                 f"max_model_len ({self.max_model_len} tokens) does not fit in the KV cache pool "
@@ -268,13 +313,23 @@ class LLMEngine:
         )
 
     def _kv_budget(self) -> int:
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes
+        """On CUDA the warm-up runs first (its kernels compile before the engine is ready),
+        and its activation peak is kept out of the budget. The CPU budget is a fixed size,
+        not a share of measured free memory, so there is no peak to subtract, and the
+        CPU kernels need no compiling: it skips the warm-up, which would only cost
+        start-up time."""
+        config = self.config
+        budget = _CPU_DEFAULT_KV_BYTES
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            return max(int(total * self.config.gpu_memory_utilization) - used, 0)
-        return _CPU_DEFAULT_KV_BYTES
+            memory = CudaMemory(self.device)
+            budget = kv_cache_budget(memory, config.gpu_memory_utilization, self._warm_up)
+        return budget if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes
+
+    def _warm_up(self) -> int:
+        config = self.config
+        return self.runner.warm_up(
+            config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs
+        )
 
     # -- requests ----------------------------------------------------------------------
     def make_request(
@@ -321,7 +376,9 @@ class LLMEngine:
         def generator(index: int) -> torch.Generator | None:
             if params.seed is None:
                 return None
-            return torch.Generator().manual_seed((params.seed + index) % 2**63)
+            # On the device the sampler draws on (see engine/sampler.py).
+            generator = torch.Generator(device=self.device)
+            return generator.manual_seed((params.seed + index) % 2**63)
 
         seq = Sequence(
             request_id=request.request_id,

@@ -19,6 +19,11 @@ from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, rewind
 from pagefleet_serve.model.llama import AttentionMetadata, LlamaForCausalLM
 from pagefleet_serve.model.loader import LoadedModel
+from pagefleet_serve.sampling_params import SamplingParams
+
+# The warm-up's decode batch samples with a filter on, so that the sampler's sort is in its
+# peak (temperature 1, no filter, would skip it).
+_WARM_UP_PARAMS = SamplingParams(top_p=0.9)
 
 
 class ModelRunner:
@@ -85,6 +90,42 @@ class ModelRunner:
             ]
         else:
             self.kv_caches = [LayerKVCache(layer[0], layer[1]) for layer in self.kv_cache]
+
+    def free_kv_cache(self) -> None:
+        if self.draft is not None:
+            self.draft.free_kv_cache()
+        self.kv_cache, self.kv_scales, self.kv_caches = None, None, []
+
+    @torch.inference_mode()
+    def warm_up(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
+        """Run the largest steps the scheduler can make, over a scratch KV cache: a prefill
+        of `max_num_batched_tokens` tokens (in sequences of at most `max_model_len`) and a
+        decode step of `max_num_seqs` sequences, its logits sampled. Their activation peak
+        can then be measured, and their kernels are compiled before the engine is ready.
+        Returns the bytes of the scratch cache (alive throughout the peak), which is freed."""
+        num_seqs = min(max_num_seqs, -(-max_num_batched_tokens // max_model_len))
+        lengths = [max_num_batched_tokens // num_seqs] * num_seqs
+        lengths[-1] += max_num_batched_tokens - sum(lengths)
+        block_counts = [-(-n // self.block_size) for n in lengths]
+        self.allocate_kv_cache(sum(block_counts))
+        firsts = itertools.accumulate([0, *block_counts[:-1]])
+        tables = [list(range(f, f + n)) for f, n in zip(firsts, block_counts, strict=True)]
+        self._warm_up_step([0] * sum(lengths), [0] * num_seqs, lengths, tables)
+        # Every decode row writes its one token to the first slot: the values are not read.
+        decode = [0] * max_num_seqs
+        self._warm_up_step(decode, decode, [1] * max_num_seqs, [[0]] * max_num_seqs)
+        scratch = sum(block_counts) * self.bytes_per_block
+        self.free_kv_cache()
+        return scratch
+
+    def _warm_up_step(self, input_ids, starts, query_lens, tables) -> None:
+        batch = (input_ids, starts, query_lens, tables)
+        hidden = self.forward(*batch)
+        if self.draft is not None:
+            self.draft.forward(*batch)
+        ends = torch.tensor(list(itertools.accumulate(query_lens)), device=self.device) - 1
+        logits = self.model.compute_logits(hidden[ends])
+        sample(logits, [SampleRow(_WARM_UP_PARAMS, None, [], [])] * len(query_lens))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's K/V (and scales) into dst."""
@@ -170,11 +211,9 @@ class ModelRunner:
                 scored.extend(range(end - len(drafts) - 1, end))
                 rows.extend(draft_rows(seq, drafts))
                 continue
-            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            output, prompt = seq.penalty_token_ids()
             for generator in [seq.generator, *seq.sibling_generators]:
-                rows.append(
-                    SampleRow(seq.params, generator, seq.output_token_ids, prompt, seq.grammar)
-                )
+                rows.append(SampleRow(seq.params, generator, output, prompt, seq.grammar))
                 row_logits.append(len(scored))
             scored.append(end - 1)
         if not sampling:
@@ -185,7 +224,9 @@ class ModelRunner:
             for item in sampling
             if item.spec_token_ids and item.seq.generator is not None and not item.seq.params.greedy
         }
-        tokens = sample(logits[row_logits].cpu(), rows)
+        if row_logits != list(range(len(scored))):  # n > 1: a row per sample
+            logits = logits[torch.tensor(row_logits, device=self.device)]
+        tokens = sample(logits, rows)
         result, k = {}, 0
         for item in sampling:
             seq, drafts = item.seq, item.spec_token_ids

@@ -1,9 +1,11 @@
-"""Logits -> next tokens, for a whole step at once.
+"""Logits -> next tokens, for a whole step at once, on the device the logits are on.
 
 Each row is one sample to draw. Penalties, temperature, top-k, top-p and min-p are applied
 as batched tensor ops; the draw is an exponential race (argmax of p / E with E ~ Exp(1)),
-which lets a seeded row draw its noise from its own generator, so a seed gives the same
-tokens whatever else shares the batch.
+which lets a seeded row draw its noise from its own generator (on the logits' device), so a
+seed gives the same tokens whatever else shares the batch. A batch of greedy rows only takes
+an argmax. The rows' settings go to the device in one copy, and only the token ids (with
+the logprobs asked for) come back, in one copy.
 
 Whatever goes wrong here depends on the rows' settings, that is on what clients sent, so it
 is raised as `SamplingError` (with every generator rewound): the engine then retries the
@@ -21,7 +23,7 @@ from pagefleet_serve.structured.grammar import GrammarMatcher, mask_logits
 @dataclass
 class SampleRow:
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # on the logits' device
     output_token_ids: list[int]  # for the penalties
     prompt_token_ids: list[int]  # repetition penalty covers the prompt too
     grammar: GrammarMatcher | None = None  # the sequence's structured-output constraint
@@ -39,8 +41,8 @@ class SampledToken:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-    """logits: (R, V) float32, one row per entry of `rows`. Raises SamplingError, after
-    rewinding every generator, so that a retry draws the same noise."""
+    """logits: (R, V) float32 on any device, one row per entry of `rows`. Raises
+    SamplingError, after rewinding every generator, so that a retry draws the same noise."""
     states = [r.generator.get_state() if r.generator is not None else None for r in rows]
     try:
         return _sample(logits, rows)
@@ -52,9 +54,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
 
 
 def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-    num_rows, vocab = logits.shape
-    want_logprobs = [r.params.logprobs is not None for r in rows]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    # Row-wise ops, and xgrammar's in-place mask, need rows that lie contiguous (a few CPU
+    # rows of compute_logits come transposed).
+    logits = logits.contiguous()
+    logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_logprobs = None
+    if logprob_rows:  # the model's distribution: before masks, penalties and filters
+        raw_logprobs = torch.log_softmax(logits[_on(logits, logprob_rows)], dim=-1)
 
     # Only constrained rows are masked; a batch without any pays for this one scan.
     matchers = {
@@ -69,84 +75,144 @@ def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     if any(r.params.needs_penalties for r in rows):
         logits = _apply_penalties(logits.clone(), rows)
 
-    greedy = torch.tensor([r.params.greedy for r in rows])
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    greedy = [r.params.greedy for r in rows]
     token_ids = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-        scaled = _apply_top_k_top_p_min_p(scaled, rows)
-        probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None and not greedy[i]:
-                noise[i].exponential_(generator=r.generator)
-        drawn = (probs / noise).argmax(dim=-1)
-        token_ids = torch.where(greedy, token_ids, drawn)
+    if not all(greedy):
+        token_ids = torch.where(_on(logits, greedy), token_ids, _draw(logits, rows, greedy))
+    return _to_host(token_ids, raw_logprobs, logprob_rows, rows)
 
-    ids = token_ids.tolist()
-    results = []
-    for i, token in enumerate(ids):
-        if not want_logprobs[i]:
-            results.append(SampledToken(token))
-            continue
-        row_logprobs = raw_logprobs[i]
-        k = rows[i].params.logprobs
-        top = []
-        if k:
-            values, indices = row_logprobs.topk(k)
-            top = list(zip(indices.tolist(), values.tolist(), strict=True))
-        results.append(SampledToken(token, float(row_logprobs[token]), top))
+
+def _on(like: torch.Tensor, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A per-row list as a tensor on `like`'s device (one host-to-device copy)."""
+    return torch.tensor(values, dtype=dtype, device=like.device)
+
+
+def _draw(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
+    """Each row's draw from its temperature-scaled, filtered distribution (greedy rows draw
+    nothing: their noise is never read)."""
+    vocab = logits.shape[1]
+    # One copy for every row's settings: temperature, top_k, top_p, min_p.
+    settings = _on(
+        logits,
+        [
+            [
+                1.0 if g else r.params.temperature,
+                min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab,
+                r.params.top_p,
+                r.params.min_p,
+            ]
+            for r, g in zip(rows, greedy, strict=True)
+        ],
+        logits.dtype,
+    )
+    scaled = logits / settings[:, :1]
+    if any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 or r.params.min_p for r in rows):
+        scaled = _apply_top_k_top_p_min_p(scaled, settings[:, 1], settings[:, 2], settings[:, 3])
+    probs = torch.softmax(scaled, dim=-1)
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
+    if len(unseeded) == len(rows):
+        noise.exponential_()
+    elif unseeded:
+        noise[_on(logits, unseeded)] = torch.empty_like(probs[: len(unseeded)]).exponential_()
+    for i, r in enumerate(rows):
+        if r.generator is not None and not greedy[i]:
+            noise[i].exponential_(generator=r.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _to_host(
+    token_ids: torch.Tensor,
+    raw_logprobs: torch.Tensor | None,
+    logprob_rows: list[int],
+    rows: list[SampleRow],
+) -> list[SampledToken]:
+    """The sampled tokens, and the logprobs asked for, in one device-to-host copy."""
+    if not logprob_rows:
+        return [SampledToken(t) for t in token_ids.tolist()]
+    num_rows, num_logprob_rows = len(rows), len(logprob_rows)
+    k = max(rows[i].params.logprobs for i in logprob_rows)
+    chosen = raw_logprobs.gather(1, token_ids[_on(token_ids, logprob_rows)][:, None])
+    values, indices = raw_logprobs.topk(k, dim=-1)
+    # float64 holds every token id and float32 logprob exactly: one copy brings all back.
+    packed = torch.cat(
+        [t.flatten().double() for t in (token_ids, chosen, values, indices)]
+    ).tolist()
+    ids = [int(t) for t in packed[:num_rows]]
+    chosen_values = packed[num_rows : num_rows + num_logprob_rows]
+    top_start = num_rows + num_logprob_rows
+    top_values = packed[top_start : top_start + num_logprob_rows * k]
+    top_ids = packed[top_start + num_logprob_rows * k :]
+    results = [SampledToken(t) for t in ids]
+    for j, i in enumerate(logprob_rows):
+        want = rows[i].params.logprobs
+        row = slice(j * k, j * k + want)
+        top = [(int(t), v) for t, v in zip(top_ids[row], top_values[row], strict=True)]
+        results[i] = SampledToken(ids[i], chosen_values[j], top)
     return results
 
 
+def _token_counts(
+    token_lists: list[list[int]], vocab: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """(R, V) how many times each row's list holds each token: one scatter over the lists
+    padded with an extra column's id, which is then dropped."""
+    width = max(map(len, token_lists))
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=dtype, device=device)
+    if width:
+        padded = [ids + [vocab] * (width - len(ids)) for ids in token_lists]
+        ids = torch.tensor(padded, dtype=torch.int64, device=device)
+        counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=dtype, device=device))
+    return counts[:, :vocab]
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    num_rows, vocab = logits.shape
-    output_counts = torch.zeros(num_rows, vocab, dtype=logits.dtype)
-    in_prompt = torch.zeros(num_rows, vocab, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        if not r.params.needs_penalties:
-            continue
-        if r.output_token_ids:
-            ids = torch.tensor(r.output_token_ids)
-            output_counts[i].index_add_(0, ids, torch.ones(len(ids), dtype=logits.dtype))
-        if r.params.repetition_penalty != 1.0 and r.prompt_token_ids:
-            in_prompt[i, torch.tensor(r.prompt_token_ids)] = True
-    repetition = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype)
-    presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype)
-    frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype)
+    vocab, dtype, device = logits.shape[1], logits.dtype, logits.device
+    penalized = [r.params.needs_penalties for r in rows]
+    outputs = [r.output_token_ids if p else [] for r, p in zip(rows, penalized, strict=True)]
+    prompts = [
+        r.prompt_token_ids if p and r.params.repetition_penalty != 1.0 else []
+        for r, p in zip(rows, penalized, strict=True)
+    ]
+    output_counts = _token_counts(outputs, vocab, dtype, device)
+    in_prompt = _token_counts(prompts, vocab, dtype, device) > 0
+    penalties = _on(
+        logits,
+        [
+            [r.params.repetition_penalty, r.params.presence_penalty, r.params.frequency_penalty]
+            for r in rows
+        ],
+        dtype,
+    )
+    repetition, presence, frequency = (penalties[:, j : j + 1] for j in range(3))
     # Repetition (CTRL-style, as in Hugging Face and vLLM): seen tokens' logits are divided
     # by the penalty when positive and multiplied when negative.
     seen = in_prompt | (output_counts > 0)
-    penalty = repetition[:, None].expand_as(logits)
+    penalty = repetition.expand_as(logits)
     logits = torch.where(seen & (logits > 0), logits / penalty, logits)
     logits = torch.where(seen & (logits <= 0), logits * penalty, logits)
     # OpenAI's presence and frequency penalties count output tokens only.
-    logits -= frequency[:, None] * output_counts
-    logits -= presence[:, None] * (output_counts > 0).to(logits.dtype)
+    logits -= frequency * output_counts
+    logits -= presence * (output_counts > 0).to(dtype)
     # A tiny or huge repetition penalty can push a logit to +-inf (then softmax gives NaN).
-    finite = torch.finfo(logits.dtype)
+    finite = torch.finfo(dtype)
     return logits.clamp_(finite.min, finite.max)
 
 
-def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Per-row (R,) top_k (the vocabulary size when off; above it keeps every token, as
+    vLLM does), top_p and min_p, all on the logits' device."""
     vocab = logits.shape[1]
-    # top_k above the vocabulary keeps every token (as vLLM does), and never reaches a tensor.
-    top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    min_p = [r.params.min_p for r in rows]
-    if all(k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
-        return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab)[None, :]
-    remove = ranks >= torch.tensor(top_k)[:, None]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = ranks >= top_k[:, None]
     probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (always at least one token).
     mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= torch.tensor(top_p, dtype=probs.dtype)[:, None]
-    remove |= probs < (torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs[:, :1])
+    remove |= mass_before >= top_p[:, None]
+    remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -76,6 +76,16 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    def penalty_token_ids(self) -> tuple[list[int], list[int]]:
+        """(output, prompt) token ids as the sampler's penalties read them, copied only when
+        the request sets a penalty (the prompt only for the repetition penalty): not a
+        copy of every prompt per sampled row and step."""
+        params = self.params
+        if not params.needs_penalties:
+            return [], []
+        repetition = params.repetition_penalty != 1.0
+        return self.output_token_ids, self.token_ids[: self.num_prompt_tokens] if repetition else []
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

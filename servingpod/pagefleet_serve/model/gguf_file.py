@@ -9,6 +9,7 @@ their data as it is.
 """
 
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,12 +58,22 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._data = np.memmap(self.path, mode="r")
+        with open(self.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = np.frombuffer(self._map, np.uint8)
         self._offset = 0
         try:
             self._read()
         except (struct.error, ValueError) as exc:
             raise ValueError(f"{self.path.name}: not a readable GGUF file: {exc}") from None
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the tensor's pages from this process's resident memory once its data has
+        been copied out (a later read faults them in again from the page cache): without
+        it, a load holds the whole file on top of the weights made from it."""
+        start = tensor.data.ctypes.data - self._data.ctypes.data
+        first = start - start % mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, first, start + tensor.data.nbytes - first)
 
     def _read(self) -> None:
         magic, version = self._unpack("<4sI")

@@ -389,22 +389,23 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
         """Load Hugging Face LlamaForCausalLM names (`model.` prefix optional), fusing
-        q/k/v (weights and biases) and gate/up. A matrix given as a QuantizedWeight turns
+        q/k/v (weights and biases) and gate/up where they come apart (the loader fuses them
+        as it streams, Phi-3 checkpoints come fused). A matrix given as a QuantizedWeight turns
         its layer into a QuantizedLinear (the embedding table is expanded: a lookup reads
         a few rows, not the whole table)."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
         weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
         for i in range(self.config.num_layers):
             p = f"layers.{i}."
-            if p + "self_attn.qkv_proj.weight" in weights:  # Phi-3 checkpoints come fused
-                continue
             for kind in ("weight", "bias") if self.config.qkv_bias else ("weight",):
-                weights[p + f"self_attn.qkv_proj.{kind}"] = _cat_rows(
-                    [weights.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
+                if p + f"self_attn.q_proj.{kind}" in weights:
+                    weights[p + f"self_attn.qkv_proj.{kind}"] = _cat_rows(
+                        [weights.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
+                    )
+            if p + "mlp.gate_proj.weight" in weights:
+                weights[p + "mlp.gate_up_proj.weight"] = _cat_rows(
+                    [weights.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
                 )
-            weights[p + "mlp.gate_up_proj.weight"] = _cat_rows(
-                [weights.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-            )
         if self.config.tie_word_embeddings:
             weights.setdefault("lm_head.weight", weights["embed_tokens.weight"])
             if not isinstance(weights["lm_head.weight"], QuantizedWeight):

@@ -8,6 +8,7 @@ in HF_MODEL_TYPES (config.json + *.safetensors, sharded or not), `builtin://smol
 `builtin://tiny-random` (small random weights, no tokenizer: for fast tests).
 """
 
+import collections
 import hashlib
 import json
 import logging
@@ -185,10 +186,44 @@ _GGUF_LONGROPE = {
 # GGUF does not say which, llama.cpp tells them by their layer count.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GGUF_SUPPORTED = ", ".join(sorted(GGUF_ARCHITECTURES))
+# Rows of a GGUF tensor dequantized at a time (a few MiB of float32 for a wide matrix).
+_DEQUANTIZE_ROWS = 2048
 
 
-def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp stores q/k rows interleaved for its rope; undo it to Hugging Face's order."""
+def _kept_quantized(tensor) -> bool:
+    return tensor.tensor_type.name in GGUF_KEPT_QUANTIZED
+
+
+def _gguf_shape(tensor) -> tuple[int, ...]:
+    """The shape of a GGUF tensor's numbers (its data holds bytes when block-quantized)."""
+    import gguf
+
+    if tensor.data.dtype != np.uint8:
+        return tensor.data.shape
+    return gguf.quants.quant_shape_from_byte_shape(tensor.data.shape, tensor.tensor_type)
+
+
+def _dequantize(
+    tensor, dtype: torch.dtype, offset: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A GGUF tensor expanded straight into `dtype` (into `out` when given), less `offset`
+    (Gemma's norms, in float32 before the rounding), a slice of rows at a time: the
+    float32 it passes through never holds more than one slice."""
+    import gguf
+
+    data = tensor.data
+    if out is None:
+        out = torch.empty(_gguf_shape(tensor), dtype=dtype)
+    for start in range(0, data.shape[0], _DEQUANTIZE_ROWS):
+        part = gguf.quants.dequantize(data[start : start + _DEQUANTIZE_ROWS], tensor.tensor_type)
+        part = np.require(part - offset if offset else part, requirements="W")
+        out[start : start + len(part)] = torch.from_numpy(part)
+    return out
+
+
+def _unpermute(weight, num_heads: int):
+    """llama.cpp stores q/k rows interleaved for its rope; undo it to Hugging Face's order
+    (of a numpy array or a tensor)."""
     rows = weight.shape[0]
     return (
         weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
@@ -241,36 +276,50 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     rope_freqs = None
     logger.info("reading %d tensors (%s) from %s", len(reader.tensors), arch, path)
+    keys = {}  # tensor name -> Hugging Face name, for the weights
     for tensor in reader.tensors:
-        quantized = keep_quantized and tensor.tensor_type.name in GGUF_KEPT_QUANTIZED
-        if quantized:
-            array = np.arange(tensor.data.shape[0])  # rows, permuted below like the weights
-        else:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         parts = tensor.name.split(".")
         if tensor.name == "rope_freqs.weight":  # llama 3: a divisor per frequency
-            rope_freqs = tuple(array.tolist())
-            continue
-        if tensor.name in _GGUF_LONGROPE:  # Phi-3 128k: its short and long factors
+            rope_freqs = tuple(gguf.quants.dequantize(tensor.data, tensor.tensor_type).tolist())
+        elif tensor.name in _GGUF_LONGROPE:  # Phi-3 128k: its short and long factors
+            factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             hf.setdefault("rope_scaling", {"rope_type": "longrope"})
-            hf["rope_scaling"][_GGUF_LONGROPE[tensor.name]] = tuple(array.tolist())
-            continue
-        if tensor.name in _GGUF_GLOBAL_NAMES:
-            key = _GGUF_GLOBAL_NAMES[tensor.name]
+            hf["rope_scaling"][_GGUF_LONGROPE[tensor.name]] = tuple(factors.tolist())
+        elif tensor.name in _GGUF_GLOBAL_NAMES:
+            keys[tensor.name] = _GGUF_GLOBAL_NAMES[tensor.name]
         elif len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
-            key = f"layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
-            if spec.permuted_qk and parts[2] in heads:
-                array = _unpermute(array, heads[parts[2]])
+            keys[tensor.name] = f"layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
         else:
             raise UnsupportedModelError(
                 f"{path.name}: unexpected tensor {tensor.name!r} for GGUF architecture {arch!r}"
             )
-        if quantized:
-            weights[key] = from_gguf(tensor.data, tensor.tensor_type.name).permute_rows(array)
+    kept = {t.name for t in reader.tensors if keep_quantized and _kept_quantized(t)}
+    fused = FusedWeights(
+        {keys[t.name]: _gguf_shape(t) for t in reader.tensors if t.name in keys.keys() - kept},
+        dtype,
+    )
+    for tensor in reader.tensors:
+        key = keys.get(tensor.name)
+        if key is None:
             continue
-        if spec.norm_offset and key.endswith("norm.weight"):
-            array = array - spec.norm_offset
-        weights[key] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
+        permuted_heads = heads.get(kind) if spec.permuted_qk else None
+        if tensor.name in kept:
+            rows = np.arange(tensor.data.shape[0])
+            if permuted_heads:
+                rows = _unpermute(rows, permuted_heads)
+            weights[key] = from_gguf(tensor.data, tensor.tensor_type.name).permute_rows(rows)
+        else:
+            offset = spec.norm_offset if key.endswith("norm.weight") else 0.0
+            destination = fused.destination(key, weights)
+            weight = _dequantize(tensor, dtype, offset, None if permuted_heads else destination)
+            if permuted_heads:
+                weight = _unpermute(weight, permuted_heads)
+            if destination is None:
+                weights[key] = weight
+            elif weight is not destination:  # unpermuted apart: now into its rows
+                destination.copy_(weight)
+        reader.release(tensor)
     scaling = _rope_scaling(hf, path)
     if rope_freqs is not None:
         scaling = (("divisors", rope_freqs), ("rope_type", "freqs"))
@@ -309,7 +358,7 @@ def _gguf_tokenizer(path: Path, reader=None):
 
 # -- Hugging Face directories -------------------------------------------------------------
 def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     from transformers import AutoTokenizer
 
     config_file = path / "config.json"
@@ -336,9 +385,20 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{path} has no *.safetensors weights; supported: {SUPPORTED}")
+    shapes = {}
+    for file in files:  # the headers only
+        with safe_open(file, "pt") as f:
+            shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    fused = FusedWeights(shapes, dtype)
     weights: dict[str, torch.Tensor] = {}
-    for file in files:  # one shard at a time: at most one shard more than the weights
-        weights.update({k: v.to(dtype) for k, v in load_file(file).items()})
+    for file in files:  # one tensor at a time, each copied once into `dtype`
+        with safe_open(file, "pt") as f:
+            for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                destination = fused.destination(k, weights)
+                if destination is None:
+                    weights[k] = f.get_tensor(k).to(dtype)
+                else:
+                    destination.copy_(f.get_tensor(k))
     config = _model_config(hf, _rope_scaling(hf, path), _eos_token_ids(path, hf), weights)
     tokenizer = None
     if any(
@@ -346,6 +406,65 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     ):
         tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(name, config, weights, tokenizer)
+
+
+# Hugging Face's separate projections -> the fused one LlamaForCausalLM multiplies by, and
+# each part's place in it.
+_FUSED_PROJECTIONS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_FUSED_PARTS = collections.Counter(fused for fused, _ in _FUSED_PROJECTIONS.values())
+
+
+def _fused_place(name: str) -> tuple[str, int] | None:
+    """'layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 1)."""
+    parts = name.split(".")
+    target = _FUSED_PROJECTIONS.get(".".join(parts[-3:-1]))
+    if len(parts) < 3 or target is None:
+        return None
+    return ".".join([*parts[:-3], target[0], parts[-1]]), target[1]
+
+
+class FusedWeights:
+    """Where each q/k/v and gate/up weight (or bias) goes as a load streams them: a row
+    range of the fused matrix the model multiplies by, allocated in the target dtype when
+    its first part arrives, so that no part is ever held beside a concatenated copy (and
+    the freed parts do not leave the heap full of holes). Built from every tensor's name
+    and shape; a group with a part missing, or of unequal widths, is left to the model."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        groups: dict[str, dict[int, str]] = collections.defaultdict(dict)
+        for name in shapes:
+            place = _fused_place(name)
+            if place is not None:
+                groups[place[0]][place[1]] = name
+        self._places: dict[str, tuple[str, int, int]] = {}  # part -> fused, its rows
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for fused, parts in groups.items():
+            widths = {tuple(shapes[name][1:]) for name in parts.values()}
+            if len(parts) != _FUSED_PARTS[".".join(fused.split(".")[-3:-1])] or len(widths) != 1:
+                continue
+            rows = 0
+            for index in sorted(parts):
+                size = shapes[parts[index]][0]
+                self._places[parts[index]] = (fused, rows, rows + size)
+                rows += size
+            self._shapes[fused] = (rows, *widths.pop())
+
+    def destination(self, name: str, weights: dict) -> torch.Tensor | None:
+        """The rows of `weights`' fused matrix that `name` fills, or None if unfused."""
+        place = self._places.get(name)
+        if place is None:
+            return None
+        fused, first, end = place
+        if fused not in weights:
+            weights[fused] = torch.empty(self._shapes[fused], dtype=self.dtype)
+        return weights[fused][first:end]
 
 
 def _rope_scaling(hf: dict, path: Path) -> tuple | None:

@@ -80,6 +80,8 @@ def mask_logits(logits: torch.Tensor, matchers: dict[int, GrammarMatcher]) -> No
     bitmask = torch.empty(shape, dtype=xgr.bitmask_dtype)
     for row, matcher in matchers.items():
         matcher.fill_bitmask(bitmask, row)
+    # xgrammar fills the mask on the host; it is applied where the logits are.
+    bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(matchers))
 
 

@@ -21,8 +21,7 @@ from pagefleet_serve.engine.sequence import Sequence
 def draft_rows(seq: Sequence, draft_token_ids: list[int]) -> list[SampleRow]:
     """One sample row per scored position: before each draft token, then the bonus; the
     penalties of position j see the drafts before it as output."""
-    prompt = seq.token_ids[: seq.num_prompt_tokens]
-    output = seq.output_token_ids
+    output, prompt = seq.penalty_token_ids()
     return [
         SampleRow(seq.params, seq.generator, output + draft_token_ids[:j], prompt)
         for j in range(len(draft_token_ids) + 1)
@@ -43,4 +42,4 @@ def rewind(generator: torch.Generator, state: torch.Tensor, num_draws: int, voca
     the positions after a rejection drew noise that no emitted token used."""
     generator.set_state(state)
     for _ in range(num_draws):
-        torch.empty(vocab).exponential_(generator=generator)
+        torch.empty(vocab, device=generator.device).exponential_(generator=generator)
