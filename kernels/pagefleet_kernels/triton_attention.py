@@ -29,6 +29,14 @@ from pagefleet_kernels.torch_attention import MIN_AMAX
 
 _LOG2E = 1.4426950408889634
 _MAX_SEGMENTS = 16
+# What `_num_segments` can pick: the decode kernel is compiled once per count.
+SEGMENT_COUNTS = tuple(2**i for i in range(_MAX_SEGMENTS.bit_length()))
+# The attention kernel runs 8 warps with up to 255 registers a thread: at Triton's default
+# 4 warps ptxas spills 64-412 bytes in the head_dim-128 variants, and left to itself it
+# caps some variants at 128 registers (two blocks an SM) and spills a few bytes (sm_80 to
+# sm_90, measured by tests/kernels/test_kernels_triton_aot.py).
+NUM_WARPS = 8
+MAX_REGISTERS = 255
 _DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -182,8 +190,10 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # (B + 1,)
     qk_scale,  # softmax scale * log2(e); with SOFTCAP: softmax scale / softcap
     softcap_log2,  # softcap * log2(e), SOFTCAP only
-    sliding_window,  # keys within this many positions of the query, SLIDING only
-    num_seqs,
+    # Integers annotated: an unannotated 1 would become a constexpr (one more compiled
+    # variant, and `num_seqs` is reassigned in `_find_seq_idx`).
+    sliding_window: tl.int32,  # keys within this many positions of the query, SLIDING only
+    num_seqs: tl.int32,
     stride_query_t: tl.int64,
     stride_query_h: tl.int64,
     stride_out_t: tl.int64,
@@ -455,6 +465,21 @@ def _dot_dtype(dtype: torch.dtype):
     return _DOT_DTYPES[dtype]
 
 
+def _tile_shape(group: int, decode_only: bool, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE_N) of an attention launch.
+
+    Decodes: 16 rows hold one token's group; prefill chunks: 64 rows of tokens x group.
+    float32 multiplies on the FMA units ("ieee"), each thread holding whole rows of its
+    operands: 16 rows and 16 positions for decodes and chunks alike, or ptxas spills
+    registers at head_dim 128."""
+    if dtype == torch.float32:
+        rows, tile_n = 16, 16
+    else:
+        rows, tile_n = (16, 64) if decode_only else (64, 32)
+    block_m = max(rows, triton.next_power_of_2(group))
+    return block_m, block_m // group, tile_n
+
+
 def _num_segments(num_programs: int, max_context: int, tile_n: int, device: torch.device) -> int:
     """Split decodes' contexts until the grid has about two programs per SM, keeping at
     least four tiles per segment."""
@@ -531,10 +556,7 @@ def paged_attention(
 
     group = num_q_heads // num_kv_heads
     decode_only = max(query_lens) == 1
-    # Decodes: 16 rows hold one token's group; prefill chunks: 64 rows of tokens x group.
-    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
-    block_q = block_m // group
-    tile_n = 64 if decode_only else 32
+    block_m, block_q, tile_n = _tile_shape(group, decode_only, query.dtype)
     block_size = key_cache.shape[1]
     if num_segments is None:
         num_segments = 1
@@ -607,6 +629,8 @@ def paged_attention(
         SOFTCAP=softcap is not None,
         DOT_DTYPE=_dot_dtype(query.dtype),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
+        maxnreg=MAX_REGISTERS,
     )
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_q_heads)](

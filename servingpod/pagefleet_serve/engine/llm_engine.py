@@ -143,6 +143,13 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def make_current(device: torch.device) -> None:
+    """Make `cuda:N` the current CUDA device: Triton launches its kernels on the current
+    device, not on their tensors', and torch.cuda calls without a device read it too."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AMX-BF16 or AVX512-BF16), read
     from the Linux CPU flags; elsewhere bfloat16 is emulated and slower than float32."""
@@ -222,9 +229,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        if self.device.type == "cuda" and self.device.index is not None:
-            # Triton launches on the current device, whatever the tensors' device.
-            torch.cuda.set_device(self.device)
+        make_current(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.monotonic()
         loaded = load_model(config.model, self.dtype, weight_quantization(config, self.device))

@@ -1,0 +1,243 @@
+"""Ahead-of-time compiles of every Triton kernel variant the engine can launch, for the GPUs
+it targets, on a machine without one: `triton.compile` with a named `GPUTarget` runs the
+whole pipeline down to Triton's bundled ptxas. The kernel tests run this file as a script
+(`python triton_aot.py pairwise|product OUT.json`) in a child process without
+TRITON_INTERPRET: under the interpreter, `triton.jit` (Triton's own library included)
+yields functions that cannot be compiled.
+
+The variants come from the launchers themselves: each variant's batch goes through the real
+`paged_attention` / `write_kv_cache` with the kernels swapped for recorders, and the recorded
+arguments become the compile's signature, constexprs and divisibility hints the way the JIT
+specialises them. Tile shapes, segment counts and warps therefore cannot drift from what the
+launcher picks.
+"""
+
+import contextlib
+import io
+import itertools
+import json
+import re
+import sys
+
+import torch
+import triton
+from kernel_batches import CACHE_DTYPES, make_batch
+from pagefleet_kernels import triton_attention
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# Largest shared memory one block can use (opt-in), CUDA C Programming Guide, "Technical
+# Specifications per Compute Capability": A100 163 KiB, L4 / RTX 40xx 99 KiB, H100 227 KiB.
+MAX_SHARED_BYTES = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+# fp8 e4m3 needs 8.9+ (the launcher refuses it below); the rest runs on 8.0+.
+TARGETS = {"fp8": (89, 90)}
+DEFAULT_TARGETS = (80, 90)
+POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.int8: "*i8",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
+SLIDING_WINDOW = 4096
+SOFTCAP = 50.0
+
+AXES = {
+    "dtype": (torch.float16, torch.bfloat16, torch.float32),
+    "cache": tuple(CACHE_DTYPES),
+    "head_dim": (64, 128),
+    "group": (1, 4, 8),
+    "block_size": (16, 32),
+    # decode batches at each segment count the launcher can pick; prefill chunks never split
+    "shape": tuple(("decode", n) for n in triton_attention.SEGMENT_COUNTS) + (("prefill", 1),),
+    "features": ("plain", "sliding_window", "sliding_window+softcap"),
+}
+NUM_KV_HEADS = 8  # Llama-3-8B's; the strides' divisibility by 16 follows from it
+KERNELS = ("_write_kv_cache_kernel", "_paged_attention_kernel", "_merge_segments_kernel")
+
+
+def pairwise(axes: dict[str, tuple]) -> list[dict]:
+    """A covering array of strength two, built greedily: each row starts from the first
+    pair of values still uncovered and fills every other axis with the value that covers
+    the most new pairs. Values are handled by their index in the axis."""
+    names = list(axes)
+    sizes = [len(axes[name]) for name in names]
+
+    def pair(a, i, b, j):
+        return (a, i, b, j) if a < b else (b, j, a, i)
+
+    uncovered = {
+        (a, i, b, j)
+        for a, b in itertools.combinations(range(len(names)), 2)
+        for i in range(sizes[a])
+        for j in range(sizes[b])
+    }
+    rows = []
+    while uncovered:
+        a, i, b, j = min(uncovered)
+        row = {a: i, b: j}
+        for axis in range(len(names)):
+            if axis not in row:
+                row[axis] = max(
+                    range(sizes[axis]),
+                    key=lambda value, axis=axis: sum(
+                        pair(axis, value, other, row[other]) in uncovered for other in row
+                    ),
+                )
+        uncovered -= {
+            pair(a, row[a], b, row[b]) for a, b in itertools.combinations(range(len(names)), 2)
+        }
+        rows.append({name: axes[name][row[axis]] for axis, name in enumerate(names)})
+    return rows
+
+
+def product(axes: dict[str, tuple]) -> list[dict]:
+    return [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+
+
+def variant_id(variant: dict) -> str:
+    kind, segments = variant["shape"]
+    return (
+        f"{str(variant['dtype']).removeprefix('torch.')}-kv_{variant['cache']}"
+        f"-d{variant['head_dim']}-g{variant['group']}-bs{variant['block_size']}"
+        f"-{kind}{segments if kind == 'decode' else ''}-{variant['features']}"
+    )
+
+
+class LaunchRecorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` records the
+    launch instead of running it."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def record_launches(variant: dict) -> list[tuple]:
+    """(kernel, args, kwargs) of every Triton launch one engine step of this variant makes:
+    the K/V write, then the attention (and the segment merge when the decode is split)."""
+    recorders = {name: LaunchRecorder(getattr(triton_attention, name)) for name in KERNELS}
+    for name, recorder in recorders.items():
+        setattr(triton_attention, name, recorder)
+    try:
+        launch_variant(variant)
+    finally:
+        for name, recorder in recorders.items():
+            setattr(triton_attention, name, recorder.kernel)
+    return [
+        (recorder.kernel, args, kwargs)
+        for recorder in recorders.values()
+        for args, kwargs in recorder.launches
+    ]
+
+
+def launch_variant(variant: dict) -> None:
+    kind, num_segments = variant["shape"]
+    query_lens, context_lens = ([1, 1], [40, 7]) if kind == "decode" else ([5, 3], [9, 3])
+    batch = make_batch(
+        query_lens,
+        context_lens,
+        NUM_KV_HEADS * variant["group"],
+        NUM_KV_HEADS,
+        head_dim=variant["head_dim"],
+        block_size=variant["block_size"],
+        dtype=variant["dtype"],
+        cache=variant["cache"],
+    )
+    triton_attention.write_kv_cache(
+        batch.key,
+        batch.value,
+        batch.key_cache,
+        batch.value_cache,
+        batch.slot_mapping,
+        batch.key_scale,
+        batch.value_scale,
+    )
+    features = variant["features"]
+    batch.attention(
+        triton_attention,
+        num_segments=num_segments if kind == "decode" else None,
+        sliding_window=SLIDING_WINDOW if "sliding_window" in features else None,
+        softcap=SOFTCAP if "softcap" in features else None,
+    )
+
+
+def compile_source(kernel, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
+    """The source the JIT would compile for this launch, and its compile options: tensors
+    become typed pointers, constexprs their values; pointers aligned to 16 bytes and
+    integers divisible by 16 get Triton's divisibility hint."""
+    options = {key: kwargs[key] for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
+    bound = dict(zip(kernel.arg_names[: len(args)], args, strict=True)) | {
+        key: value for key, value in kwargs.items() if key not in options
+    }
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+            continue
+        if isinstance(value, torch.Tensor):
+            signature[param.name] = POINTER_TYPES[value.dtype]
+            divisible = value.data_ptr() % 16 == 0
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+            divisible = False
+        else:
+            assert param.annotation in ("i32", "i64"), (
+                f"{kernel.__name__}: integer argument {param.name} needs a tl.int32 / tl.int64 "
+                f"annotation, or the JIT turns a value of 1 into a constexpr"
+            )
+            signature[param.name] = param.annotation
+            divisible = value % 16 == 0
+        if divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return ASTSource(kernel, signature, constexprs, attrs), options
+
+
+def compile_for(source: ASTSource, options: dict, capability: int) -> dict:
+    """Compile for sm_<capability>; its shared memory, registers and spilled bytes."""
+    ptxas_log = io.StringIO()
+    with contextlib.redirect_stdout(ptxas_log):
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    log = ptxas_log.getvalue()
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", log)]
+    assert spills and registers, f"no ptxas resource report in the compile's output:\n{log}"
+    return {
+        "shared": compiled.metadata.shared,
+        "registers": max(registers),
+        "spill_stores": sum(spills),
+        "num_warps": compiled.metadata.num_warps,
+    }
+
+
+def compile_variant(variant: dict, compiled: dict) -> list[dict]:
+    """Every launch of the variant compiled for each of its targets; `compiled` keeps the
+    reports by source, so that a kernel several variants share compiles once."""
+    reports = []
+    for kernel, args, kwargs in record_launches(variant):
+        source, options = compile_source(kernel, args, kwargs)
+        for capability in TARGETS.get(variant["cache"], DEFAULT_TARGETS):
+            key = (source.hash(), str(options), capability)
+            if key not in compiled:
+                compiled[key] = compile_for(source, options, capability)
+            reports.append({"kernel": kernel.__name__, "capability": capability} | compiled[key])
+    return reports
+
+
+def main(mode: str, out_path: str) -> None:
+    variants = {"pairwise": pairwise, "product": product}[mode](AXES)
+    compiled = {}
+    results = {variant_id(variant): compile_variant(variant, compiled) for variant in variants}
+    with open(out_path, "w") as out:
+        json.dump({"num_compiles": len(compiled), "variants": results}, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
