@@ -57,14 +57,14 @@ def healthy_after(server, http):
 def poisoned_sampler(monkeypatch):
     """Sampling fails for the whole batch whenever one row carries POISON_SEED, as the
     original top_k overflow did (a batched tensor built from every row's setting)."""
-    real = sampler._apply_top_k_top_p_min_p
+    real = sampler._sample
 
-    def top_k_top_p_min_p(logits, rows):
+    def sample(logits, rows):
         if any(r.params.seed == POISON_SEED for r in rows):
             raise OverflowError("Overflow when unpacking long long")
         return real(logits, rows)
 
-    monkeypatch.setattr(sampler, "_apply_top_k_top_p_min_p", top_k_top_p_min_p)
+    monkeypatch.setattr(sampler, "_sample", sample)
 
 
 def poison_sampling_request(http) -> httpx.Response:
