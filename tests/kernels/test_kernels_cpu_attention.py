@@ -22,6 +22,17 @@ BATCHES = {  # (query_lens, context_lens)
 GQA = [(4, 4), (6, 2), (8, 1)]
 
 
+def assert_matches_torch_backend_and_naive_loop(batch, cache: str) -> None:
+    """The kernel against the torch backend on the same cache, and against the naive loop
+    over the raw K/V (within the cache's quantization error when it is int8/fp8)."""
+    actual = batch.attention(cpu_attention)
+    atol, rtol = KERNEL_TOLERANCE[torch.float32]
+    torch.testing.assert_close(actual, batch.attention(torch_attention), atol=atol, rtol=rtol)
+    if cache != "auto":
+        atol, rtol = QUANTIZATION_TOLERANCE[cache]
+    torch.testing.assert_close(actual, naive_attention(batch), atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("cache", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
@@ -29,12 +40,7 @@ GQA = [(4, 4), (6, 2), (8, 1)]
 def test_cpu_kernel_matches_torch_backend_and_naive_loop(layout, heads, block_size, cache):
     query_lens, context_lens = BATCHES[layout]
     batch = make_batch(query_lens, context_lens, *heads, block_size=block_size, cache=cache)
-    actual = batch.attention(cpu_attention)
-    atol, rtol = KERNEL_TOLERANCE[torch.float32]
-    torch.testing.assert_close(actual, batch.attention(torch_attention), atol=atol, rtol=rtol)
-    if cache != "auto":
-        atol, rtol = QUANTIZATION_TOLERANCE[cache]
-    torch.testing.assert_close(actual, naive_attention(batch), atol=atol, rtol=rtol)
+    assert_matches_torch_backend_and_naive_loop(batch, cache)
 
 
 # Head sizes with register-resident inner loops (64, 80, 128) and one without (40); a decode
@@ -48,12 +54,7 @@ def test_cpu_kernel_head_sizes_and_work_splits(head_dim, num_decode_rows, cache)
     batch = make_batch(
         [1] * num_decode_rows, context_lens, 6, 2, head_dim=head_dim, cache=cache, seed=head_dim
     )
-    actual = batch.attention(cpu_attention)
-    atol, rtol = KERNEL_TOLERANCE[torch.float32]
-    torch.testing.assert_close(actual, batch.attention(torch_attention), atol=atol, rtol=rtol)
-    if cache != "auto":
-        atol, rtol = QUANTIZATION_TOLERANCE[cache]
-    torch.testing.assert_close(actual, naive_attention(batch), atol=atol, rtol=rtol)
+    assert_matches_torch_backend_and_naive_loop(batch, cache)
 
 
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(7, None), (None, 5.0), (20, 30.0)])
