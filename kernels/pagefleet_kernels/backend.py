@@ -1,12 +1,16 @@
 """The contract between the model and an attention backend.
 
 Per forward pass the model builds one `AttentionMetadata` (the batch layout), calls the
-backend's `prepare` once, then per layer `write_kv_cache` and `paged_attention`. Tensor
-layouts are those of the package docstring. `torch_attention` (PyTorch, every feature, the
-CPU path) and `triton_attention` (CUDA) are the two backends.
+backend's `prepare` once, then per layer `write_kv_cache` and `paged_attention`; the
+norms, rotary embedding and MLP activation around them are the backend's `layer_ops` (the
+functions of `pagefleet_kernels.layer_ops`). Tensor layouts are those of the package
+docstring. `torch_attention` (PyTorch, every feature, the ground truth), `cpu_attention`
+(C++ decode attention and layer ops on the CPU) and `triton_attention` (CUDA) are the
+backends.
 """
 
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -25,6 +29,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    layer_ops: ModuleType  # rms_norm, add_rms_norm, rope, act_and_mul of layer_ops
+
     def prepare(
         self, metadata: AttentionMetadata, block_size: int, sliding_windows: set[int | None]
     ) -> None:

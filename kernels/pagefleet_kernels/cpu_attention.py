@@ -8,48 +8,35 @@ whose SDPA flash kernel tiles the queries: the C++ kernel walks each query token
 on its own and measured 3-10x slower there (512 queries over 2048 keys, 256 over 256),
 while for decode it reads each K/V row once where the torch backend copies it first.
 
-The kernel is compiled on first use by torch.utils.cpp_extension (a C++ compiler is needed;
-the build is cached under TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default).
-`available()` says whether it could be built; the engine falls back to the torch backend
-when it cannot.
+Its `layer_ops` are the C++ ones of `cpu_layer_ops`.
+
+The kernel is compiled on first use (`pagefleet_kernels.cpu_build`: a C++ compiler is
+needed, the build is cached). `available()` says whether it could be built; the engine
+falls back to the torch backend when it cannot.
 """
 
-import functools
-import hashlib
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from pagefleet_kernels import cpu_layer_ops as layer_ops
 from pagefleet_kernels import torch_attention
 from pagefleet_kernels.backend import AttentionMetadata
+from pagefleet_kernels.cpu_build import load_extension
 from pagefleet_kernels.torch_attention import _check_scales, write_kv_cache
 
-__all__ = ["available", "paged_attention", "prepare", "write_kv_cache"]
-
-logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+__all__ = ["available", "layer_ops", "paged_attention", "prepare", "write_kv_cache"]
 
 
-@functools.cache
 def _extension():
     """The compiled module, or None when it cannot be built here."""
-    from torch.utils import cpp_extension
-
-    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
-    # Named by its source and flags: builds of two versions (an upgrade, two checkouts
-    # sharing TORCH_EXTENSIONS_DIR) sit side by side instead of rebuilding over each other.
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
-    try:
-        return cpp_extension.load(
-            name=f"pagefleet_paged_attention_cpu_{digest[:12]}",
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-        )
-    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no headers
-        logger.warning("the CPU attention kernel could not be built (%s); using torch", exc)
-        return None
+    # -ffast-math for the reductions' vectorization; NaN/inf checks stay meaningful.
+    return load_extension(
+        "pagefleet_paged_attention_cpu",
+        "paged_attention_cpu.cpp",
+        ("-ffast-math", "-fno-finite-math-only"),
+    )
 
 
 def available() -> bool:
@@ -163,4 +150,5 @@ if __name__ == "__main__":
     # `python -m pagefleet_kernels.cpu_attention`: compile (or find) the kernel ahead of
     # the first engine start. Without a compiler the engine uses torch, so this never fails.
     logging.basicConfig(level=logging.INFO)
-    print(f"CPU attention kernel: {'built' if available() else 'unavailable, torch fallback'}")
+    for name, built in (("attention kernel", available()), ("layer ops", layer_ops.available())):
+        print(f"CPU {name}: {'built' if built else 'unavailable, torch fallback'}")

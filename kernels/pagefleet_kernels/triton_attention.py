@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+# The layer ops the model runs with this backend: eager PyTorch (fused by CUDA graphs later).
+from pagefleet_kernels import layer_ops as layer_ops
 from pagefleet_kernels.kv_cache import QMAX, SCALE_DTYPE, is_quantized
 from pagefleet_kernels.torch_attention import MIN_AMAX
 

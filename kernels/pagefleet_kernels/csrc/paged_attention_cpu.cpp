@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -23,26 +25,6 @@
 #include <vector>
 
 namespace {
-
-// exp(x) for x <= 0 (a softmax's shifted scores): 2^n * p(r), r in [-ln2/2, ln2/2], with a
-// degree-6 polynomial (relative error ~1e-7). Plain arithmetic, so the loop over a score row
-// vectorizes; std::exp stayed a scalar call per score.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);  // below this 2^n underflows the exponent field
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
 
 template <typename cache_t>
 inline void load_row(const cache_t* src, float* dst, int64_t n) {
@@ -215,7 +197,7 @@ void attend(const float* q,            // (Hq, D) this token's query
     for (int64_t i = 0; i < L; ++i) m = std::max(m, sj[i]);
     float sum = 0.f;
 #pragma omp simd reduction(+:sum)
-    for (int64_t i = 0; i < L; ++i) { sj[i] = exp_nonpositive(sj[i] - m); sum += sj[i]; }
+    for (int64_t i = 0; i < L; ++i) { sj[i] = pagefleet::exp_nonpositive(sj[i] - m); sum += sj[i]; }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
 #pragma omp simd
     for (int64_t i = 0; i < L; ++i) sj[i] *= inv;
@@ -326,4 +308,6 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)");
+  m.def("parallel_threads", &pagefleet::parallel_threads,
+        "threads at::parallel_for gives this extension's loops");
 }

@@ -8,7 +8,8 @@ whether the checkpoint already has q/k/v and gate/up fused (Phi-3).
 
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
-context. Weight names follow Hugging Face's LlamaForCausalLM; q/k/v and gate/up are fused
+context; the backend's `layer_ops` (pagefleet_kernels.layer_ops, or their C++ versions with
+the CPU backend) do the norms, rotary embedding and MLP activation. Weight names follow Hugging Face's LlamaForCausalLM; q/k/v and gate/up are fused
 at load time (one matmul each).
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pagefleet_kernels import layer_ops
 from pagefleet_kernels.backend import AttentionMetadata
 from torch import nn
 
@@ -145,31 +147,33 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def ops_of(backend):
+    """The layer ops of an attention backend (see pagefleet_kernels.backend); without one
+    (a model built only to load or inspect weights), the eager PyTorch ones."""
+    return getattr(backend, "layer_ops", layer_ops)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
+    """Normalized in float32, then cast back before the weight, as Hugging Face does;
+    Gemma's (1 + weight) is applied in float32 (`unit_offset`)."""
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False, ops=layer_ops) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        if self.unit_offset:  # Gemma: (1 + weight), applied in float32
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        # Normalized in float32, then cast back before the weight, as Hugging Face does.
-        return self.weight * normed.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+    def add(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, the norm of x + h): a residual add and the norm after it, in one op."""
+        return self.ops.add_rms_norm(x, h, self.weight, self.eps, self.unit_offset)
 
 
-def make_norm(config: ModelConfig, size: int) -> RMSNorm:
-    return RMSNorm(size, config.rms_norm_eps, config.norm_unit_offset)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); cos (T, D); sin (T, D) with its first half negated (as `_rope` makes
-    it), so that Hugging Face's rotate-half, cat(-x2, x1) * sin, is one roll times it:
-    the same products exactly (a negation rounds nothing), in two fewer ops."""
-    rotated = x.roll(x.shape[-1] // 2, dims=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def make_norm(config: ModelConfig, size: int, ops=layer_ops) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, config.norm_unit_offset, ops)
 
 
 class LlamaAttention(nn.Module):
@@ -184,12 +188,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = make_norm(config, config.head_dim)
-            self.k_norm = make_norm(config, config.head_dim)
+            self.q_norm = make_norm(config, config.head_dim, ops_of(backend))
+            self.k_norm = make_norm(config, config.head_dim, ops_of(backend))
         self.qk_norm = config.qk_norm
         self.sliding_window = config.layer_sliding_window(layer)
         self.softcap = config.attn_logit_softcapping
         self.backend = backend
+        self.ops = ops_of(backend)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q, k, v (T, heads, D) of the normed hidden states: projected, q/k-normed, rotated."""
@@ -200,7 +205,7 @@ class LlamaAttention(nn.Module):
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k side by side: rotated in one pass, then split (views).
-        q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        q, k = self.ops.rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         return q, k, v
 
@@ -229,31 +234,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops=layer_ops) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * up)
+        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.gelu))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = make_norm(config, config.hidden_size)
+        ops = ops_of(backend)
+        self.input_layernorm = make_norm(config, config.hidden_size, ops)
         self.self_attn = LlamaAttention(config, backend, layer)
         # Llama: the norm before the MLP. Gemma 2 (Hugging Face's names): the norm of the
         # attention output, with two more around the MLP.
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size, ops)
         self.sandwich_norms = config.sandwich_norms
         if config.sandwich_norms:
-            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
-            self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
-        self.mlp = LlamaMLP(config)
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, ops)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size, ops)
+        self.mlp = LlamaMLP(config, ops)
 
     def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
         q, k, v = self.attention_inputs(x, cos, sin)
@@ -267,10 +272,10 @@ class LlamaDecoderLayer(nn.Module):
     def attention_outputs(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         h = self.self_attn.o_proj(attended)
         if not self.sandwich_norms:
-            x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x, normed = self.post_attention_layernorm.add(x, h)
+            return x + self.mlp(normed)
+        x, normed = self.pre_feedforward_layernorm.add(x, self.post_attention_layernorm(h))
+        return x + self.post_feedforward_layernorm(self.mlp(normed))
 
     def compile_around_attention(self) -> None:
         """Compile the parts around attention with inductor (each into a few fused
@@ -294,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, backend, i) for i in range(config.num_layers)]
         )
-        self.norm = make_norm(config, config.hidden_size)
+        self.norm = make_norm(config, config.hidden_size, ops_of(backend))
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -360,13 +365,13 @@ class LlamaForCausalLM(nn.Module):
         return torch.where(long[:, None], self.inv_freq_long, self.inv_freq)
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-        """cos, sin (T, D) of each token, sin's first half negated (see `apply_rope`);
+        """cos, sin (T, D) of each token, sin's first half negated (see `layer_ops.rope`);
         `inv_freq` (D/2,) or per token (T, D/2)."""
         freqs = positions.float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # what apply_rope takes
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # what layer_ops.rope takes
         factor = self.config.rope_attention_factor
         if factor != 1.0:  # in float32, before the cast, as transformers does
             cos, sin = cos * factor, sin * factor

@@ -1,0 +1,60 @@
+"""`layer_ops` in C++ on the CPU (`csrc/layer_ops_cpu.cpp`): each op one pass over its rows
+instead of 4-8 eager ops and their dispatch, which at decode batch 1 cost more than the
+arithmetic. The results are the eager ops' bits (the norm's sum of squares aside: its order
+of addition differs, a float32 rounding).
+
+Falls back to `layer_ops` when the extension cannot be built, for tensors off the CPU, and
+inside torch.compile, which traces (and fuses) the eager ops instead.
+"""
+
+import torch
+
+from pagefleet_kernels import layer_ops
+from pagefleet_kernels.cpu_build import load_extension
+
+__all__ = ["act_and_mul", "add_rms_norm", "available", "rms_norm", "rope"]
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _extension():
+    return load_extension("pagefleet_layer_ops_cpu", "layer_ops_cpu.cpp", ("-ffp-contract=off",))
+
+
+def available() -> bool:
+    return _extension() is not None
+
+
+def _native(x: torch.Tensor):
+    """The extension when it can take x, else None."""
+    if x.device.type != "cpu" or x.dtype not in _NATIVE_DTYPES or torch.compiler.is_compiling():
+        return None
+    return _extension()
+
+
+def rms_norm(x, weight, eps: float, unit_offset: bool = False):
+    ext = _native(x)
+    if ext is None or x.dim() != 2 or x.stride(-1) != 1:
+        return layer_ops.rms_norm(x, weight, eps, unit_offset)
+    return ext.rms_norm(x, weight, eps, unit_offset)
+
+
+def add_rms_norm(x, h, weight, eps: float, unit_offset: bool = False):
+    ext = _native(x)
+    if ext is None or x.dim() != 2 or x.stride(-1) != 1 or h.stride(-1) != 1:
+        return layer_ops.add_rms_norm(x, h, weight, eps, unit_offset)
+    return tuple(ext.add_rms_norm(x, h, weight, eps, unit_offset))
+
+
+def rope(x, cos, sin):
+    ext = _native(x)
+    if ext is None or x.stride(-1) != 1:
+        return layer_ops.rope(x, cos, sin)
+    return ext.rope(x, cos, sin)
+
+
+def act_and_mul(gate_up, gelu: bool = False):
+    ext = _native(gate_up)
+    if ext is None or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+        return layer_ops.act_and_mul(gate_up, gelu)
+    return ext.act_and_mul(gate_up, gelu)

@@ -1,0 +1,207 @@
+// The elementwise work of a decoder layer around its matmuls, one pass each: RMSNorm (with
+// the residual add before it), rotary embedding of q and k together, and the gated MLP's
+// activation times its up projection. Eager PyTorch runs these as 4-8 ops each (the norm
+// alone: cast, square, mean, add, rsqrt, multiply, cast, multiply, plus their dispatch),
+// which at decode batch 1 costs more than the arithmetic.
+//
+// Each op computes in float32 and rounds to the tensor's dtype exactly where the eager ops
+// of pagefleet_kernels.layer_ops round, so the results are torch's bits (the norm's sum of
+// squares aside, whose order of addition differs). For that the file is built without
+// -ffast-math and with -ffp-contract=off: a fused multiply-add would round differently.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_common.h"
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using pagefleet::Elem;
+using pagefleet::round_to;
+
+// Rows per parallel chunk: enough elements (~16K) that forking threads pays off; a decode
+// step's few rows run on the calling thread.
+int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+
+// out = weight * rms_norm(float(s)).to(T), or rms_norm(float(s)) * (1 + float(weight)) with
+// unit_offset (Gemma), where s is x, or round_T(x + h) stored to `sum` when h is given.
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, const T* h, int64_t h_stride, T* sum,
+                   const T* weight, T* out, int64_t rows, int64_t n, float eps,
+                   bool unit_offset) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> s(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      if (h) {
+        const T* hr = h + r * h_stride;
+        T* sr = sum + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          sr[i] = Elem<T>::store(Elem<T>::load(xr[i]) + Elem<T>::load(hr[i]));
+          s[i] = Elem<T>::load(sr[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) s[i] = Elem<T>::load(xr[i]);
+      }
+      float squares = 0.f;
+      for (int64_t i = 0; i < n; ++i) squares += s[i] * s[i];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
+      T* o = out + r * n;
+      if (unit_offset) {
+        for (int64_t i = 0; i < n; ++i)
+          o[i] = Elem<T>::store((s[i] * inv) * (1.f + Elem<T>::load(weight[i])));
+      } else {
+        for (int64_t i = 0; i < n; ++i)
+          o[i] = Elem<T>::store(Elem<T>::load(weight[i]) * round_to<T>(s[i] * inv));
+      }
+    }
+  });
+}
+
+// out (T, H, D) = x * cos + roll(x, D/2) * sin, each product and the sum rounded to T;
+// x is (T, H, D) with any token and head strides, cos/sin (T, D) contiguous (sin's first
+// half negated, as pagefleet_kernels.layer_ops.rope takes it).
+template <typename T>
+void rope_rows(const T* x, int64_t token_stride, int64_t head_stride, const T* cos,
+               const T* sin, T* out, int64_t tokens, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens, grain(heads * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        const T* xr = x + t * token_stride + hd * head_stride;
+        T* o = out + (t * heads + hd) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float rotated = Elem<T>::load(xr[d < half ? d + half : d - half]);
+          const float a = round_to<T>(Elem<T>::load(xr[d]) * Elem<T>::load(c[d]));
+          const float b = round_to<T>(rotated * Elem<T>::load(s[d]));
+          o[d] = Elem<T>::store(a + b);
+        }
+      }
+    }
+  });
+}
+
+// silu(g) = g / (1 + exp(-g)) and gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))),
+// torch's formulas, with exp of a non-positive argument only (no overflow, vectorizes).
+inline float silu(float g) {
+  const float e = pagefleet::exp_nonpositive(-std::fabs(g));  // exp(-|g|)
+  return g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
+}
+
+inline float gelu_tanh(float g) {
+  const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  const float e = pagefleet::exp_nonpositive(-2.f * std::fabs(y));  // exp(-2|y|)
+  // 1 + tanh(y) = 2 / (1 + exp(-2y)): for y < 0 that is 2e / (1 + e), without the
+  // cancellation of 1 + tanh(y) near -1.
+  return 0.5f * g * (y >= 0.f ? 2.f / (1.f + e) : 2.f * e / (1.f + e));
+}
+
+// out (T, I) = act(gate) * up for gate_up (T, 2I) = [gate | up]: the activation rounded to T,
+// then the product.
+template <typename T, bool GELU>
+void act_and_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * stride;
+      const T* u = g + I;
+      T* o = out + r * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float gf = Elem<T>::load(g[i]);
+        const float a = round_to<T>(GELU ? gelu_tanh(gf) : silu(gf));
+        o[i] = Elem<T>::store(a * Elem<T>::load(u[i]));
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+#define PAGEFLEET_DISPATCH(dtype, ...)                                            \
+  switch (dtype) {                                                                \
+    case torch::kFloat32: { using T = float; __VA_ARGS__; break; }               \
+    case torch::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; }       \
+    case torch::kFloat16: { using T = c10::Half; __VA_ARGS__; break; }            \
+    default: TORCH_CHECK(false, "dtype ", dtype, " is not float32, bfloat16 or float16"); \
+  }
+
+}  // namespace
+
+// (x (rows, n), weight (n,)) -> the normed rows.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool unit_offset) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous, of x's dtype and row size");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  PAGEFLEET_DISPATCH(x.scalar_type(),
+                     rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), nullptr, 0, nullptr,
+                                      weight.data_ptr<T>(), out.data_ptr<T>(), x.size(0),
+                                      x.size(1), static_cast<float>(eps), unit_offset));
+  return out;
+}
+
+// (x, h (rows, n), weight) -> (x + h, the normed rows of x + h).
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor h, torch::Tensor weight,
+                                        double eps, bool unit_offset) {
+  check_rows(x, "x");
+  check_rows(h, "h");
+  TORCH_CHECK(x.sizes() == h.sizes() && x.scalar_type() == h.scalar_type(),
+              "x and h must have the same shape and dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous, of x's dtype and row size");
+  auto sum = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = torch::empty_like(sum);
+  PAGEFLEET_DISPATCH(x.scalar_type(),
+                     rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), h.data_ptr<T>(), h.stride(0),
+                                      sum.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(),
+                                      x.size(0), x.size(1), static_cast<float>(eps),
+                                      unit_offset));
+  return {sum, out};
+}
+
+// (x (T, H, D), cos, sin (T, D)) -> rotated (T, H, D), contiguous.
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x must be (T, H, D) with contiguous, even-sized heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == x.size(0) && cos.size(1) == x.size(2),
+              "cos and sin must be contiguous (T, D)");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos and sin must have x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  PAGEFLEET_DISPATCH(x.scalar_type(),
+                     rope_rows<T>(x.data_ptr<T>(), x.stride(0), x.stride(1), cos.data_ptr<T>(),
+                                  sin.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1),
+                                  x.size(2)));
+  return out;
+}
+
+// (gate_up (T, 2I)) -> act(gate) * up (T, I); act is silu, or gelu (tanh) when `gelu`.
+torch::Tensor act_and_mul(torch::Tensor gate_up, bool gelu) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even row size");
+  const int64_t I = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), I}, gate_up.options());
+  PAGEFLEET_DISPATCH(gate_up.scalar_type(),
+                     if (gelu) act_and_mul_rows<T, true>(gate_up.data_ptr<T>(), gate_up.stride(0),
+                                                         out.data_ptr<T>(), gate_up.size(0), I);
+                     else act_and_mul_rows<T, false>(gate_up.data_ptr<T>(), gate_up.stride(0),
+                                                     out.data_ptr<T>(), gate_up.size(0), I));
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm of the sum (CPU)");
+  m.def("rope", &rope, "rotary embedding of (T, H, D) (CPU)");
+  m.def("act_and_mul", &act_and_mul, "SiLU or GELU-tanh of the gate times up (CPU)");
+  m.def("parallel_threads", &pagefleet::parallel_threads,
+        "threads at::parallel_for gives this extension's loops");
+}

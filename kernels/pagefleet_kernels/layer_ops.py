@@ -1,0 +1,47 @@
+"""A decoder layer's elementwise work around its matmuls, in eager PyTorch: the ground truth
+and the implementation on every device without a native one. `cpu_layer_ops` computes the
+same in one C++ pass each (the same bits, the norm's reduction order aside).
+
+The model takes these from its attention backend (`backend.layer_ops`), so the torch
+backend stays pure PyTorch end to end.
+"""
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["act_and_mul", "add_rms_norm", "rms_norm", "rope"]
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
+    """x (rows, n) normalized in float32, then, as Hugging Face does, cast back to x's dtype
+    before the weight multiplies it; Gemma's (1 + weight) is applied in float32."""
+    normed = F.rms_norm(x.float(), weight.shape, eps=eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream plus a layer's output, and that sum normalized."""
+    x = x + h
+    return x, rms_norm(x, weight, eps, unit_offset)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos (T, D); sin (T, D) with its first half negated (as the model's
+    `_rope` makes it), so that Hugging Face's rotate-half, cat(-x2, x1) * sin, is one roll
+    times it: the same products exactly (a negation rounds nothing), in two fewer ops."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def act_and_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """gate_up (T, 2I) = [gate | up] -> act(gate) * up: SiLU, or GELU with the tanh
+    approximation (Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    return gate * up
