@@ -53,10 +53,17 @@ class ModelRunner:
                 loaded.config,
                 get_attention_backend(attention_backend, device),
             )
-        self.model.load_hf_state_dict(loaded.weights)
+        # The model takes the weights over: with no reference left in `loaded`, a weight
+        # that prepacking replaces is freed at once, not held until the caller drops it.
+        weights, loaded.weights = loaded.weights, {}
+        self.model.load_hf_state_dict(weights)
+        del weights
         self.model.to(device=device, dtype=dtype).eval()
         if not enforce_eager:
             self.model.compile_around_attention()
+        elif device.type == "cpu" and torch.backends.mkldnn.is_available():
+            # Inductor cannot lower a prepacked weight it did not pack itself.
+            self.model.prepack_linears()
         self.kv_cache: torch.Tensor | None = (
             None  # (layers, 2, blocks, block_size, kv_heads, head_dim)
         )

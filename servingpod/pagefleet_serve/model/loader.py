@@ -396,7 +396,10 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
             for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 destination = fused.destination(k, weights)
                 if destination is None:
-                    weights[k] = f.get_tensor(k).to(dtype)
+                    # A copy even in the file's dtype: a view would keep the whole file
+                    # mapped (and its pages resident) while any one of its tensors lives,
+                    # e.g. a norm's weight after prepacking has replaced the matrices.
+                    weights[k] = f.get_tensor(k).to(dtype, copy=True)
                 else:
                     destination.copy_(f.get_tensor(k))
     config = _model_config(hf, _rope_scaling(hf, path), _eos_token_ids(path, hf), weights)

@@ -1,0 +1,49 @@
+"""Linear layers prepacked for oneDNN on the CPU: the same products as `F.linear` (bitwise in
+bfloat16, where both run oneDNN's kernel; within rounding in float32, where F.linear runs
+MKL's), for every batch size, with and without bias, on strided rows; and the engine packs
+exactly the weights it owns."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pagefleet_serve.model.llama import Linear
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN"
+)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("rows", [0, 1, 5, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_prepacked_linear_equals_f_linear(dtype, rows, bias):
+    torch.manual_seed(rows)
+    linear = Linear(576, 960, bias=bias).to(dtype)
+    weight = linear.weight.detach().clone()
+    bias_value = None if linear.bias is None else linear.bias.detach().clone()
+    x = torch.randn(rows, 1000, dtype=dtype)[:, :576]  # rows 1000 apart: not contiguous
+    linear.prepack()
+    assert linear.weight.numel() == 0  # the unpacked copy is released
+    got = linear(x)
+    expected = F.linear(x, weight, bias_value)
+    assert got.shape == (rows, 960)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_prepacks_every_linear_layer(make_llm):
+    """Every projection and the LM head; SmolLM2's head is its embedding, which keeps its
+    own rows for lookups. A compiled model keeps plain weights: inductor cannot lower a
+    weight it did not pack itself."""
+    small = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
+    model = make_llm(**small).engine.runner.model
+    for layer in model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            assert linear.packed_weight is not None
+    assert model.lm_head.packed_weight is not None
+    assert model.embed_tokens.weight.shape == (model.config.vocab_size, model.config.hidden_size)
+    compiled = make_llm(enforce_eager=False, **small).engine.runner.model
+    assert all(m.packed_weight is None for m in compiled.modules() if isinstance(m, Linear))
