@@ -283,13 +283,26 @@ def vllm_client_level(server: RunningServer, plan: Plan, concurrency: int, work:
         return {"unavailable": f"exit {done.returncode}: {tail(log_path)}"}
     result = json.loads((work / result_name).read_text())
     result.setdefault("incomplete", 0)
-    # Its JSON counts failures but keeps no reasons; its log prints them as "Error N: why".
-    reasons = [
-        line.partition(": ")[2]
-        for line in log_path.read_text(errors="replace").splitlines()
-        if line.startswith("Error ")
-    ]
+    reasons = logged_errors(log_path.read_text(errors="replace"))
     return summary(result) | ({"first_error": reasons[0][:300]} if reasons else {})
+
+
+def logged_errors(log: str) -> list[str]:
+    """Why `vllm bench serve`'s requests failed: its JSON counts failures but keeps no
+    reasons, its log prints each as "Error N: why", where why may be a traceback whose
+    indented lines follow: then the reason is the exception line that ends it."""
+    reasons: list[str] = []
+    in_traceback = False
+    for line in log.splitlines():
+        if line.startswith("Error "):
+            reason = line.partition(": ")[2]
+            in_traceback = reason.startswith("Traceback")
+            if not in_traceback:
+                reasons.append(reason)
+        elif in_traceback and line.strip() and not line.startswith(" "):
+            reasons.append(line)
+            in_traceback = False
+    return reasons
 
 
 def vllm_client_throughput(server: RunningServer, plan: Plan, work: Path, results: dict) -> None:

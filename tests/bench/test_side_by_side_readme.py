@@ -38,3 +38,26 @@ def test_a_readme_without_the_markers_is_refused(tmp_path):
     assert done.returncode != 0
     assert "markers must appear once each" in done.stderr
     assert readme.read_text().endswith("| server | c=1 |\n")
+
+
+def test_a_failed_request_is_reported_by_its_exception_not_its_traceback_header():
+    """vLLM's client logs a failed request as "Error N: why", where why may be a traceback
+    over the next lines; the report shows the exception line that ends it."""
+    from benchmarks.side_by_side.workloads import logged_errors
+
+    log = "\n".join(
+        [
+            "Starting initial single prompt test run...",
+            "Error 0: Traceback (most recent call last):",
+            '  File "aiohttp/http_writer.py", line 114, in _writelines',
+            '    raise ClientConnectionResetError("Cannot write to closing transport")',
+            "aiohttp.client_exceptions.ClientConnectionResetError: Cannot write to closing",
+            "",
+            "Error 1: Server returned 503",
+            "Successful requests: 14",
+        ]
+    )
+    assert logged_errors(log) == [
+        "aiohttp.client_exceptions.ClientConnectionResetError: Cannot write to closing",
+        "Server returned 503",
+    ]
