@@ -12,7 +12,7 @@ import torch
 from pagefleet_kernels import layer_ops
 from pagefleet_kernels.cpu_build import load_extension
 
-__all__ = ["act_and_mul", "add_rms_norm", "available", "rms_norm", "rope"]
+__all__ = ["act_and_mul", "add_rms_norm", "available", "dequantize_int4", "rms_norm", "rope"]
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -58,3 +58,10 @@ def act_and_mul(gate_up, gelu: bool = False):
     if ext is None or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
         return layer_ops.act_and_mul(gate_up, gelu)
     return ext.act_and_mul(gate_up, gelu)
+
+
+def dequantize_int4(nibbles, scales_and_zeros, group_size: int):
+    ext = _native(scales_and_zeros[0])
+    if ext is None:
+        return layer_ops.dequantize_int4(nibbles, scales_and_zeros, group_size)
+    return ext.dequantize_int4(list(nibbles), list(scales_and_zeros), group_size)

@@ -9,7 +9,7 @@ backend stays pure PyTorch end to end.
 import torch
 import torch.nn.functional as F
 
-__all__ = ["act_and_mul", "add_rms_norm", "rms_norm", "rope"]
+__all__ = ["act_and_mul", "add_rms_norm", "dequantize_int4", "rms_norm", "rope"]
 
 
 def rms_norm(
@@ -45,3 +45,21 @@ def act_and_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
     return gate * up
+
+
+def dequantize_int4(
+    nibbles: list[torch.Tensor], scales_and_zeros: list[torch.Tensor], group_size: int
+) -> torch.Tensor:
+    """The (N, K) matrix, in the scales' dtype, of one or more 4-bit parts summed (a Q8_0
+    matrix is two). A part's codes are nibbles (N, K / 2): in each group, byte j holds input
+    j in its low nibble and input j + group / 2 in its high one (GGUF's order); its scales
+    and zeros are (K / group, N, 2), as PyTorch's int4 matmul takes them.
+    w = (code - 8) * scale + zero, in float32, rounded once."""
+    total = None
+    for packed, sz in zip(nibbles, scales_and_zeros, strict=True):
+        halves = packed.view(packed.shape[0], -1, group_size // 2)
+        codes = torch.cat((halves & 0x0F, halves >> 4), dim=-1)  # (N, K / group, group)
+        scale, zero = sz.float().permute(1, 0, 2).unbind(-1)  # (N, K / group) each
+        part = ((codes.float() - 8.0) * scale[..., None] + zero[..., None]).flatten(1)
+        total = part if total is None else total + part
+    return total.to(scales_and_zeros[0].dtype)

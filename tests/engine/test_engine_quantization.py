@@ -13,7 +13,12 @@ from pagefleet_serve import SamplingParams
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.model.llama import LlamaForCausalLM
 from pagefleet_serve.model.loader import builtin_gguf_path, load_model
-from pagefleet_serve.model.quant import QuantizedLinear, from_gguf, quantize_int8
+from pagefleet_serve.model.quant import (
+    DEQUANTIZE_ROWS,
+    QuantizedLinear,
+    from_gguf,
+    quantize_int8,
+)
 
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -48,6 +53,25 @@ def test_quantized_matmul_equals_dequantize_then_matmul(type_name, rows):
     actual = QuantizedLinear(weight, bias)(x)
     assert actual.shape == (rows, 192)
     assert relative_error(actual, expected) < 1e-5
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_wide_batches_multiply_the_dequantized_matrix(type_name):
+    """From DEQUANTIZE_ROWS rows on, the layer dequantizes its 4-bit parts and runs a float
+    matmul: the nibbles and scales it keeps for that give the GGUF's weights exactly, and a
+    wide batch gets what the same rows get a few at a time through the int4 kernel."""
+    weight = from_gguf(gguf_blocks(type_name, 192, 576), type_name)
+    layer = QuantizedLinear(weight)
+    parts = range(layer.num_int4_parts)
+    matrix = layer.ops.dequantize_int4(
+        [getattr(layer, f"nibbles_{i}") for i in parts],
+        [getattr(layer, f"scales_and_zeros_{i}") for i in parts],
+        layer.group_size,
+    )
+    torch.testing.assert_close(matrix, weight.dequantize(), atol=0, rtol=0)
+    x = torch.randn(DEQUANTIZE_ROWS, 576)
+    few_at_a_time = torch.cat([layer(x[i : i + 8]) for i in range(0, DEQUANTIZE_ROWS, 8)])
+    assert relative_error(layer(x), few_at_a_time) < 1e-5
 
 
 def test_real_q4_1_and_q8_0_tensors_of_the_builtin_model():

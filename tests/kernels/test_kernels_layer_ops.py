@@ -87,6 +87,32 @@ def test_activation_times_up(dtype, shape, gelu):
     assert_within_ulps(actual, layer_ops.act_and_mul(gate_up.double(), gelu), ACTIVATION_ULPS)
 
 
+@pytest.mark.parametrize("group", [32, 64])  # GGUF's groups (a compiled special case), another
+@pytest.mark.parametrize("parts", [1, 2])  # a 4-bit matrix, a Q8_0 one as two 4-bit parts
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dequantize_int4(dtype, parts, group):
+    generator = torch.Generator().manual_seed(group + parts)
+    rows, inputs = 96, 256
+    nibbles = [
+        torch.randint(0, 256, (rows, inputs // 2), dtype=torch.uint8, generator=generator)
+        for _ in range(parts)
+    ]
+    scales_and_zeros = [
+        torch.randn(inputs // group, rows, 2, generator=generator).to(dtype) for _ in range(parts)
+    ]
+    actual = cpu_layer_ops.dequantize_int4(nibbles, scales_and_zeros, group)
+    assert actual.shape == (rows, inputs) and actual.dtype == dtype
+    # The same float32 operations in the same order, one rounding: torch's bits.
+    assert torch.equal(actual, layer_ops.dequantize_int4(nibbles, scales_and_zeros, group))
+    # One weight by hand: input 3 of group 1 (low nibble of byte 3) and input 3 + group / 2
+    # of group 1 (its high nibble), row 5.
+    byte = int(nibbles[0][5, group // 2 + 3])
+    scale, zero = scales_and_zeros[0][1, 5].float()  # float32, as the kernel computes
+    if parts == 1:
+        for code, column in ((byte & 0x0F, group + 3), (byte >> 4, group + group // 2 + 3)):
+            assert actual[5, column] == ((code - 8.0) * scale + zero).to(dtype)
+
+
 def test_layer_ops_fall_back_to_torch_for_what_the_kernels_do_not_take():
     """Float64 (no C++ instantiation) and a norm over (T, H, D) (q/k norms) take the eager
     ops rather than failing."""

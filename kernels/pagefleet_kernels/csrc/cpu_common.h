@@ -57,8 +57,11 @@ struct Elem<c10::BFloat16> {
     uint32_t u;
     std::memcpy(&u, &f, sizeof(u));
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return c10::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded),
-                         c10::BFloat16::from_bits());
+    // NaN told by its bits (an integer compare, which a vectorized loop can select on).
+    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    c10::BFloat16 out;
+    out.x = static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
+    return out;
   }
 };
 

@@ -1,6 +1,7 @@
 // The elementwise work of a decoder layer around its matmuls, one pass each: RMSNorm (with
-// the residual add before it), rotary embedding of q and k together, and the gated MLP's
-// activation times its up projection. Eager PyTorch runs these as 4-8 ops each (the norm
+// the residual add before it), rotary embedding of q and k together, the gated MLP's
+// activation times its up projection, and 4-bit weights dequantized for a large batch's
+// matmul. Eager PyTorch runs these as 4-8 ops each (the norm
 // alone: cast, square, mean, add, rsqrt, multiply, cast, multiply, plus their dispatch),
 // which at decode batch 1 costs more than the arithmetic.
 //
@@ -118,6 +119,43 @@ void act_and_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, in
   });
 }
 
+// out (N, K) = sum over parts of (code - 8) * scale + zero, one group of `group` inputs per
+// scale and zero, in float32, rounded to T once. A part's codes are nibbles (N, K / 2): in
+// each group, byte j holds input j in its low nibble and input j + group / 2 in its high one
+// (GGUF's own order), so both halves of a group are written as contiguous runs. Its scales
+// and zeros are (K / group, N, 2), as PyTorch's int4 matmul takes them.
+// HALF: group / 2 known at compile time (16 for GGUF's groups of 32), which lets the
+// compiler turn each half-group into one vector operation; 0: read from `group`.
+template <typename T, int64_t HALF>
+void dequantize_int4_rows(const std::vector<const uint8_t*>& nibbles,
+                          const std::vector<const T*>& scales_and_zeros, T* out, int64_t N,
+                          int64_t K, int64_t group) {
+  const int64_t half = HALF > 0 ? HALF : group / 2;
+  at::parallel_for(0, N, grain(K), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (int64_t n = begin; n < end; ++n) {
+      std::fill(row.begin(), row.end(), 0.f);
+      for (size_t p = 0; p < nibbles.size(); ++p) {
+        for (int64_t g = 0; g < K / group; ++g) {
+          // restrict: a byte pointer may alias anything, and without it the loop stays
+          // scalar (the stores to `low` could change `codes`).
+          const uint8_t* __restrict__ codes = nibbles[p] + n * (K / 2) + g * half;
+          const T* sz = scales_and_zeros[p] + (g * N + n) * 2;
+          const float scale = Elem<T>::load(sz[0]), zero = Elem<T>::load(sz[1]);
+          float* __restrict__ low = row.data() + g * group;
+          float* __restrict__ high = low + half;
+          for (int64_t j = 0; j < half; ++j) {
+            low[j] += (static_cast<float>(codes[j] & 0x0F) - 8.f) * scale + zero;
+            high[j] += (static_cast<float>(codes[j] >> 4) - 8.f) * scale + zero;
+          }
+        }
+      }
+      T* o = out + n * K;
+      for (int64_t i = 0; i < K; ++i) o[i] = Elem<T>::store(row[i]);
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
@@ -197,11 +235,45 @@ torch::Tensor act_and_mul(torch::Tensor gate_up, bool gelu) {
   return out;
 }
 
+// (nibbles [(N, K / 2) uint8], scales_and_zeros [(K / group, N, 2)], group) -> the
+// weight (N, K) in the scales' dtype, the parts summed (a Q8_0 matrix is two int4 parts).
+torch::Tensor dequantize_int4(std::vector<torch::Tensor> nibbles,
+                              std::vector<torch::Tensor> scales_and_zeros, int64_t group) {
+  TORCH_CHECK(!nibbles.empty() && nibbles.size() == scales_and_zeros.size(),
+              "one scales_and_zeros tensor per nibbles tensor");
+  const int64_t N = nibbles[0].size(0), K = 2 * nibbles[0].size(1);
+  TORCH_CHECK(group % 2 == 0 && K % group == 0, "group must be even and divide K");
+  const auto dtype = scales_and_zeros[0].scalar_type();
+  for (size_t p = 0; p < nibbles.size(); ++p) {
+    TORCH_CHECK(nibbles[p].scalar_type() == torch::kUInt8 && nibbles[p].is_contiguous() &&
+                    nibbles[p].size(0) == N && nibbles[p].size(1) == K / 2,
+                "nibbles must be contiguous uint8 (N, K / 2), alike for every part");
+    const auto& sz = scales_and_zeros[p];
+    TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == dtype && sz.dim() == 3 &&
+                    sz.size(0) == K / group && sz.size(1) == N && sz.size(2) == 2,
+                "scales_and_zeros must be contiguous (K / group, N, 2) of one dtype");
+  }
+  auto out = torch::empty({N, K}, scales_and_zeros[0].options());
+  std::vector<const uint8_t*> codes;
+  for (const auto& t : nibbles) codes.push_back(t.data_ptr<uint8_t>());
+  PAGEFLEET_DISPATCH(dtype, {
+    std::vector<const T*> sz;
+    for (const auto& t : scales_and_zeros) sz.push_back(t.data_ptr<T>());
+    if (group == 32) {
+      dequantize_int4_rows<T, 16>(codes, sz, out.data_ptr<T>(), N, K, group);
+    } else {
+      dequantize_int4_rows<T, 0>(codes, sz, out.data_ptr<T>(), N, K, group);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm of the sum (CPU)");
   m.def("rope", &rope, "rotary embedding of (T, H, D) (CPU)");
   m.def("act_and_mul", &act_and_mul, "SiLU or GELU-tanh of the gate times up (CPU)");
+  m.def("dequantize_int4", &dequantize_int4, "4-bit weights (one or more parts) to a matrix");
   m.def("parallel_threads", &pagefleet::parallel_threads,
         "threads at::parallel_for gives this extension's loops");
 }

@@ -465,7 +465,8 @@ class LlamaForCausalLM(nn.Module):
         """Swap the Linear at `path` for a QuantizedLinear of `weight` (and its bias)."""
         parent_path, _, attr = path.rpartition(".")
         parent = self.get_submodule(parent_path) if parent_path else self
-        setattr(parent, attr, QuantizedLinear(weight, weights.pop(path + ".bias", None)))
+        bias = weights.pop(path + ".bias", None)
+        setattr(parent, attr, QuantizedLinear(weight, bias, self.layers[0].self_attn.ops))
 
 
 def _cat_rows(parts: list) -> torch.Tensor | QuantizedWeight:

@@ -25,8 +25,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from pagefleet_kernels import layer_ops
 from torch import nn
 
+# From this many rows on, 4-bit weights are dequantized and multiplied as float (see
+# QuantizedLinear). PyTorch's int4 matmul against dequantize + matmul, bfloat16, two threads
+# (int4 / dequantized, ms): a 3072 x 576 Q4_1 matrix 0.79 / 0.84 at 32 rows, 1.69 / 1.28 at
+# 64, 68.9 / 24.1 at 2,048; SmolLM2's 49152 x 576 Q8_0 head 30.3 / 47.7 at 32, 70.2 / 48.5
+# at 64, 1,864 / 429 at 2,048.
+DEQUANTIZE_ROWS = 64
 QUANTIZATIONS = ("auto", "none", "int8")  # auto: a GGUF's own; none: expand; int8: per row
 GGUF_GROUP = 32  # weights per Q4_0/Q4_1/Q8_0 block
 INT4_OFFSET = 8  # the int4 kernel's implicit zero code
@@ -123,36 +131,60 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
 
 
 # -- the layer ----------------------------------------------------------------------------
-def _pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
-    """uint8 codes in [0, 15] (N, K) -> the CPU kernel's packed matrix and its
-    (K / group, N, 2) scales and zeros."""
+def _pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int):
+    """uint8 codes in [0, 15] (N, K) -> the CPU kernel's packed matrix, its (K / group, N, 2)
+    scales and zeros, and the codes as nibbles (N, K / 2) for `dequantize_int4` (in each
+    group, byte j holds input j low and input j + group / 2 high)."""
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     zero = torch.zeros_like(scale) if zero is None else zero
-    return packed, torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+    halves = codes.view(codes.shape[0], -1, group).split(group // 2, dim=-1)
+    nibbles = (halves[0] | (halves[1] << 4)).flatten(1).contiguous()
+    return packed, torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous(), nibbles
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T (+ bias) with W kept in its quantized form (CPU only)."""
+    """y = x W^T (+ bias) with W kept in its quantized form (CPU only).
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    PyTorch's int4 matmul reads the packed weight directly, which at a decode step's few
+    rows is what makes 4-bit weights fast (a 3072 x 576 matrix at one row: 51 us against 112
+    for bfloat16), but from 64 rows up it runs 2.2-2.5x slower than a bfloat16 matmul. From
+    `DEQUANTIZE_ROWS` rows on (a prefill chunk, a wide decode batch), the 4-bit weight is
+    therefore dequantized into the activations' dtype (`pagefleet_kernels.layer_ops.
+    dequantize_int4`, one C++ pass on the CPU backend) and multiplied as a float matrix.
+    That keeps the codes a second time as plain nibbles: 4-bit weights take one byte per
+    weight instead of half a byte, still half of bfloat16's."""
+
+    def __init__(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None = None, ops=layer_ops
+    ) -> None:
         super().__init__()
+        self.ops = ops  # the backend's layer ops, for dequantize_int4
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
-        # 4-bit parts, each (packed codes, scales and zeros); a Q8_0 matrix is two of them.
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # 4-bit parts, each (packed codes, scales and zeros, nibbles); a Q8_0 matrix is two.
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         if weight.bits == 4:
-            parts.append(_pack_int4(weight.codes, weight.scale, weight.zero))
+            parts.append(_pack_int4(weight.codes, weight.scale, weight.zero, self.group_size))
         elif weight.group_size != self.in_features:  # int8 codes per group (Q8_0)
             codes = weight.codes.to(torch.int16)
             hi, lo = torch.div(codes, 16, rounding_mode="floor"), codes % 16
-            parts.append(_pack_int4((hi + INT4_OFFSET).to(torch.uint8), 16 * weight.scale, None))
-            parts.append(_pack_int4(lo.to(torch.uint8), weight.scale, INT4_OFFSET * weight.scale))
+            parts.append(
+                _pack_int4(
+                    (hi + INT4_OFFSET).to(torch.uint8), 16 * weight.scale, None, self.group_size
+                )
+            )
+            parts.append(
+                _pack_int4(
+                    lo.to(torch.uint8), weight.scale, INT4_OFFSET * weight.scale, self.group_size
+                )
+            )
         self.num_int4_parts = len(parts)
         # Buffers, not parameters, and not in the state dict: built from the checkpoint's
         # codes at load, never loaded by name.
-        for i, (packed, scales_and_zeros) in enumerate(parts):
+        for i, (packed, scales_and_zeros, nibbles) in enumerate(parts):
             self.register_buffer(f"packed_{i}", packed, persistent=False)
             self.register_buffer(f"scales_and_zeros_{i}", scales_and_zeros, persistent=False)
+            self.register_buffer(f"nibbles_{i}", nibbles, persistent=False)
         if not parts:  # int8 with one scale per row
             self.register_buffer("int8_codes", weight.codes, persistent=False)
             self.register_buffer("int8_scale", weight.scale[:, 0].contiguous(), persistent=False)
@@ -160,7 +192,15 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.num_int4_parts:
+        if self.num_int4_parts and flat.shape[0] >= DEQUANTIZE_ROWS:
+            parts = range(self.num_int4_parts)
+            weight = self.ops.dequantize_int4(
+                [getattr(self, f"nibbles_{i}") for i in parts],
+                [getattr(self, f"scales_and_zeros_{i}") for i in parts],
+                self.group_size,
+            )
+            y = F.linear(flat, weight.to(flat.dtype))
+        elif self.num_int4_parts:
             y = None
             for i in range(self.num_int4_parts):
                 part = torch._weight_int4pack_mm_for_cpu(
