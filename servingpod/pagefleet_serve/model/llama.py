@@ -9,8 +9,8 @@ whether the checkpoint already has q/k/v and gate/up fused (Phi-3).
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
 context; the backend's `layer_ops` (pagefleet_kernels.layer_ops, or their C++ versions with
-the CPU backend) do the norms, rotary embedding and MLP activation. Weight names follow Hugging Face's LlamaForCausalLM; q/k/v and gate/up are fused
-at load time (one matmul each).
+the CPU backend) do the norms, rotary embedding and MLP activation. Weight names follow
+Hugging Face's LlamaForCausalLM; q/k/v and gate/up are fused at load time (one matmul each).
 """
 
 import math
@@ -141,9 +141,9 @@ class Linear(nn.Linear):
     On the CPU, `prepack` reorders the weight once into oneDNN's blocked layout and multiplies
     with it from then on (`torch.ops.mkldnn._linear_pointwise`, what inductor's CPU freezing
     uses; vLLM's CPU backend prepacks its oneDNN weights the same way). `F.linear` reorders
-    the weight on every call: the 120 matmuls of a SmolLM2 decode step measured 1.1-2x
-    faster prepacked (bfloat16, batch 1-64, identical results; float32 1.2-1.9x, within
-    rounding of MKL's). Unpacked, a single bfloat16/float16 row is computed as two rows (a
+    the weight on every call: the 120 matmuls of a SmolLM2 decode step measured 1.9x / 1.9x
+    / 1.4x / 1.1x faster prepacked at batch 1 / 8 / 64 / 2048 (bfloat16, identical results;
+    float32 1.3-2.0x, within rounding of MKL's). Unpacked, a single bfloat16/float16 row is computed as two rows (a
     broadcast, no copy): PyTorch sends one row to a matrix-vector routine several times
     slower than a two-row product."""
 
@@ -153,8 +153,9 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
 
     def prepack(self) -> None:
-        """Reorder the weight for oneDNN and release the original (CPU only; not for a
-        weight shared with another module, such as a tied embedding)."""
+        """Reorder the weight for oneDNN and release this module's reference to the
+        original (CPU only). A weight another module shares (a tied embedding) lives on
+        there, and the packed one is a copy."""
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             self.weight.detach(), PREPACK_BATCH_HINT
         )
