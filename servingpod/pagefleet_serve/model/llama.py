@@ -211,14 +211,14 @@ class LlamaAttention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.ops = ops_of(backend)
         if config.qk_norm:
-            self.q_norm = make_norm(config, config.head_dim, ops_of(backend))
-            self.k_norm = make_norm(config, config.head_dim, ops_of(backend))
+            self.q_norm = make_norm(config, config.head_dim, self.ops)
+            self.k_norm = make_norm(config, config.head_dim, self.ops)
         self.qk_norm = config.qk_norm
         self.sliding_window = config.layer_sliding_window(layer)
         self.softcap = config.attn_logit_softcapping
         self.backend = backend
-        self.ops = ops_of(backend)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q, k, v (T, heads, D) of the normed hidden states: projected, q/k-normed, rotated."""
@@ -323,7 +323,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, backend, i) for i in range(config.num_layers)]
         )
-        self.norm = make_norm(config, config.hidden_size, ops_of(backend))
+        self.ops = ops_of(backend)  # the backend's layer ops (also for quantized layers)
+        self.norm = make_norm(config, config.hidden_size, self.ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -467,7 +468,7 @@ class LlamaForCausalLM(nn.Module):
         parent_path, _, attr = path.rpartition(".")
         parent = self.get_submodule(parent_path) if parent_path else self
         bias = weights.pop(path + ".bias", None)
-        setattr(parent, attr, QuantizedLinear(weight, bias, self.layers[0].self_attn.ops))
+        setattr(parent, attr, QuantizedLinear(weight, bias, self.ops))
 
 
 def _cat_rows(parts: list) -> torch.Tensor | QuantizedWeight:

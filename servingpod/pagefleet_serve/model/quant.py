@@ -193,13 +193,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.num_int4_parts and flat.shape[0] >= DEQUANTIZE_ROWS:
-            parts = range(self.num_int4_parts)
-            weight = self.ops.dequantize_int4(
-                [getattr(self, f"nibbles_{i}") for i in parts],
-                [getattr(self, f"scales_and_zeros_{i}") for i in parts],
-                self.group_size,
-            )
-            y = F.linear(flat, weight.to(flat.dtype))
+            y = F.linear(flat, self.dequantized().to(flat.dtype))
         elif self.num_int4_parts:
             y = None
             for i in range(self.num_int4_parts):
@@ -215,6 +209,15 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The 4-bit weight (its parts summed) as a float matrix in the scales' dtype."""
+        parts = range(self.num_int4_parts)
+        return self.ops.dequantize_int4(
+            [getattr(self, f"nibbles_{i}") for i in parts],
+            [getattr(self, f"scales_and_zeros_{i}") for i in parts],
+            self.group_size,
+        )
 
     def extra_repr(self) -> str:
         kind = "int8 per row" if not self.num_int4_parts else f"{self.num_int4_parts} x int4"
