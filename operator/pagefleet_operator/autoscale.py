@@ -85,9 +85,10 @@ def _ceil(value: float) -> int:
     return math.ceil(round(value, 6))
 
 
-def _clamp(replicas: int, policy: AutoscalingSpec, floor: int | None = None) -> int:
-    lowest = policy.min_replicas if floor is None else floor
-    return max(lowest, min(policy.max_replicas, replicas))
+def _clamp(replicas: int, policy: AutoscalingSpec, floor: int) -> int:
+    """`replicas` within [floor, maxReplicas]; the floor is minReplicas or, with minReplicas
+    0, what the idle window allows (see `_floor`)."""
+    return max(floor, min(policy.max_replicas, replicas))
 
 
 def _floor(policy: AutoscalingSpec, idle_since: float | None, now: float) -> int:

@@ -231,3 +231,94 @@ def test_decode_takes_a_new_block_exactly_one_past_the_boundary():
     bm.free(seq)
     bm.free(full)
     bm.check_no_leaks()
+
+
+def test_trim_gives_back_the_blocks_past_the_computed_tokens_and_the_lookahead():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(8))
+    assert bm.allocate(seq, 16) is not None  # 8 tokens and 8 draft slots: 4 blocks
+    seq.num_computed_tokens = 8
+    bm.trim(seq, num_lookahead_tokens=1)  # position 8 kept for a draft model: 3 blocks
+    assert seq.block_table == [0, 1, 2] and bm.num_free_blocks == 5
+    bm.trim(seq)  # no lookahead: the 8 computed tokens' 2 blocks
+    assert seq.block_table == [0, 1] and bm.num_free_blocks == 6
+    # Released tail first: the next allocation takes the block freed last.
+    other = make_seq(range(100, 104), request_id="o")
+    compute(bm, other, 4)
+    assert other.block_table == [2]
+
+
+def test_holds_slots_only_in_blocks_the_sequence_alone_holds():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    first = make_seq(range(6))
+    compute(bm, first, 6)  # blocks 0 (full, cached) and 1 (positions 4..7)
+    assert bm.holds_slots(first, 2)  # positions 6, 7
+    assert not bm.holds_slots(first, 3)  # position 8 has no block yet
+    # A prefix hit shares block 0; positions past it lie in the sequence's own block.
+    second = make_seq([0, 1, 2, 3, 50, 51], request_id="second")
+    compute(bm, second, 2, prefix=bm.find_cached_prefix(second))
+    assert second.block_table[0] == first.block_table[0]
+    assert bm.holds_slots(second, 2)  # positions 6, 7: its own block
+    # A fork shares its parent's partial block until a write copies it.
+    child = first.fork(1, None)
+    bm.fork(child)
+    assert not bm.holds_slots(child, 1) and not bm.holds_slots(first, 1)
+
+
+def test_a_block_computed_twice_keeps_the_first_copy_cached():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    first, second = make_seq(range(5)), make_seq(range(5), request_id="second")
+    # Both missed the cache in the same step: two copies of the same block.
+    for seq in (first, second):
+        assert bm.allocate(seq, 5) is not None
+    for seq in (first, second):
+        seq.num_computed_tokens = 5
+        bm.cache_full_blocks(seq)
+    [block_hash] = first.block_hashes
+    assert bm.cached[block_hash].block_id == first.block_table[0]
+    assert bm.blocks[second.block_table[0]].block_hash is None
+
+
+def test_a_reused_block_is_cached_again_under_its_new_content():
+    bm = BlockManager(num_blocks=2, block_size=BS, enable_prefix_caching=True)
+    old = make_seq(range(8))
+    compute(bm, old, 8)
+    bm.free(old)
+    new = make_seq(range(100, 108), request_id="new")
+    compute(bm, new, 8)  # evicts both of old's blocks
+    table = list(new.block_table)
+    bm.free(new)
+    again = make_seq([*range(100, 108), 1], request_id="again")
+    assert [b.block_id for b in bm.find_cached_prefix(again)] == table
+
+
+def test_a_freed_sequence_recomputed_from_scratch_caches_its_blocks_again():
+    bm = BlockManager(num_blocks=2, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(8))
+    compute(bm, seq, 8)
+    bm.free(seq)  # preempted
+    seq.num_computed_tokens = 0
+    other = make_seq(range(100, 108), request_id="other")
+    compute(bm, other, 8)  # evicts seq's blocks
+    bm.free(other)
+    assert bm.find_cached_prefix(make_seq([*range(8), 1], request_id="probe")) == []
+    compute(bm, seq, 8)  # recomputed: no hit left
+    assert len(bm.find_cached_prefix(make_seq([*range(8), 1], request_id="probe"))) == 2
+
+
+def test_prefix_lookups_accumulate():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    bm.count_prefix_lookup(10, 4)
+    bm.count_prefix_lookup(6, 0)
+    bm.count_prefix_lookup(9, 8)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (25, 12)
+
+
+def test_a_leak_report_names_the_first_20_held_blocks_and_the_count():
+    bm = BlockManager(num_blocks=32, block_size=BS, enable_prefix_caching=True)
+    compute(bm, make_seq(range(100)), 100)  # 25 blocks, never freed
+    with pytest.raises(AssertionError) as caught:
+        bm.check_no_leaks()
+    assert str(caught.value) == (
+        f"blocks still referenced: {list(range(20))} (25 in all); free queue holds 7 of 32"
+    )

@@ -142,6 +142,18 @@ def test_finish_ends_only_the_unfinished_samples(tokenizer):
     assert processor.finish("r", "abort", 6.0) is None  # already gone
 
 
+def test_finish_of_one_sample_leaves_its_siblings_running(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    start(processor, tokenizer, SamplingParams(n=3))
+    # A stop string ended sample 1 only: the request goes on with 0 and 2.
+    out = processor.finish("r", "stop", 4.0, sample_index=1)
+    assert [(c.index, c.finish_reason) for c in out.outputs] == [(1, "stop")]
+    assert not out.finished and "r" in processor.requests
+    out = processor.finish("r", "abort", 5.0)
+    assert [(c.index, c.finish_reason) for c in out.outputs] == [(0, "abort"), (2, "abort")]
+    assert out.finished
+
+
 def test_finish_ends_a_running_sample(tokenizer):
     processor = OutputProcessor(tokenizer)
     (seq,) = start(processor, tokenizer, SamplingParams())
@@ -184,3 +196,33 @@ def test_without_a_tokenizer_there_is_no_text():
     seq.token_ids.append(5)
     (out,), stopped = processor.process([(seq, SampledToken(5))], 1.0)
     assert out.outputs[0].text == "" and out.outputs[0].token_ids == [5] and stopped == []
+
+
+def test_an_accepted_draft_run_is_one_delta_with_every_tokens_text(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams(max_tokens=3))
+    ids = encode(tokenizer, " The answer is")
+    assert len(ids) == 3
+    # One step appends the whole run; the scheduler ended the sequence at its last token.
+    seq.token_ids += ids
+    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+    (out,), _ = processor.process([(seq, SampledToken(t)) for t in ids], 1.0)
+    assert [(c.text, c.finish_reason) for c in out.outputs] == [(" The answer is", "length")]
+    assert out.finished
+
+
+def test_a_stop_string_inside_a_draft_run_drops_the_rest_of_that_run_only(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    (seq,) = start(processor, tokenizer, SamplingParams(stop=[" answer"]))
+    (other,) = start(processor, tokenizer, SamplingParams(), request_id="other")
+    ids = encode(tokenizer, " The answer is")
+    hello = encode(tokenizer, "Hello")[0]
+    seq.token_ids += ids
+    other.token_ids.append(hello)
+    step = [(seq, SampledToken(t)) for t in ids] + [(other, SampledToken(hello))]
+    outputs, stopped = processor.process(step, 1.0)
+    assert stopped == [seq]
+    assert [(o.request_id, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs] == [
+        ("r", " The", "stop"),
+        ("other", "Hello", None),
+    ]

@@ -6,9 +6,11 @@ import math
 
 import pytest
 import torch
+import xgrammar as xgr
 from pagefleet_serve import LLM
-from pagefleet_serve.engine.sampler import SampleRow, _apply_penalties, sample
+from pagefleet_serve.engine.sampler import SampleRow, SamplingError, _apply_penalties, sample
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.grammar import GrammarMatcher
 
 # Probabilities 0.4, 0.3, 0.2, 0.1 at token ids 2, 0, 3, 1 (shuffled so that survivors must
 # be mapped back from sorted order to token ids).
@@ -253,3 +255,69 @@ def test_the_engine_hands_the_repetition_penalty_the_prompt_and_the_output():
     assert len(set(plain)) < len(plain) and set(plain) & set(prompt)
     penalized = greedy(100.0)
     assert len(set(penalized)) == len(penalized) and not set(penalized) & set(prompt)
+
+
+# -- filter boundaries ----------------------------------------------------------------------
+EQUAL = [0.0, 0.0, 0.0, 0.0]  # probabilities exactly 0.25 each; masses before 0, .25, .5, .75
+
+
+def test_top_p_stops_at_the_token_whose_mass_reaches_it_exactly():
+    # 0.25 + 0.25 reaches 0.5: two tokens, not the third (whose mass before is 0.5).
+    assert len(drawn(EQUAL, SamplingParams(top_p=0.5))) == 2
+    assert len(drawn(EQUAL, SamplingParams(top_p=0.5000001))) == 3
+
+
+def test_min_p_keeps_a_token_exactly_at_the_threshold():
+    # min_p 1: the threshold is the top probability itself, which every token has here.
+    assert drawn(EQUAL, SamplingParams(min_p=1.0)) == {0, 1, 2, 3}
+
+
+def test_a_penalty_that_overflows_is_clamped_to_the_finite_range():
+    # A seen logit of -3e38 times 2 and one of 3e38 divided by 0.5 leave float32's range;
+    # +-inf would turn the softmax into NaN, so they are clamped to its ends.
+    big = 3e38
+    for penalty, logit, bound in ((2.0, -big, "min"), (0.5, big, "max")):
+        logits = torch.tensor([[logit, 1.0]])
+        params = SamplingParams(repetition_penalty=penalty)
+        out = _apply_penalties(logits.clone(), [row(params, output=[0])])[0].tolist()
+        assert out == [getattr(torch.finfo(torch.float32), bound), 1.0]
+
+
+# -- failures -------------------------------------------------------------------------------
+def test_a_failed_step_rewinds_every_generator_and_says_why():
+    # 10 alternatives asked of a 4-token vocabulary: the step fails after the draw, which
+    # advanced both generators.
+    rows = [row(SamplingParams(logprobs=10), 1), row(SamplingParams(), 2)]
+    before = [r.generator.get_state() for r in rows]
+    batch = torch.tensor([LOGITS] * 2)
+    with pytest.raises(SamplingError, match=r"^sampling failed: RuntimeError: .*out of range"):
+        sample(batch, rows)
+    assert all(torch.equal(r.generator.get_state(), s) for r, s in zip(rows, before, strict=True))
+    # So a retry of the rows apart draws what a first try would have.
+    rows[0].params = SamplingParams()
+    fresh = [row(SamplingParams(), seed) for seed in (1, 2)]
+    assert [t.token_id for t in sample(batch, rows)] == [t.token_id for t in sample(batch, fresh)]
+
+
+# -- structured output ----------------------------------------------------------------------
+def ab_matcher(accepted=()) -> GrammarMatcher:
+    """The regex `ab` over the vocabulary a, b, c, </s>: `a` is the only first token."""
+    info = xgr.TokenizerInfo(["a", "b", "c", "</s>"], stop_token_ids=[3])
+    matcher = GrammarMatcher(xgr.GrammarCompiler(info).compile_regex("ab"))
+    for token_id in accepted:
+        assert matcher.accept(token_id)
+    return matcher
+
+
+def test_a_grammar_masks_its_own_row_and_leaves_the_callers_logits_intact():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]] * 3)  # c is the most likely
+    original = logits.clone()
+    rows = [
+        SampleRow(SamplingParams(temperature=0.0), None, [], [], ab_matcher()),
+        SampleRow(SamplingParams(temperature=0.0), None, [], []),
+        # A grammar that is done (a, b, </s> accepted) no longer constrains its row.
+        SampleRow(SamplingParams(temperature=0.0), None, [0, 1, 3], [], ab_matcher([0, 1, 3])),
+    ]
+    assert rows[2].grammar.is_terminated
+    assert [t.token_id for t in sample(logits, rows)] == [0, 2, 2]
+    assert torch.equal(logits, original)  # a retry of the step starts from the same logits

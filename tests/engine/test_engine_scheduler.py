@@ -5,6 +5,7 @@ from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.scheduler import Scheduler
 from pagefleet_serve.engine.sequence import Sequence, SequenceStatus
+from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
 from pagefleet_serve.sampling_params import SamplingParams
 
 BS = 4
@@ -116,6 +117,43 @@ def test_a_sequence_that_is_the_victim_preempts_itself():
     assert s.running == [old] and s.waiting == [new]
     # Nothing is admitted in a step that preempted, even with blocks free now.
     assert s.block_manager.num_free_blocks == 2
+
+
+def decode_of(request_id, prompt, first_token):
+    """A sequence with `prompt` tokens and one output token (7): a decode once placed."""
+    seq = make_seq(request_id, prompt, first_token=first_token)
+    seq.token_ids.append(7)
+    return seq
+
+
+def test_a_victim_preempted_earlier_in_the_step_is_skipped_and_the_rest_still_run():
+    s = make_scheduler(num_blocks=5)
+    a = decode_of("a", 8, first_token=0)
+    b = make_seq("b", 7, first_token=100)
+    c = decode_of("c", 4, first_token=200)
+    place(s, a, 8)  # a decode whose next token needs a third block
+    place(s, b, 5)  # a prefill whose last 2 prompt tokens fit its second block
+    place(s, c, 4)  # the newest: the victim, after a and before b in the step's order
+    scheduled, out = run_step(s)
+    assert out.preempted == [c] and scheduled == {"a": 1, "b": 2}
+    assert (c.num_preemptions, s.num_preemptions) == (1, 1)
+
+
+def test_after_a_sequence_preempts_itself_the_older_prefills_still_run():
+    s = make_scheduler(num_blocks=3)
+    a = make_seq("a", 7)
+    c = decode_of("c", 4, first_token=200)
+    place(s, a, 5)  # a prefill that needs no new block
+    place(s, c, 4)  # a decode (scheduled first) that needs one, and the newest
+    scheduled, out = run_step(s)
+    assert out.preempted == [c] and scheduled == {"a": 2}
+    # Back in the same spot (a's next token fits its second block): preempted again, and
+    # both preemptions are counted.
+    s.waiting.remove(c)
+    place(s, c, 4)
+    scheduled, out = run_step(s)
+    assert out.preempted == [c] and scheduled == {"a": 1}
+    assert (c.num_preemptions, s.num_preemptions) == (2, 2)
 
 
 def test_budget_of_an_already_scheduled_victim_is_given_back():
@@ -276,3 +314,191 @@ def test_update_returns_each_new_token_and_forks_with_the_sibling_generators():
     family = s.sequences_of("n")
     assert new == list(zip(family, tokens, strict=True))
     assert [f.generator for f in family[1:]] == generators
+
+
+# -- speculative decoding -------------------------------------------------------------------
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=8)
+DRAFT_MODEL = SpeculativeConfig(
+    method="draft_model", model="builtin://tiny-random", num_speculative_tokens=3
+)
+
+
+def decoding(s, request_id="a", prompt=5, max_tokens=16, first_token=0, drafts=()):
+    """A sequence past its prefill (one token sampled: 7), proposing `drafts`."""
+    seq = make_seq(request_id, prompt, max_tokens=max_tokens, first_token=first_token)
+    s.add(seq)
+    run_step(s)
+    assert (seq.num_tokens, seq.num_computed_tokens) == (prompt + 1, prompt)
+    seq.spec_token_ids = list(drafts)
+    return seq
+
+
+def test_drafts_are_verified_and_only_the_accepted_ones_count_as_computed():
+    s = make_scheduler(speculative_config=NGRAM)
+    seq = decoding(s, drafts=[20, 21, 22])
+    out = s.schedule()
+    [item] = out.scheduled
+    assert (item.num_new_tokens, item.spec_token_ids) == (4, [20, 21, 22])
+    assert item.input_token_ids == [7, 20, 21, 22] and item.samples
+    assert len(seq.block_table) == 3  # slots for positions 5..8
+    # The model accepts 20 and 21, rejects 22 and samples 9 in its place.
+    accepted = [SampledToken(20), SampledToken(21), SampledToken(9)]
+    assert s.update(out, {seq: accepted}) == [(seq, t) for t in accepted]
+    assert seq.token_ids[-4:] == [7, 20, 21, 9]
+    # 7, 20 and 21 have their KV now; 9 is computed by the next step. The block that
+    # held only the rejected draft's slot goes back.
+    assert (seq.num_tokens, seq.num_computed_tokens) == (9, 8)
+    assert len(seq.block_table) == 2
+    assert s.block_manager.num_free_blocks == 64 - 2
+
+
+def test_a_draft_run_stops_at_the_token_that_ends_the_sequence():
+    s = make_scheduler(speculative_config=NGRAM)
+    seq = decoding(s, drafts=[20, 21, 22])
+    seq.params = SamplingParams(max_tokens=16, stop_token_ids=[21])
+    out = s.schedule()
+    tokens = [SampledToken(20), SampledToken(21), SampledToken(22), SampledToken(9)]
+    assert s.update(out, {seq: tokens}) == [(seq, tokens[0]), (seq, tokens[1])]
+    assert seq.is_finished and seq.finish_reason == "stop"
+    assert seq.block_table == [] and s.block_manager.num_free_blocks == 64
+
+
+def test_drafts_fit_the_budget_max_tokens_and_context():
+    drafts = list(range(20, 28))
+    # Budget 4: the decode's own token and 3 drafts.
+    s = make_scheduler(speculative_config=NGRAM, max_num_batched_tokens=8)
+    decoding(s, drafts=drafts)
+    s.max_num_batched_tokens = 4
+    assert s.schedule().scheduled[0].spec_token_ids == drafts[:3]
+    # max_tokens 4 with one output token: 2 drafts, so that the bonus token is the 4th.
+    s = make_scheduler(speculative_config=NGRAM)
+    decoding(s, max_tokens=4, drafts=drafts)
+    assert s.schedule().scheduled[0].spec_token_ids == drafts[:2]
+    # max_tokens 2: no room for a draft beside the bonus token.
+    s = make_scheduler(speculative_config=NGRAM)
+    decoding(s, max_tokens=2, drafts=drafts)
+    [item] = s.schedule().scheduled
+    assert (item.num_new_tokens, item.spec_token_ids) == (1, [])
+    # A context of 9 tokens with 6 in the sequence: 2 drafts (positions 6, 7) and the bonus.
+    s = Scheduler(
+        EngineConfig(model="builtin://tiny-random", block_size=BS, speculative_config=NGRAM),
+        BlockManager(64, BS, True),
+        max_model_len=9,
+    )
+    decoding(s, drafts=drafts)
+    assert s.schedule().scheduled[0].spec_token_ids == drafts[:2]
+
+
+def test_a_prefilling_sequence_verifies_no_drafts():
+    s = make_scheduler(speculative_config=NGRAM, max_num_batched_tokens=4)
+    seq = make_seq("a", 10)
+    s.add(seq)
+    run_step(s)  # 4 of the 10 prompt tokens
+    seq.spec_token_ids = [20, 21]
+    [item] = s.schedule().scheduled
+    assert (item.num_new_tokens, item.spec_token_ids) == (4, [])
+
+
+def test_drafts_are_dropped_before_anyone_is_preempted_for_them():
+    # 3 blocks: a (4 prompt tokens) and b (3) take one each. a's decode needs the third;
+    # its 5 drafts would need two more: they are dropped, and b is not preempted.
+    s = make_scheduler(num_blocks=3, speculative_config=NGRAM)
+    a = make_seq("a", 4)
+    b = make_seq("b", 3, first_token=50)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    a.spec_token_ids = [20, 21, 22, 23, 24]
+    out = s.schedule()
+    assert out.preempted == []
+    assert [(i.seq.request_id, i.num_new_tokens, i.spec_token_ids) for i in out.scheduled] == [
+        ("a", 1, []),
+        ("b", 1, []),
+    ]
+
+
+def test_a_draft_model_keeps_lookahead_slots_past_the_end():
+    s = make_scheduler(speculative_config=DRAFT_MODEL)
+    assert s.num_lookahead_tokens == 3
+    seq = make_seq("a", 4)
+    s.add(seq)
+    s.schedule()
+    # The prompt's 4 slots and 3 for the draft model's next proposals: 2 blocks, not 1.
+    assert len(seq.block_table) == 2
+    # n-gram proposals write no KV ahead: no lookahead.
+    assert make_scheduler(speculative_config=NGRAM).num_lookahead_tokens == 0
+
+
+def test_a_draft_models_lookahead_waits_for_the_end_of_a_chunked_prompt():
+    s = make_scheduler(speculative_config=DRAFT_MODEL, max_num_batched_tokens=4)
+    seq = make_seq("a", 10)
+    s.add(seq)
+    run_step(s)
+    assert len(seq.block_table) == 1  # 4 of 10 prompt tokens: no lookahead yet
+    run_step(s)
+    assert len(seq.block_table) == 2
+    run_step(s)  # the prompt's end: positions 8, 9 and 3 lookahead slots (10..12)
+    assert len(seq.block_table) == 4
+
+
+def test_a_draft_model_decode_allocates_drafts_and_lookahead_and_trims_after():
+    s = make_scheduler(speculative_config=DRAFT_MODEL)
+    seq = decoding(s, prompt=4, drafts=[20, 21, 22])
+    # After the prefill: positions 0..3 and lookahead 4..6, 2 blocks.
+    assert len(seq.block_table) == 2
+    out = s.schedule()
+    # Positions 4 (the sampled 7), 5..7 (drafts) and lookahead 8..10: 3 blocks.
+    assert out.scheduled[0].num_new_tokens == 4 and len(seq.block_table) == 3
+    # 20 accepted, 9 sampled: computed up to position 5, lookahead 6..8 kept, 3 blocks.
+    s.update(out, {seq: [SampledToken(20), SampledToken(9)]})
+    assert (seq.num_tokens, seq.num_computed_tokens) == (7, 6)
+    assert len(seq.block_table) == 3
+
+
+def test_admission_without_room_for_the_lookahead_still_admits_the_prompt():
+    s = make_scheduler(num_blocks=1, speculative_config=DRAFT_MODEL)
+    seq = make_seq("a", 4)
+    s.add(seq)
+    [item] = s.schedule().scheduled
+    assert item.num_new_tokens == 4 and len(seq.block_table) == 1
+
+
+def test_a_draft_model_admission_takes_its_prefix_hits_once():
+    # 3 blocks: "first" computed 8 tokens (2 cached blocks) and finished. "again" shares
+    # them and adds 1 token: it takes the 2 hits and one new block; the 3 lookahead slots
+    # would need a fourth, so the admission falls back to the prompt alone.
+    s = make_scheduler(num_blocks=3, speculative_config=DRAFT_MODEL)
+    first = make_seq("first", 8, max_tokens=1)
+    s.add(first)
+    run_step(s)
+    assert first.is_finished
+    again = make_seq("again", 9)
+    s.add(again)
+    [item] = s.schedule().scheduled
+    assert (item.num_new_tokens, again.num_computed_tokens) == (1, 8)
+    assert len(again.block_table) == 3 and len(set(again.block_table)) == 3
+    assert [s.block_manager.blocks[b].ref_count for b in again.block_table] == [1, 1, 1]
+
+
+def test_every_new_token_of_a_step_is_returned_decodes_and_forks_alike():
+    s = make_scheduler()
+    decodes = [make_seq("d", 3), make_seq("e", 3, first_token=20)]
+    for seq in decodes:
+        s.add(seq)
+    run_step(s)
+    fork = make_seq("f", 4, first_token=40)
+    fork.sibling_generators = [None]
+    s.add(fork)
+    out = s.schedule()
+    sampled = {
+        decodes[0]: [SampledToken(8)],
+        decodes[1]: [SampledToken(9)],
+        fork: [SampledToken(5), SampledToken(6)],
+    }
+    new = s.update(out, sampled)
+    assert [(q.request_id, q.sample_index, t.token_id) for q, t in new] == [
+        ("d", 0, 8),
+        ("e", 0, 9),
+        ("f", 0, 5),
+        ("f", 1, 6),
+    ]

@@ -268,3 +268,174 @@ def test_held_requests_add_to_the_pods_queue_and_are_never_idle():
     assert (
         get_autoscaler_status(decide(1, IDLE(1), TO_ZERO, (), now=0.0), 0.0)["heldRequests"] is None
     )
+
+
+def _why(kv: str, pods_: int, waiting: int) -> str:
+    return f"KV cache {kv} on {pods_} pod(s) (target 80%), {waiting} waiting (target 4/replica)"
+
+
+# Every field of the decision, one row per path through `decide`: the recommendation, the
+# signal that set it, the reason in words, the observation and the history it carries.
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        pytest.param(
+            # ceil(2 x 0.95 / 0.8) = 3 over ceil(0 / 4) = 0.
+            (2, pods((0.95, 0), (0.95, 0)), POLICY, (), 10.0),
+            Decision(
+                2,
+                3,
+                f"scale up 2 -> 3: {_why('95%', 2, 0)}",
+                3,
+                (Recommendation(10.0, 3),),
+                kv_cache_usage=0.95,
+                queue_depth=0,
+                scraped_pods=2,
+                signal="kv_cache",
+            ),
+            id="kv-cache-sets-the-recommendation",
+        ),
+        pytest.param(
+            # ceil(20 / 4) = 5 over ceil(2 x 0.25 / 0.8) = 1; at most doubling: 4.
+            (2, pods((0.25, 10), (0.25, 10)), POLICY, (), 0.0),
+            Decision(
+                2,
+                4,
+                f"scale up 2 -> 4: {_why('25%', 2, 20)}",
+                5,
+                (Recommendation(0.0, 5),),
+                kv_cache_usage=0.25,
+                queue_depth=20,
+                scraped_pods=2,
+                signal="queue_depth",
+            ),
+            id="queue-sets-the-recommendation-doubling-bounds-the-step",
+        ),
+        pytest.param(
+            # ceil(2 x 0.5 / 0.8) = 2 = ceil(8 / 4): a tie is named after the KV cache.
+            (2, pods((0.5, 4), (0.5, 4)), POLICY, (), 0.0),
+            Decision(
+                2,
+                2,
+                f"hold 2: {_why('50%', 2, 8)}",
+                2,
+                (Recommendation(0.0, 2),),
+                kv_cache_usage=0.5,
+                queue_depth=8,
+                scraped_pods=2,
+                signal="kv_cache",
+            ),
+            id="tie-is-kv-cache",
+        ),
+        pytest.param(
+            (2, pods((0.0, 0), unscraped=1), POLICY, (), 0.0),
+            Decision(
+                2,
+                2,
+                f"hold 2: {_why('0%', 1, 0)}; holding at 2: only 1/2 pods report metrics",
+                2,
+                (Recommendation(0.0, 2),),
+                kv_cache_usage=0.0,
+                queue_depth=0,
+                scraped_pods=1,
+                unscraped_pods=1,
+                signal="missing_metrics",
+            ),
+            id="missing-metrics-hold",
+        ),
+        pytest.param(
+            # Idle for 30 s of the 60: the floor is still one replica.
+            (1, IDLE(1), TO_ZERO, (), 30.0, 0.0),
+            Decision(
+                1,
+                1,
+                f"hold 1: {_why('0%', 1, 0)}",
+                1,
+                (Recommendation(30.0, 1),),
+                kv_cache_usage=0.0,
+                queue_depth=0,
+                scraped_pods=1,
+                signal="kv_cache",
+                idle_since=0.0,
+            ),
+            id="idle-within-the-window-keeps-one",
+        ),
+        pytest.param(
+            (1, IDLE(1), TO_ZERO, (), 60.0, 0.0),
+            Decision(
+                1,
+                0,
+                "scale down 1 -> 0: idle for 60 s (nothing running or waiting)",
+                0,
+                (Recommendation(60.0, 0),),
+                kv_cache_usage=0.0,
+                queue_depth=0,
+                scraped_pods=1,
+                signal="idle",
+                idle_since=0.0,
+            ),
+            id="idle-for-the-window-goes-to-zero",
+        ),
+        pytest.param(
+            # minReplicas 1: idle far past scaleToZeroAfterSeconds is still one replica.
+            (1, IDLE(1), POLICY, (), 10_000.0, 0.0),
+            Decision(
+                1,
+                1,
+                f"hold 1: {_why('0%', 1, 0)}",
+                1,
+                (Recommendation(10_000.0, 1),),
+                kv_cache_usage=0.0,
+                queue_depth=0,
+                scraped_pods=1,
+                signal="kv_cache",
+                idle_since=0.0,
+            ),
+            id="min-one-never-idles-to-zero",
+        ),
+        pytest.param(
+            (0, [], TO_ZERO, (Recommendation(5.0, 1),), 30.0, 2.0),
+            Decision(
+                0,
+                0,
+                "hold 0: scaled to zero until a request arrives",
+                0,
+                (Recommendation(5.0, 1),),
+                signal="scaled_to_zero",
+                idle_since=2.0,
+            ),
+            id="at-zero-waits-for-the-router",
+        ),
+        pytest.param(
+            (0, [], TO_ZERO, (Recommendation(5.0, 1),), 30.0, 2.0, 6),
+            Decision(
+                0,
+                2,
+                "scale up 0 -> 2: 6 held by the router (target 4/replica)",
+                2,
+                (Recommendation(5.0, 1), Recommendation(30.0, 2)),
+                queue_depth=6,
+                signal="held_requests",
+                held_requests=6,
+            ),
+            id="held-at-zero-asks-for-its-replicas",
+        ),
+        pytest.param(
+            (1, pods(starting=1), POLICY, (), 0.0, None, 6),
+            Decision(
+                1,
+                2,
+                "scale up 1 -> 2: no metrics from any ready pod; 6 held by the router "
+                "(target 4/replica)",
+                2,
+                (Recommendation(0.0, 2),),
+                queue_depth=6,
+                signal="held_requests",
+                held_requests=6,
+            ),
+            id="held-while-the-first-pod-starts",
+        ),
+    ],
+)
+def test_every_field_of_the_decision_on_each_path(args, expected):
+    assert decide(*args) == expected
