@@ -1,23 +1,88 @@
-"""`--cpu-threads-bind`: which CPUs the engine core's threads and the API process get."""
+"""`--cpu-threads-bind`: which CPUs the engine core's threads and the API process get, and
+how many threads the core runs (capped by the container's CPU limit)."""
+
+import os
+import subprocess
+import sys
 
 import pytest
-from pagefleet_serve.engine.cpu_placement import CpuPlacement, parse_cpu_list, plan_placement
+from pagefleet_serve.engine.cpu_placement import (
+    CpuPlacement,
+    cpu_quota,
+    parse_cpu_list,
+    plan_placement,
+)
+
+EIGHT = list(range(8))
 
 
 @pytest.mark.parametrize(
-    ("spec", "available", "placement"),
+    ("spec", "available", "quota", "placement"),
     [
-        ("auto", [0, 1], CpuPlacement([0, 1], None)),  # too few to split: shared
-        ("auto", [0, 1, 2, 3], CpuPlacement([0, 1, 2], [3])),
-        ("auto", [4, 5, 6, 7, 8], CpuPlacement([4, 5, 6, 7], [8])),
-        ("none", [0, 1, 2, 3], CpuPlacement(None, None)),
-        ("0-1", [0, 1, 2, 3], CpuPlacement([0, 1], [2, 3])),
-        ("0,1", [0, 1], CpuPlacement([0, 1], None)),  # nothing left: the API floats
-        ("1", [0, 1], CpuPlacement([1], [0])),
+        ("auto", [0, 1], None, CpuPlacement([0, 1], None, 2)),  # too few to split: shared
+        ("auto", [0, 1, 2, 3], None, CpuPlacement([0, 1, 2], [3], 3)),
+        ("auto", [4, 5, 6, 7, 8], None, CpuPlacement([4, 5, 6, 7], [8], 4)),
+        ("none", [0, 1, 2, 3], None, CpuPlacement(None, None)),
+        ("0-1", [0, 1, 2, 3], None, CpuPlacement([0, 1], [2, 3], 2)),
+        ("0,1", [0, 1], None, CpuPlacement([0, 1], None, 2)),  # nothing left: the API floats
+        ("1", [0, 1], None, CpuPlacement([1], [0], 1)),
+        # A CPU limit below the CPUs in sight: no pinning (a quota is time on any CPU),
+        # threads sized to the quota, rounded up; from 4, one is left to the API process.
+        ("auto", EIGHT, 2.0, CpuPlacement(None, None, 2)),
+        ("auto", EIGHT, 1.5, CpuPlacement(None, None, 2)),
+        ("auto", EIGHT, 0.5, CpuPlacement(None, None, 1)),
+        ("auto", EIGHT, 6.0, CpuPlacement(None, None, 5)),
+        # A limit at or above the CPUs in sight changes nothing.
+        ("auto", [0, 1], 2.0, CpuPlacement([0, 1], None, 2)),
+        ("auto", [0, 1, 2, 3], 16.0, CpuPlacement([0, 1, 2], [3], 3)),
+        # Explicit choices are the operator's: a list or none stays as given.
+        ("0-3", EIGHT, 2.0, CpuPlacement([0, 1, 2, 3], [4, 5, 6, 7], 4)),
+        ("none", EIGHT, 2.0, CpuPlacement(None, None)),
     ],
 )
-def test_plan_placement(spec, available, placement):
-    assert plan_placement(spec, available) == placement
+def test_plan_placement(spec, available, quota, placement):
+    assert plan_placement(spec, available, quota) == placement
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [
+        ({"cpu.max": "200000 100000\n"}, 2.0),  # cgroup v2, limits.cpu: 2
+        ({"cpu.max": "150000 100000\n"}, 1.5),
+        ({"cpu.max": "max 100000\n"}, None),  # no limit
+        ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),
+        (
+            {"cpu,cpuacct/cpu.cfs_quota_us": "300000", "cpu,cpuacct/cpu.cfs_period_us": "100000"},
+            3.0,
+        ),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1 none
+        ({"cpu.max": "garbage"}, None),
+        ({}, None),  # no cgroup files at all
+    ],
+)
+def test_cpu_quota_reads_cgroup_v2_then_v1(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_quota(tmp_path) == quota
+
+
+def test_core_process_runs_the_placements_threads_on_its_cpus():
+    """What the engine core process does first: pinned to the placement's CPUs, with its
+    thread count (a fresh interpreter, as the core process is)."""
+    cpu = min(os.sched_getaffinity(0))
+    code = (
+        "import os, torch\n"
+        "from pagefleet_serve.engine.cpu_placement import CpuPlacement, place_core_threads\n"
+        f"place_core_threads(CpuPlacement([{cpu}], None, 1))\n"
+        "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())\n"
+        "place_core_threads(CpuPlacement(None, None, 3))\n"
+        "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert out == [f"[{cpu}] 1", f"[{cpu}] 3"]
 
 
 def test_cpu_lists_read_ranges_and_singles():

@@ -31,6 +31,7 @@ from pagefleet_serve.engine.core_messages import (
     RequestRejected,
     StepOutputs,
 )
+from pagefleet_serve.engine.cpu_placement import CpuPlacement
 from pagefleet_serve.engine.llm_engine import (
     EngineStats,
     LLMEngine,
@@ -118,7 +119,7 @@ class AsyncEngine:
 
     @classmethod
     def start_core_process(
-        cls, config: EngineConfig, core_cpus: list[int] | None = None, log_level: str = "info"
+        cls, config: EngineConfig, placement: CpuPlacement | None = None, log_level: str = "info"
     ) -> "AsyncEngine":
         """A core in a process of its own (loads the model there; raises RuntimeError
         when it cannot start), with this process's tokenizer for text."""
@@ -127,7 +128,7 @@ class AsyncEngine:
 
         self = cls.__new__(cls)
         self.engine = None
-        link = CoreProcess(config, self._on_message, self._on_core_lost, core_cpus, log_level)
+        link = CoreProcess(config, self._on_message, self._on_core_lost, placement, log_level)
         try:
             tokenizer = load_tokenizer(config.model)  # while the core loads the model
             link.wait_ready()

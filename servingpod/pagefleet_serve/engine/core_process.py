@@ -27,6 +27,7 @@ from pagefleet_serve.engine.core_messages import (
     Shutdown,
     StepOutputs,
 )
+from pagefleet_serve.engine.cpu_placement import CpuPlacement, place_core_threads
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class CoreProcess:
         config: EngineConfig,
         on_message: Callable[[object], None],
         on_lost: Callable[[str], None],
-        core_cpus: list[int] | None = None,
+        placement: CpuPlacement | None = None,
         log_level: str = "info",
     ) -> None:
         self._on_message = on_message
@@ -55,7 +56,7 @@ class CoreProcess:
         self._conn, child_conn = context.Pipe()
         self.process = context.Process(
             target=_core_main,
-            args=(child_conn, config, core_cpus, os.getpid(), log_level),
+            args=(child_conn, config, placement, os.getpid(), log_level),
             name="pagefleet-engine-core",
             daemon=True,
         )
@@ -153,7 +154,7 @@ class CoreProcess:
 
 
 # -- the child ---------------------------------------------------------------------------------
-def _core_main(conn, config: EngineConfig, core_cpus, parent_pid: int, log_level: str) -> None:
+def _core_main(conn, config: EngineConfig, placement, parent_pid: int, log_level: str) -> None:
     _die_with_parent(parent_pid)
     # The frontend owns shutdown: it drains on SIGTERM, then sends Shutdown.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -171,11 +172,10 @@ def _core_main(conn, config: EngineConfig, core_cpus, parent_pid: int, log_level
         with send_lock:
             conn.send(message)
 
-    from pagefleet_serve.engine.cpu_placement import place_core_threads
     from pagefleet_serve.engine.llm_engine import LLMEngine
 
     try:
-        place_core_threads(core_cpus)
+        place_core_threads(placement)
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - the frontend reports it and exits
         emit(CoreFailed(f"cannot load model {config.model}: {type(exc).__name__}: {exc}"))

@@ -6,18 +6,29 @@ CPU list such as `0-2` or `0,2-3`; the frontend gets the CPUs left over. `auto`:
 more CPUs, the core takes all but the last one and the frontend that one; with fewer, both
 share every CPU (one core for each would halve the model's threads, while the frontend is
 idle most of each step), and the core runs one intra-op thread per CPU.
+
+A container's CPU limit (the cgroup's CPU quota, what Kubernetes sets from
+`resources.limits.cpu`) caps the threads: a pod limited to 2 CPUs on a 64-CPU node still
+sees 64 in its affinity mask, and 64 intra-op threads on a 2-CPU quota spend most of each
+step throttled or spinning at barriers. A quota is CPU time, not particular CPUs, so under
+one `auto` pins nothing and sizes the thread count to the quota (the same split rule: from
+4 CPUs of quota, one is left to the API process).
 """
 
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 _MIN_CPUS_TO_SPLIT = 4
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 @dataclass(frozen=True)
 class CpuPlacement:
-    core: list[int] | None  # None: not pinned (torch's default threads)
+    core: list[int] | None  # None: not pinned
     frontend: list[int] | None
+    core_threads: int | None = None  # the core's intra-op threads; None: torch's default
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -37,14 +48,19 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
-def plan_placement(spec: str, available: list[int]) -> CpuPlacement:
+def plan_placement(spec: str, available: list[int], quota: float | None = None) -> CpuPlacement:
+    """`quota`: the CPUs' worth of time the cgroup allows (None: unlimited)."""
     available = sorted(available)
     if spec == "none":
         return CpuPlacement(None, None)
     if spec == "auto":
+        usable = len(available) if quota is None else min(len(available), math.ceil(quota))
+        if usable < len(available):
+            threads = usable - 1 if usable >= _MIN_CPUS_TO_SPLIT else usable
+            return CpuPlacement(None, None, threads)
         if len(available) < _MIN_CPUS_TO_SPLIT:
-            return CpuPlacement(available, None)
-        return CpuPlacement(available[:-1], available[-1:])
+            return CpuPlacement(available, None, len(available))
+        return CpuPlacement(available[:-1], available[-1:], len(available) - 1)
     core = parse_cpu_list(spec)
     outside = sorted(set(core) - set(available))
     if outside:
@@ -53,21 +69,43 @@ def plan_placement(spec: str, available: list[int]) -> CpuPlacement:
             f"(available: {available})"
         )
     frontend = sorted(set(available) - set(core))
-    return CpuPlacement(core, frontend or None)
+    return CpuPlacement(core, frontend or None, len(core))
 
 
 def available_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def place_core_threads(cpus: list[int] | None) -> None:
-    """In the core process: pin it to `cpus` and run one intra-op thread per CPU."""
-    if cpus is None:
-        return
-    import torch
+def cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
+    """CPUs' worth of time this process's cgroup may use, or None when unlimited: cgroup v2
+    `cpu.max` ("200000 100000" is 2 CPUs, "max 100000" none), else v1's
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us` (-1: none). Unreadable files: None."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    for v1 in ("cpu", "cpu,cpuacct"):
+        try:
+            quota = int((root / v1 / "cpu.cfs_quota_us").read_text())
+            period = int((root / v1 / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return None if quota <= 0 or period <= 0 else quota / period
+    return None
 
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
+
+def place_core_threads(placement: CpuPlacement | None) -> None:
+    """In the core process: pin it to the placement's CPUs (if any) and set its intra-op
+    thread count (if set)."""
+    if placement is None:
+        return
+    if placement.core is not None:
+        os.sched_setaffinity(0, placement.core)
+    if placement.core_threads is not None:
+        import torch
+
+        torch.set_num_threads(placement.core_threads)
 
 
 def place_frontend(cpus: list[int] | None) -> None:

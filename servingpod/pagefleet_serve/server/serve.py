@@ -18,7 +18,12 @@ from pagefleet_serve.config import (
     EngineConfig,
     parse_bytes,
 )
-from pagefleet_serve.engine.cpu_placement import available_cpus, place_frontend, plan_placement
+from pagefleet_serve.engine.cpu_placement import (
+    available_cpus,
+    cpu_quota,
+    place_frontend,
+    plan_placement,
+)
 from pagefleet_serve.server.settings import SCHEDULING_POLICIES, ServerSettings
 from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -125,8 +130,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     flag(
         "--cpu-threads-bind",
         "CPUs of the engine core process's intra-op threads: auto (4+ CPUs: all but the "
-        "last, which the API process keeps; fewer: all, shared), none (no pinning), or a "
-        "list such as 0-2,4 (the API process keeps the rest)",
+        "last, which the API process keeps; fewer: all, shared; under a container CPU "
+        "limit below the CPUs in sight: no pinning, threads sized to the limit), none (no "
+        "pinning), or a list such as 0-2,4 (the API process keeps the rest)",
         default="auto",
     )
     flag("--api-key", "require 'Authorization: Bearer <key>' on /v1/*", default=None)
@@ -264,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
         )
-        placement = plan_placement(args.cpu_threads_bind, available_cpus())
+        placement = plan_placement(args.cpu_threads_bind, available_cpus(), cpu_quota())
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
@@ -274,14 +280,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with _progress(f"loading model {config.model} in the engine core process"):
-            engine = AsyncEngine.start_core_process(config, placement.core, args.log_level)
+            engine = AsyncEngine.start_core_process(config, placement, args.log_level)
     except (ValueError, OSError, RuntimeError) as exc:
         logger.error("cannot load model %s: %s", config.model, exc)
         return 1
     place_frontend(placement.frontend)
     logger.info(
-        "CPU placement: engine core on %s, API process on %s",
+        "CPU placement: engine core on %s (%s intra-op threads), API process on %s",
         placement.core or "any CPU",
+        placement.core_threads or "torch's default",
         placement.frontend or "any CPU",
     )
     if not args.served_model_name:
