@@ -1,7 +1,7 @@
 """`layer_ops` as Triton kernels, one launch each, for the Triton (CUDA) backend: eager
-PyTorch runs a norm as ~8 kernels (cast, square, mean, add, rsqrt, multiply, cast,
-multiply), the residual add before it as one more, the rotary embedding as five and the
-gated activation as three, which at decode batch 1 makes the step launch-bound.
+PyTorch runs each op as several kernels (the norm's casts, reduction and scalings, the
+residual add before it, rope's roll, products and sum, the activation and its product),
+which at decode batch 1 makes the step launch-bound.
 
 Each kernel computes in float32 and rounds to the tensor's dtype exactly where the eager ops
 round, with floating-point contraction off (a fused multiply-add rounds once where torch
@@ -35,9 +35,9 @@ KERNEL_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A norm holds its whole row in registers: 16 warps of 32 threads, 32 floats each, at most.
 MAX_NORM_SIZE = 16384
-# Elements of one program's tile: rows narrower than this share a program (a decode row of
-# 64-128 rotary dimensions alone would leave most of a warp idle; the interpreter, which
-# runs one program at a time, gains most).
+# Elements of one program's tile: rows narrower than this share a program (a row of 64-128
+# rotary dimensions alone would leave most of a program's threads idle; the interpreter,
+# which runs one program at a time, gains most).
 TILE_ELEMENTS = 2048
 # Every launch: a multiply and an add stay two roundings (see the module docstring).
 _EXACT = {"enable_fp_fusion": False}
