@@ -3,8 +3,9 @@
 Per forward pass the model builds one `AttentionMetadata` (the batch layout), calls the
 backend's `prepare` once, then per layer `write_kv_cache` and `paged_attention`; the
 norms, rotary embedding and MLP activation around them are the backend's `layer_ops` (the
-functions of `pagefleet_kernels.layer_ops`). Tensor layouts are those of the package
-docstring. `torch_attention` (PyTorch, every feature, the ground truth), `cpu_attention`
+functions of `pagefleet_kernels.layer_ops`, eager with the torch backend, `cpu_layer_ops`
+in C++ with the CPU one, `triton_layer_ops` with the Triton one). Tensor layouts are those
+of the package docstring. `torch_attention` (PyTorch, every feature, the ground truth), `cpu_attention`
 (C++ decode attention and layer ops on the CPU) and `triton_attention` (CUDA) are the
 backends.
 """

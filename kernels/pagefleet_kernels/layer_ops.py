@@ -1,6 +1,7 @@
 """A decoder layer's elementwise work around its matmuls, in eager PyTorch: the ground truth
 and the implementation on every device without a native one. `cpu_layer_ops` computes the
-same in one C++ pass each (the same bits, the norm's reduction order aside).
+same in one C++ pass each, `triton_layer_ops` in one Triton kernel each (the same bits, the
+norm's reduction order and the activations' exponential aside).
 
 The model takes these from its attention backend (`backend.layer_ops`), so the torch
 backend stays pure PyTorch end to end.

@@ -1,20 +1,52 @@
-"""The C++ layer ops (`cpu_layer_ops`) against the eager ones (`layer_ops`): the residual
-add, the rotary embedding and the activations give torch's bits or lie within one rounding
-of the dtype, the norm within its reduction-order error; strided inputs (q and k as a view
-of the fused q/k/v rows) and row counts that split over threads included. Also: the C++
-extensions' parallel loops really run on torch's threads."""
+"""The C++ layer ops (`cpu_layer_ops`) and the Triton ones (`triton_layer_ops`, interpreted
+on the CPU, compiled on CUDA) against the eager ones (`layer_ops`): the residual add and the
+rotary embedding give torch's bits, the activations lie within one rounding of the dtype,
+the norm within its reduction-order error; strided inputs (q and k as a view of the fused
+q/k/v rows) and row counts that split over threads included, and no kernel falls back to
+the eager ops on these inputs. Also: the C++ extensions' parallel loops really run on
+torch's threads."""
 
 import pytest
 import torch
-from pagefleet_kernels import cpu_attention, cpu_layer_ops, layer_ops
+from conftest import requires_cuda
+from pagefleet_kernels import cpu_attention, cpu_layer_ops, layer_ops, triton_layer_ops
 
-pytestmark = pytest.mark.skipif(
+needs_compiler = pytest.mark.skipif(
     not cpu_layer_ops.available(), reason="no C++ compiler: the engine uses the torch ops"
 )
-
+IMPLEMENTATIONS = {"cpu": cpu_layer_ops, "triton": triton_layer_ops}
+DEVICES = {"cpu": "cpu", "triton": triton_layer_ops.KERNEL_DEVICE}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (rows, row size): a decode row, a few rows of an odd size, enough rows to split over threads.
-SHAPES = [(1, 576), (5, 100), (300, 576)]
+# (rows, row size): a decode row, a few rows of an odd size, enough rows to split over the
+# C++ ops' threads (the Triton interpreter runs one program at a time: fewer rows there).
+SHAPES = {
+    "cpu": [(1, 576), (5, 100), (300, 576)],
+    "triton": [(1, 576), (5, 100), (33, 576)],
+}
+ROPE_TOKENS = {"cpu": [1, 7, 300], "triton": [1, 7]}
+
+
+def cases(values: dict[str, list]) -> list:
+    """(implementation name, value) for each implementation's values."""
+    return [
+        pytest.param(name, value, id=f"{name}-{value}", marks=[needs_compiler] * (name == "cpu"))
+        for name, name_values in values.items()
+        for value in name_values
+    ]
+
+
+class NoEagerOps:
+    """Stands in for `layer_ops` inside an implementation under test: a fallback to the
+    eager ops fails the test instead of passing it with the eager ops' own bits."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"fell back to the eager layer_ops.{name}")
+
+
+def kernels_of(name: str, monkeypatch):
+    ops = IMPLEMENTATIONS[name]
+    monkeypatch.setattr(ops, "layer_ops", NoEagerOps())
+    return ops
 
 
 def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: dict) -> None:
@@ -36,57 +68,85 @@ NORM_ULPS = {torch.float32: 16, torch.bfloat16: 2, torch.float16: 2}
 ACTIVATION_ULPS = {torch.float32: 16, torch.bfloat16: 2, torch.float16: 2}
 
 
-def rows(shape, dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+def rows(shape, dtype, seed: int, scale: float = 1.0, device="cpu") -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+    return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(device)
+
+
+def norm_weight(size: int, dtype, device="cpu") -> torch.Tensor:
+    return (torch.rand(size, generator=torch.Generator().manual_seed(2)) + 0.5).to(dtype).to(device)
+
+
+def rope_tables(tokens: int, head_dim: int, dtype, device="cpu"):
+    """cos and sin (tokens, head_dim) of random angles, sin's first half negated (what the
+    model's _rope hands the op)."""
+    angles = torch.rand(tokens, head_dim, generator=torch.Generator().manual_seed(4)) * 6.0
+    sin = angles.sin()
+    sin[:, : head_dim // 2] = -sin[:, : head_dim // 2]
+    return angles.cos().to(dtype).to(device), sin.to(dtype).to(device)
 
 
 @pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rms_norm_and_residual_add(dtype, shape, unit_offset):
-    x, h = rows(shape, dtype, 0, 3.0), rows(shape, dtype, 1)
-    weight = (torch.rand(shape[1], generator=torch.Generator().manual_seed(2)) + 0.5).to(dtype)
+@pytest.mark.parametrize(("name", "shape"), cases(SHAPES))
+def test_rms_norm_and_residual_add(name, shape, dtype, unit_offset, monkeypatch):
+    device = DEVICES[name]
+    x, h = rows(shape, dtype, 0, 3.0, device), rows(shape, dtype, 1, device=device)
+    weight = norm_weight(shape[1], dtype, device)
+    ops = kernels_of(name, monkeypatch)
     assert_within_ulps(
-        cpu_layer_ops.rms_norm(x, weight, 1e-6, unit_offset),
+        ops.rms_norm(x, weight, 1e-6, unit_offset),
         layer_ops.rms_norm(x, weight, 1e-6, unit_offset),
         NORM_ULPS,
     )
-    total, normed = cpu_layer_ops.add_rms_norm(x, h, weight, 1e-6, unit_offset)
+    total, normed = ops.add_rms_norm(x, h, weight, 1e-6, unit_offset)
     expected_total, expected_normed = layer_ops.add_rms_norm(x, h, weight, 1e-6, unit_offset)
     assert torch.equal(total, expected_total)  # one rounding of a sum: torch's bits
     assert_within_ulps(normed, expected_normed, NORM_ULPS)
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 300])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rope_of_q_and_k_as_a_view_of_the_fused_rows(dtype, tokens):
+def test_triton_norm_of_q_and_k_heads_as_views(dtype, monkeypatch):
+    """Qwen3's and Gemma 3's per-head q/k norms: (T, H, D) views of the fused q/k/v rows,
+    each (token, head) row normed on its own."""
+    device = DEVICES["triton"]
+    qkv = rows((3, 15 * 64), dtype, 3, 3.0, device)
+    q = qkv[:, : 9 * 64].view(3, 9, 64)
+    weight = norm_weight(64, dtype, device)
+    actual = kernels_of("triton", monkeypatch).rms_norm(q, weight, 1e-6)
+    assert actual.shape == q.shape and actual.is_contiguous()
+    assert_within_ulps(actual, layer_ops.rms_norm(q, weight, 1e-6), NORM_ULPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("name", "tokens"), cases(ROPE_TOKENS))
+def test_rope_of_q_and_k_as_a_view_of_the_fused_rows(name, tokens, dtype, monkeypatch):
+    device = DEVICES[name]
     # SmolLM2's layout: 9 q heads and 3 k heads of 64, then 3 v heads, in one row.
-    qkv = rows((tokens, 15 * 64), dtype, 3)
+    qkv = rows((tokens, 15 * 64), dtype, 3, device=device)
     qk = qkv[:, : 12 * 64].view(tokens, 12, 64)
-    angles = torch.rand(tokens, 64, generator=torch.Generator().manual_seed(4)) * 6.0
-    sin = angles.sin()
-    sin[:, :32] = -sin[:, :32]  # what the model's _rope hands the op
-    cos, sin = angles.cos().to(dtype), sin.to(dtype)
-    actual = cpu_layer_ops.rope(qk, cos, sin)
+    cos, sin = rope_tables(tokens, 64, dtype, device)
+    actual = kernels_of(name, monkeypatch).rope(qk, cos, sin)
     assert actual.is_contiguous()
     assert torch.equal(actual, layer_ops.rope(qk, cos, sin))  # every rounding torch's
 
 
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_activation_times_up(dtype, shape, gelu):
+@pytest.mark.parametrize(("name", "shape"), cases(SHAPES))
+def test_activation_times_up(name, shape, dtype, gelu, monkeypatch):
     """Against the eager op evaluated in float64: torch's own float32 GELU loses its small
-    negative values to the cancellation in 1 + tanh(y) (hundreds of ulps; the kernel
-    computes 2e / (1 + e) there instead)."""
+    negative values to the cancellation in 1 + tanh(y) (hundreds of ulps; the kernels
+    compute 2e / (1 + e) there instead)."""
     gate_up = rows((shape[0], 2 * shape[1]), dtype, 5, 8.0)
     gate_up[0, :3] = torch.tensor([-100.0, -40.0, 40.0])  # exp(-g) past float32's range
-    actual = cpu_layer_ops.act_and_mul(gate_up, gelu)
+    gate_up = gate_up.to(DEVICES[name])
+    actual = kernels_of(name, monkeypatch).act_and_mul(gate_up, gelu)
     assert actual.shape == (shape[0], shape[1])
     assert_within_ulps(actual, layer_ops.act_and_mul(gate_up.double(), gelu), ACTIVATION_ULPS)
 
 
+@needs_compiler
 @pytest.mark.parametrize("group", [32, 64])  # GGUF's groups (a compiled special case), another
 @pytest.mark.parametrize("parts", [1, 2])  # a 4-bit matrix, a Q8_0 one as two 4-bit parts
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -113,14 +173,44 @@ def test_dequantize_int4(dtype, parts, group):
             assert actual[5, column] == ((code - 8.0) * scale + zero).to(dtype)
 
 
-def test_layer_ops_fall_back_to_torch_for_what_the_kernels_do_not_take():
-    """Float64 (no C++ instantiation) and a norm over (T, H, D) (q/k norms) take the eager
-    ops rather than failing."""
-    x = rows((3, 4, 64), torch.float64, 6)
-    weight = torch.ones(64, dtype=torch.float64)
+@pytest.mark.parametrize("name", [pytest.param("cpu", marks=needs_compiler), "triton"])
+def test_layer_ops_fall_back_to_torch_for_what_the_kernels_do_not_take(name):
+    """Float64 (no kernel instantiation) takes the eager ops rather than failing: their
+    bits, where a float32 computation would round differently."""
+    ops, device = IMPLEMENTATIONS[name], DEVICES[name]
+    x = rows((3, 64), torch.float64, 6, device=device)
+    weight = torch.ones(64, dtype=torch.float64, device=device)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-6), layer_ops.rms_norm(x, weight, 1e-6))
+    gate_up = rows((3, 128), torch.float64, 7, device=device)
+    assert torch.equal(ops.act_and_mul(gate_up), layer_ops.act_and_mul(gate_up))
+
+
+@needs_compiler
+def test_cpu_norm_of_heads_falls_back_to_torch():
+    """A norm over (T, H, D) (q/k norms) takes the eager ops."""
+    x = rows((3, 4, 64), torch.float32, 6)
+    weight = torch.ones(64)
     assert torch.equal(cpu_layer_ops.rms_norm(x, weight, 1e-6), layer_ops.rms_norm(x, weight, 1e-6))
-    gate_up = rows((3, 128), torch.float64, 7)
-    assert torch.equal(cpu_layer_ops.act_and_mul(gate_up), layer_ops.act_and_mul(gate_up))
+
+
+def test_triton_layer_ops_fall_back_to_torch_for_mixed_dtypes_and_other_devices(monkeypatch):
+    """A float32 weight on bfloat16 rows promotes the eager norm's result to float32, which
+    the kernel does not compute; tensors off the kernels' device never reach a launch."""
+    device = DEVICES["triton"]
+    x = rows((2, 64), torch.bfloat16, 8, device=device)
+    weight = norm_weight(64, torch.float32, device)
+    normed = triton_layer_ops.rms_norm(x, weight, 1e-6)
+    assert normed.dtype == torch.float32
+    assert torch.equal(normed, layer_ops.rms_norm(x, weight, 1e-6))
+    monkeypatch.setattr(triton_layer_ops, "KERNEL_DEVICE", "elsewhere")
+    for kernel in ("_rms_norm_kernel", "_rope_kernel", "_act_and_mul_kernel"):
+        monkeypatch.setattr(triton_layer_ops, kernel, None)  # a launch would fail
+    total, _ = triton_layer_ops.add_rms_norm(x, x, x[0], 1e-6)
+    assert torch.equal(total, x + x)
+    cos, sin = rope_tables(2, 64, torch.bfloat16, device)
+    qk = x.view(2, 1, 64)
+    assert torch.equal(triton_layer_ops.rope(qk, cos, sin), layer_ops.rope(qk, cos, sin))
+    assert torch.equal(triton_layer_ops.act_and_mul(x), layer_ops.act_and_mul(x))
 
 
 @pytest.mark.parametrize(
@@ -140,3 +230,37 @@ def test_extension_loops_run_on_torchs_threads(extension):
         assert extension().parallel_threads() == 2
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_layer_ops_compiled_on_cuda_equal_the_eager_ones(dtype, monkeypatch):
+    """One Llama-3-8B layer's ops at a prefill chunk of 300 tokens, compiled: hidden 4096,
+    32 q and 8 k heads of 128 in the fused q/k/v rows, intermediate 14336."""
+    tokens, hidden, intermediate = 300, 4096, 14336
+    x = rows((tokens, hidden), dtype, 0, 3.0, "cuda")
+    h = rows((tokens, hidden), dtype, 1, device="cuda")
+    weight = norm_weight(hidden, dtype, "cuda")
+    qkv = rows((tokens, (32 + 16) * 128), dtype, 3, device="cuda")
+    qk = qkv[:, : 40 * 128].view(tokens, 40, 128)
+    cos, sin = rope_tables(tokens, 128, dtype, "cuda")
+    gate_up = rows((tokens, 2 * intermediate), dtype, 5, 8.0, "cuda")
+    ops = kernels_of("triton", monkeypatch)
+    for unit_offset in (False, True):
+        total, normed = ops.add_rms_norm(x, h, weight, 1e-5, unit_offset)
+        expected_total, expected_normed = layer_ops.add_rms_norm(x, h, weight, 1e-5, unit_offset)
+        assert torch.equal(total, expected_total)
+        assert_within_ulps(normed, expected_normed, NORM_ULPS)
+        assert_within_ulps(
+            ops.rms_norm(x, weight, 1e-5, unit_offset),
+            layer_ops.rms_norm(x, weight, 1e-5, unit_offset),
+            NORM_ULPS,
+        )
+    assert torch.equal(ops.rope(qk, cos, sin), layer_ops.rope(qk, cos, sin))
+    for gelu in (False, True):
+        assert_within_ulps(
+            ops.act_and_mul(gate_up, gelu),
+            layer_ops.act_and_mul(gate_up.double(), gelu),
+            ACTIVATION_ULPS,
+        )

@@ -2,8 +2,9 @@
 triton_aot.py), fits in a block's shared memory there and spills no registers: a variant
 that does not is a failing test here, not a surprise on the first GPU run.
 
-`make test` compiles a pairwise covering set of the variants (every two axes' values meet
-in some variant); the full cross product runs under `-m slow`.
+`make test` compiles a pairwise covering set of the attention variants (every two axes'
+values meet in some variant) and the listed layer-op variants; the full cross product of
+the attention axes runs under `-m slow`.
 """
 
 import inspect
@@ -22,9 +23,12 @@ from pagefleet_kernels import triton_attention
 from triton_aot import (
     AXES,
     DEFAULT_TARGETS,
+    LAYER_OP_KERNELS,
+    LAYER_OP_VARIANTS,
     MAX_SHARED_BYTES,
     TARGETS,
     LaunchRecorder,
+    layer_op_id,
     pairwise,
     product,
     variant_id,
@@ -60,12 +64,16 @@ def product_compiles(tmp_path_factory) -> dict:
 
 
 def check_variant(compiles: dict, variant: dict) -> None:
-    reports = compiles["variants"][variant_id(variant)]
-    targets = TARGETS.get(variant["cache"], DEFAULT_TARGETS)
-    launched = {(report["kernel"], report["capability"]) for report in reports}
     expected = {"_write_kv_cache_kernel", "_paged_attention_kernel"}
     if variant["shape"][1] > 1:
         expected.add("_merge_segments_kernel")
+    targets = TARGETS.get(variant["cache"], DEFAULT_TARGETS)
+    check_reports(compiles["variants"][variant_id(variant)], expected, targets)
+
+
+def check_reports(reports: list[dict], expected: set[str], targets: tuple) -> None:
+    """Each expected kernel compiled for each target, within shared memory, no spills."""
+    launched = {(report["kernel"], report["capability"]) for report in reports}
     assert launched == set(itertools.product(expected, targets))
     problems = [
         f"{r['kernel']} sm_{r['capability']}: {r['shared']} bytes of shared memory (at most "
@@ -80,6 +88,15 @@ def check_variant(compiles: dict, variant: dict) -> None:
 @pytest.mark.parametrize("variant", pairwise(AXES), ids=variant_id)
 def test_kernel_variants_compile_and_fit(variant, pairwise_compiles):
     check_variant(pairwise_compiles, variant)
+
+
+@pytest.mark.parametrize("variant", LAYER_OP_VARIANTS, ids=layer_op_id)
+def test_layer_op_variants_compile_and_fit(variant, pairwise_compiles):
+    """Also: no float multiply and add fused into one rounding (the launches turn fp
+    fusion off), which would make the add and rope differ from torch's bits on the GPU."""
+    reports = pairwise_compiles["variants"][layer_op_id(variant)]
+    check_reports(reports, {LAYER_OP_KERNELS[variant["op"]]}, DEFAULT_TARGETS)
+    assert [report["float_fmas"] for report in reports] == [0] * len(reports)
 
 
 @pytest.mark.slow

@@ -6,10 +6,10 @@ TRITON_INTERPRET: under the interpreter, `triton.jit` (Triton's own library incl
 yields functions that cannot be compiled.
 
 The variants come from the launchers themselves: each variant's batch goes through the real
-`paged_attention` / `write_kv_cache` with the kernels swapped for recorders, and the recorded
-arguments become the compile's signature, constexprs and divisibility hints the way the JIT
-specialises them. Tile shapes, segment counts and warps therefore cannot drift from what the
-launcher picks.
+`paged_attention` / `write_kv_cache` (or a layer op of `triton_layer_ops`) with the kernels
+swapped for recorders, and the recorded arguments become the compile's signature, constexprs
+and divisibility hints the way the JIT specialises them. Tile shapes, segment counts and
+warps therefore cannot drift from what the launcher picks.
 """
 
 import contextlib
@@ -22,7 +22,7 @@ import sys
 import torch
 import triton
 from kernel_batches import CACHE_DTYPES, make_batch
-from pagefleet_kernels import triton_attention
+from pagefleet_kernels import triton_attention, triton_layer_ops
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -56,6 +56,29 @@ AXES = {
 }
 NUM_KV_HEADS = 8  # Llama-3-8B's; the strides' divisibility by 16 follows from it
 KERNELS = ("_write_kv_cache_kernel", "_paged_attention_kernel", "_merge_segments_kernel")
+
+# The layer ops' launches: each kernel in each dtype, at the sizes of Llama-3-8B (hidden
+# 4096, intermediate 14336, 32 q and 8 KV heads of 128) and SmolLM2-135M (576, 1536, 9 and 3
+# of 64), Gemma's norms and GeGLU, a per-head q/k norm (Qwen3). Listed, not crossed: their
+# kernels have few constexprs, and rows of 1536 and 14336 compile to the same source.
+LAYER_OP_VARIANTS = (
+    {"op": "add_rms_norm", "dtype": torch.bfloat16, "size": 4096},
+    {"op": "add_rms_norm", "dtype": torch.float16, "size": 576, "unit_offset": True},
+    {"op": "rms_norm", "dtype": torch.float32, "size": 128, "heads": 32},
+    {"op": "rope", "dtype": torch.bfloat16, "size": 128, "heads": 32 + 8},
+    {"op": "rope", "dtype": torch.float16, "size": 64, "heads": 9 + 3},
+    {"op": "rope", "dtype": torch.float32, "size": 64, "heads": 9 + 3},
+    {"op": "act_and_mul", "dtype": torch.bfloat16, "size": 14336},
+    {"op": "act_and_mul", "dtype": torch.bfloat16, "size": 1536},
+    {"op": "act_and_mul", "dtype": torch.float16, "size": 1536, "gelu": True},
+    {"op": "act_and_mul", "dtype": torch.float32, "size": 1536},
+)
+LAYER_OP_KERNELS = {
+    "rms_norm": "_rms_norm_kernel",
+    "add_rms_norm": "_rms_norm_kernel",
+    "rope": "_rope_kernel",
+    "act_and_mul": "_act_and_mul_kernel",
+}
 
 
 def pairwise(axes: dict[str, tuple]) -> list[dict]:
@@ -118,22 +141,27 @@ class LaunchRecorder:
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
 
-def record_launches(variant: dict) -> list[tuple]:
-    """(kernel, args, kwargs) of every Triton launch one engine step of this variant makes:
-    the K/V write, then the attention (and the segment merge when the decode is split)."""
-    recorders = {name: LaunchRecorder(getattr(triton_attention, name)) for name in KERNELS}
+def record_launches(module, kernel_names, launch) -> list[tuple]:
+    """(kernel, args, kwargs) of every Triton launch `launch()` makes of `module`'s kernels."""
+    recorders = {name: LaunchRecorder(getattr(module, name)) for name in kernel_names}
     for name, recorder in recorders.items():
-        setattr(triton_attention, name, recorder)
+        setattr(module, name, recorder)
     try:
-        launch_variant(variant)
+        launch()
     finally:
         for name, recorder in recorders.items():
-            setattr(triton_attention, name, recorder.kernel)
+            setattr(module, name, recorder.kernel)
     return [
         (recorder.kernel, args, kwargs)
         for recorder in recorders.values()
         for args, kwargs in recorder.launches
     ]
+
+
+def record_step(variant: dict) -> list[tuple]:
+    """The launches of one engine step of this attention variant: the K/V write, then the
+    attention (and the segment merge when the decode is split)."""
+    return record_launches(triton_attention, KERNELS, lambda: launch_variant(variant))
 
 
 def launch_variant(variant: dict) -> None:
@@ -167,11 +195,61 @@ def launch_variant(variant: dict) -> None:
     )
 
 
+def layer_op_id(variant: dict) -> str:
+    flags = [name for name in ("unit_offset", "gelu") if variant.get(name)]
+    heads = f"-h{variant['heads']}" if "heads" in variant else ""
+    return (
+        "-".join(
+            [variant["op"], str(variant["dtype"]).removeprefix("torch."), f"n{variant['size']}"]
+            + flags
+        )
+        + heads
+    )
+
+
+def launch_layer_op(variant: dict) -> None:
+    """The op on 3 tokens of the variant's sizes, on the CPU: the launcher takes CPU tensors
+    while KERNEL_DEVICE says so (nothing runs; the kernels are recorders). Per-head inputs
+    are views of wider fused rows, as the model passes them."""
+    dtype, size, heads = variant["dtype"], variant["size"], variant.get("heads")
+    tokens = 3
+
+    def zeros(*shape):
+        return torch.zeros(shape, dtype=dtype)
+
+    def head_rows():  # (tokens, heads, size) of rows holding 8 more heads
+        return zeros(tokens, (heads + 8) * size)[:, : heads * size].view(tokens, heads, size)
+
+    op = getattr(triton_layer_ops, variant["op"])
+    unit_offset = variant.get("unit_offset", False)
+    device, triton_layer_ops.KERNEL_DEVICE = triton_layer_ops.KERNEL_DEVICE, "cpu"
+    try:
+        if variant["op"] == "rope":
+            op(head_rows(), zeros(tokens, size), zeros(tokens, size))
+        elif variant["op"] == "act_and_mul":
+            op(zeros(tokens, 2 * size), variant.get("gelu", False))
+        elif variant["op"] == "add_rms_norm":
+            op(zeros(tokens, size), zeros(tokens, size), zeros(size), 1e-5, unit_offset)
+        else:
+            op(head_rows() if heads else zeros(tokens, size), zeros(size), 1e-5, unit_offset)
+    finally:
+        triton_layer_ops.KERNEL_DEVICE = device
+
+
+def record_layer_op(variant: dict) -> list[tuple]:
+    return record_launches(
+        triton_layer_ops,
+        tuple(dict.fromkeys(LAYER_OP_KERNELS.values())),
+        lambda: launch_layer_op(variant),
+    )
+
+
 def compile_source(kernel, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
     """The source the JIT would compile for this launch, and its compile options: tensors
     become typed pointers, constexprs their values; pointers aligned to 16 bytes and
     integers divisible by 16 get Triton's divisibility hint."""
-    options = {key: kwargs[key] for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
+    option_names = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
+    options = {key: kwargs[key] for key in option_names if key in kwargs}
     bound = dict(zip(kernel.arg_names[: len(args)], args, strict=True)) | {
         key: value for key, value in kwargs.items() if key not in options
     }
@@ -201,7 +279,8 @@ def compile_source(kernel, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
 
 
 def compile_for(source: ASTSource, options: dict, capability: int) -> dict:
-    """Compile for sm_<capability>; its shared memory, registers and spilled bytes."""
+    """Compile for sm_<capability>; its shared memory, registers, spilled bytes and float
+    fused multiply-adds."""
     ptxas_log = io.StringIO()
     with contextlib.redirect_stdout(ptxas_log):
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
@@ -214,16 +293,17 @@ def compile_for(source: ASTSource, options: dict, capability: int) -> dict:
         "registers": max(registers),
         "spill_stores": sum(spills),
         "num_warps": compiled.metadata.num_warps,
+        "float_fmas": len(re.findall(r"\bfma\.rn\.f(?:16|32)", compiled.asm["ptx"])),
     }
 
 
-def compile_variant(variant: dict, compiled: dict) -> list[dict]:
-    """Every launch of the variant compiled for each of its targets; `compiled` keeps the
-    reports by source, so that a kernel several variants share compiles once."""
+def compile_launches(launches: list[tuple], targets: tuple, compiled: dict) -> list[dict]:
+    """Every launch compiled for each target; `compiled` keeps the reports by source, so
+    that a kernel several variants share compiles once."""
     reports = []
-    for kernel, args, kwargs in record_launches(variant):
+    for kernel, args, kwargs in launches:
         source, options = compile_source(kernel, args, kwargs)
-        for capability in TARGETS.get(variant["cache"], DEFAULT_TARGETS):
+        for capability in targets:
             key = (source.hash(), str(options), capability)
             if key not in compiled:
                 compiled[key] = compile_for(source, options, capability)
@@ -234,7 +314,16 @@ def compile_variant(variant: dict, compiled: dict) -> list[dict]:
 def main(mode: str, out_path: str) -> None:
     variants = {"pairwise": pairwise, "product": product}[mode](AXES)
     compiled = {}
-    results = {variant_id(variant): compile_variant(variant, compiled) for variant in variants}
+    results = {
+        variant_id(variant): compile_launches(
+            record_step(variant), TARGETS.get(variant["cache"], DEFAULT_TARGETS), compiled
+        )
+        for variant in variants
+    }
+    for variant in LAYER_OP_VARIANTS:
+        results[layer_op_id(variant)] = compile_launches(
+            record_layer_op(variant), DEFAULT_TARGETS, compiled
+        )
     with open(out_path, "w") as out:
         json.dump({"num_compiles": len(compiled), "variants": results}, out)
 

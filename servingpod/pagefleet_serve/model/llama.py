@@ -9,8 +9,9 @@ whether the checkpoint already has q/k/v and gate/up fused (Phi-3).
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
 context; the backend's `layer_ops` (pagefleet_kernels.layer_ops, or their C++ versions with
-the CPU backend) do the norms, rotary embedding and MLP activation. Weight names follow
-Hugging Face's LlamaForCausalLM; q/k/v and gate/up are fused at load time (one matmul each).
+the CPU backend, their Triton ones with the Triton backend) do the norms, rotary embedding
+and MLP activation. Weight names follow Hugging Face's LlamaForCausalLM; q/k/v and gate/up
+are fused at load time (one matmul each).
 """
 
 import math
