@@ -8,7 +8,13 @@ import pytest
 import torch
 import xgrammar as xgr
 from pagefleet_serve import LLM
-from pagefleet_serve.engine.sampler import SampleRow, SamplingError, _apply_penalties, sample
+from pagefleet_serve.engine.sampler import (
+    SampleRow,
+    SamplingError,
+    _apply_penalties,
+    _apply_top_k_top_p_min_p,
+    sample,
+)
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.grammar import GrammarMatcher
 
@@ -62,6 +68,34 @@ def test_unseeded_rows_draw_independently_from_the_filtered_distribution():
     assert {t.token_id for t in sample(batch, rows)} == {2, 0, 3}
 
 
+# Chi-square with 3 degrees of freedom: P(statistic > 30) < 1e-6 for a correct sampler.
+CHI_SQUARE_BOUND = 30.0
+
+
+def chi_square(tokens: list[int], probs: list[float]) -> float:
+    expected = [p * len(tokens) for p in probs]
+    return sum((tokens.count(i) - e) ** 2 / e for i, e in enumerate(expected))
+
+
+def test_draws_follow_the_distribution_unseeded_and_seeded():
+    torch.manual_seed(0)
+    n = 20_000
+    batch = torch.tensor([LOGITS] * n)
+    unseeded = [t.token_id for t in sample(batch, [row(SamplingParams())] * n)]
+    assert chi_square(unseeded, PROBS) < CHI_SQUARE_BOUND
+    seeded = row(SamplingParams(), 7)  # one generator, a draw per step
+    steps = [sample(torch.tensor([LOGITS]), [seeded])[0].token_id for _ in range(2_000)]
+    assert chi_square(steps, PROBS) < CHI_SQUARE_BOUND
+
+
+def test_top_p_of_one_keeps_a_tail_the_running_sum_rounds_away():
+    # In float32, 1 - 1e-9 + 1e-9 is 1 before the last token: a mass-before test alone
+    # would drop that token from a row that asked for no top_p.
+    logits = torch.tensor([[0.0, math.log(1e-9)]])
+    everything = torch.tensor([2]), torch.tensor([1.0]), torch.tensor([0.0])
+    assert torch.isfinite(_apply_top_k_top_p_min_p(logits, *everything)).all()
+
+
 def test_temperature_applies_before_top_p():
     # At temperature 1 the masses before each rank are 0, 0.4, 0.7, 0.9: top_p=0.8 keeps
     # three. At temperature 0.5 the probabilities go as p^2 (16, 9, 4, 1 over 30), the masses
@@ -85,7 +119,9 @@ def test_each_row_uses_its_own_filters():
 def test_seeded_draw_is_the_same_whatever_shares_the_batch():
     alone = sample(torch.tensor([LOGITS]), [row(SamplingParams(), 1234)])[0].token_id
     others = [row(SamplingParams(), None), row(SamplingParams(top_k=1), 5)]
-    batch = torch.tensor([LOGITS, list(reversed(LOGITS)), LOGITS])
+    # The seeded row's logits between other rows' (other logits, an unseeded draw, a
+    # filter that sends the whole batch through the filtering path).
+    batch = torch.tensor([list(reversed(LOGITS)), LOGITS, list(reversed(LOGITS))])
     rows = [others[0], row(SamplingParams(), 1234), others[1]]
     assert sample(batch, rows)[1].token_id == alone
 

@@ -243,5 +243,5 @@ class ModelRunner:
             if drafts:
                 result[seq] = accepted_run(result[seq], drafts)
                 if seq in seeded and len(result[seq]) < num_rows:
-                    rewind(seq.generator, seeded[seq], len(result[seq]), logits.shape[1])
+                    rewind(seq.generator, seeded[seq], len(result[seq]))
         return result

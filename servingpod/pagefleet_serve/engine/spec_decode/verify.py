@@ -14,7 +14,7 @@ tokens as without speculation, provided its generator advances once per emitted 
 
 import torch
 
-from pagefleet_serve.engine.sampler import SampledToken, SampleRow
+from pagefleet_serve.engine.sampler import SampledToken, SampleRow, draw_uniform
 from pagefleet_serve.engine.sequence import Sequence
 
 
@@ -37,9 +37,9 @@ def accepted_run(sampled: list[SampledToken], draft_token_ids: list[int]) -> lis
     return sampled
 
 
-def rewind(generator: torch.Generator, state: torch.Tensor, num_draws: int, vocab: int) -> None:
+def rewind(generator: torch.Generator, state: torch.Tensor, num_draws: int) -> None:
     """Put a seeded generator where plain decoding of `num_draws` tokens would leave it:
     the positions after a rejection drew noise that no emitted token used."""
     generator.set_state(state)
     for _ in range(num_draws):
-        torch.empty(vocab, device=generator.device).exponential_(generator=generator)
+        draw_uniform(torch.empty((), dtype=torch.float64, device=generator.device), generator)
