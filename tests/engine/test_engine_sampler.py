@@ -9,6 +9,7 @@ import torch
 import xgrammar as xgr
 from pagefleet_serve import LLM
 from pagefleet_serve.engine.sampler import (
+    CDF_BLOCK,
     SampleRow,
     SamplingError,
     _apply_penalties,
@@ -86,6 +87,18 @@ def test_draws_follow_the_distribution_unseeded_and_seeded():
     seeded = row(SamplingParams(), 7)  # one generator, a draw per step
     steps = [sample(torch.tensor([LOGITS]), [seeded])[0].token_id for _ in range(2_000)]
     assert chi_square(steps, PROBS) < CHI_SQUARE_BOUND
+
+
+def test_draws_across_blocks_of_a_vocabulary_not_in_whole_blocks():
+    # The draw finds a block of CDF_BLOCK tokens, then a token in it: these four sit in
+    # different blocks (the last one partial), every other token is masked out.
+    torch.manual_seed(1)
+    vocab, tokens = 3 * CDF_BLOCK + 100, [5, CDF_BLOCK + 44, 2 * CDF_BLOCK, 3 * CDF_BLOCK + 99]
+    logits = torch.full((20_000, vocab), float("-inf"))
+    logits[:, tokens] = torch.tensor(LOGITS)
+    drawn_tokens = [t.token_id for t in sample(logits, [row(SamplingParams())] * len(logits))]
+    assert set(drawn_tokens) == set(tokens)
+    assert chi_square([tokens.index(t) for t in drawn_tokens], PROBS) < CHI_SQUARE_BOUND
 
 
 def test_top_p_of_one_keeps_a_tail_the_running_sum_rounds_away():
