@@ -64,8 +64,9 @@ class StepBuffers:
         sizes.append(num_seqs * width)
         total = sum(sizes)
         self._reserve(total)
-        host = np.split(self._host.numpy()[:total], list(itertools.accumulate(sizes[:-1])))
-        ids, positions, slots, seq_lens, query_start_loc, logits, samples, table = host
+        host, bounds = self._host.numpy(), [0, *itertools.accumulate(sizes)]
+        parts = [host[lo:hi] for lo, hi in itertools.pairwise(bounds)]
+        ids, positions, slots, seq_lens, query_start_loc, logits, samples, table = parts
         ids[:] = input_ids
         logits[:] = logits_rows
         samples[:] = sample_rows
