@@ -20,13 +20,17 @@ import torch
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64
-    block_tables: torch.Tensor  # (B, max_blocks) int32
-    seq_lens: torch.Tensor  # (B,) int32, context length including this step's tokens
+    block_tables: torch.Tensor  # (B, max_blocks) int64 (the kernels also take int32)
+    seq_lens: torch.Tensor  # (B,) int64, context length including this step's tokens
     query_start_loc: torch.Tensor  # (B + 1,) int64
     query_lens: list[int]  # host copy
     # Shared by every layer's attention call of this forward pass: the backend keeps work
     # that depends on the batch layout alone here (see AttentionBackend.prepare).
     plan_cache: dict = field(default_factory=dict)
+    # Host copies, when the caller has them: a backend that needs these values on the host
+    # reads them here, not from the device tensors (on CUDA a synchronisation each).
+    seq_lens_host: list[int] | None = None
+    query_start_loc_host: list[int] | None = None
 
 
 class AttentionBackend(Protocol):

@@ -54,7 +54,11 @@ class _Split:
     prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None
 
 
-def _split(block_tables, seq_lens, query_start_loc, query_lens: list[int]) -> _Split:
+def _split(
+    block_tables, seq_lens, query_start_loc, query_lens: list[int], first: list[int] | None = None
+) -> _Split:
+    """`first`: query_start_loc's host copy, when the caller has it."""
+
     def part(rows: list[int]):
         index = torch.tensor(rows, dtype=torch.long)
         lens = [query_lens[i] for i in rows]
@@ -63,7 +67,8 @@ def _split(block_tables, seq_lens, query_start_loc, query_lens: list[int]) -> _S
         tables = block_tables[index].to(torch.int64).contiguous()
         return tables, seq_lens[index].to(torch.int64).contiguous(), starts, lens
 
-    first = query_start_loc.tolist()
+    if first is None:
+        first = query_start_loc.tolist()
     decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
     prefill_rows = [i for i, n in enumerate(query_lens) if n > 1]
     prefill_tokens = [t for i in prefill_rows for t in range(first[i], first[i] + query_lens[i])]
@@ -78,7 +83,11 @@ def _split(block_tables, seq_lens, query_start_loc, query_lens: list[int]) -> _S
 def prepare(metadata: AttentionMetadata, block_size: int, sliding_windows) -> None:
     """Split the batch once per forward pass, not once per layer."""
     metadata.plan_cache["cpu"] = _split(
-        metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, metadata.query_lens
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        metadata.query_lens,
+        metadata.query_start_loc_host,
     )
 
 

@@ -129,8 +129,16 @@ def _build_plan(
     query_lens: list[int],
     block_size: int,
     sliding_window: int | None = None,
+    seq_lens_host: list[int] | None = None,
+    query_start_loc_host: list[int] | None = None,
 ) -> _Plan:
+    """`seq_lens_host`, `query_start_loc_host`: the host copies, when the caller has them
+    (read instead of the device tensors: no synchronisation on CUDA)."""
     device = seq_lens.device
+    if seq_lens_host is None:
+        seq_lens_host = seq_lens.tolist()
+    if query_start_loc_host is None:
+        query_start_loc_host = query_start_loc.tolist()
     decodes = []
     decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
     if decode_rows:
@@ -141,7 +149,8 @@ def _build_plan(
         # own longest context: a handful of batched calls, not one per sequence, and little
         # padding when lengths vary.
         order = torch.argsort(lens)
-        for bucket, max_len in _decode_buckets(order, lens[order].tolist()):
+        sorted_lens = sorted(seq_lens_host[i] for i in decode_rows)  # lens[order], on the host
+        for bucket, max_len in _decode_buckets(order, sorted_lens):
             bucket_rows, bucket_lens = rows[bucket], lens[bucket]
             max_blocks = (max_len + block_size - 1) // block_size
             first = torch.zeros_like(bucket_lens)  # (b,) each row's first block read
@@ -165,12 +174,10 @@ def _build_plan(
             decodes.append((token_starts[bucket_rows], tables, valid[:, None, None, :]))
 
     prefills = []
-    starts = query_start_loc.tolist()
-    lens_host = seq_lens.tolist()
     for i, q_len in enumerate(query_lens):
         if q_len <= 1:
             continue
-        ctx_len = lens_host[i]
+        ctx_len = seq_lens_host[i]
         n_blocks = (ctx_len + block_size - 1) // block_size
         # Blocks wholly before the first query's window (it sits at ctx_len - q_len) are
         # not read.
@@ -187,7 +194,7 @@ def _build_plan(
             if windowed:
                 mask &= k_pos > q_pos - sliding_window
         tables = block_tables[i : i + 1, first:n_blocks].to(torch.long)
-        prefills.append((starts[i], q_len, ctx_len - offset, tables, mask))
+        prefills.append((query_start_loc_host[i], q_len, ctx_len - offset, tables, mask))
     return _Plan(decodes, prefills)
 
 
@@ -225,6 +232,8 @@ def prepare(metadata: AttentionMetadata, block_size: int, sliding_windows: set[i
             metadata.query_lens,
             block_size,
             window,
+            metadata.seq_lens_host,
+            metadata.query_start_loc_host,
         )
 
 

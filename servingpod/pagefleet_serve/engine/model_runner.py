@@ -2,6 +2,7 @@
 cache, samples the next tokens."""
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 from pagefleet_kernels.kv_cache import (
@@ -14,10 +15,11 @@ from pagefleet_kernels.kv_cache import (
 
 from pagefleet_serve.attention import get_attention_backend
 from pagefleet_serve.engine.sampler import SampledToken, SampleRow, sample
-from pagefleet_serve.engine.scheduler import SchedulerOutput
+from pagefleet_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, rewind
-from pagefleet_serve.model.llama import AttentionMetadata, LlamaForCausalLM
+from pagefleet_serve.engine.step_buffers import StepBuffers, StepInputs
+from pagefleet_serve.model.llama import LlamaForCausalLM
 from pagefleet_serve.model.loader import LoadedModel
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -72,6 +74,7 @@ class ModelRunner:
         )
         self.kv_caches: list[LayerKVCache] = []
         self.draft = draft
+        self.buffers = StepBuffers(device, block_size)
 
     @property
     def bytes_per_block(self) -> int:
@@ -126,12 +129,12 @@ class ModelRunner:
         return scratch
 
     def _warm_up_step(self, input_ids, starts, query_lens, tables) -> None:
-        batch = (input_ids, starts, query_lens, tables)
-        hidden = self.forward(*batch)
+        lasts = [end - 1 for end in itertools.accumulate(query_lens)]
+        inputs = self.buffers.build(input_ids, starts, query_lens, tables, lasts)
+        hidden = self.run(inputs)
         if self.draft is not None:
-            self.draft.forward(*batch)
-        ends = torch.tensor(list(itertools.accumulate(query_lens)), device=self.device) - 1
-        logits = self.model.compute_logits(hidden[ends])
+            self.draft.run(inputs)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
         sample(logits, [SampleRow(_WARM_UP_PARAMS, None, [], [])] * len(query_lens))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -154,36 +157,13 @@ class ModelRunner:
         """Run the model over a flattened batch: sequence i's `query_lens[i]` tokens sit at
         positions from `starts[i]` and their K/V go to the slots its block table names.
         Returns the hidden states, one row per input token."""
-        width = max(len(t) for t in tables)
-        dev = self.device
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        # Token t of sequence i sits at position starts[i] + (t - query_start_loc[i]).
-        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        positions = (
-            torch.arange(len(input_ids))
-            - query_start_loc[seq_index]
-            + torch.tensor(starts)[seq_index]
-        )
-        slot_mapping = (
-            block_tables[seq_index, positions // self.block_size] * self.block_size
-            + positions % self.block_size
-        )
-        attn = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            block_tables=block_tables.to(dev),
-            seq_lens=(q_lens + torch.tensor(starts)).to(dev),
-            query_start_loc=query_start_loc.to(dev),
-            query_lens=query_lens,
-        )
-        return self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions.to(dev),
-            self.kv_caches,
-            attn,
-        )
+        return self.run(self.buffers.build(input_ids, starts, query_lens, tables))
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over a batch whose metadata is already on the device: this runner's
+        own, or its target's (a draft runs over the target's batch as built)."""
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[Sequence, list[SampledToken]]:
@@ -194,17 +174,56 @@ class ModelRunner:
             starts.append(item.seq.num_computed_tokens)
             query_lens.append(item.num_new_tokens)
             tables.append(item.seq.block_table)
-        batch = (input_ids, starts, query_lens, tables)
+        plan = _SamplePlan.of(step, list(itertools.accumulate(query_lens)))
+        inputs = self.buffers.build(
+            input_ids, starts, query_lens, tables, plan.logits_rows, plan.sample_rows
+        )
         self.copy_blocks(step.block_copies)
-        hidden = self.forward(*batch)
+        hidden = self.run(inputs)
         if self.draft is not None:
             self.draft.copy_blocks(step.block_copies)
-            self.draft.forward(*batch)
-        return self._sample(step, hidden, list(itertools.accumulate(query_lens)))
+            self.draft.run(inputs)
+        return self._sample(plan, hidden, inputs)
 
     def _sample(
-        self, step: SchedulerOutput, hidden: torch.Tensor, ends: list[int]
+        self, plan: "_SamplePlan", hidden: torch.Tensor, inputs: StepInputs
     ) -> dict[Sequence, list[SampledToken]]:
+        if not plan.sampling:
+            return {}
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+        seeded = {
+            item.seq: item.seq.generator.get_state()
+            for item in plan.sampling
+            if item.spec_token_ids and item.seq.generator is not None and not item.seq.params.greedy
+        }
+        if plan.sample_rows:  # n > 1: a row per sample
+            logits = logits.index_select(0, inputs.sample_rows)
+        tokens = sample(logits, plan.rows)
+        result, k = {}, 0
+        for item in plan.sampling:
+            seq, drafts = item.seq, item.spec_token_ids
+            num_rows = len(drafts) + 1 if drafts else seq.num_samples
+            result[seq] = tokens[k : k + num_rows]
+            k += num_rows
+            if drafts:
+                result[seq] = accepted_run(result[seq], drafts)
+                if seq in seeded and len(result[seq]) < num_rows:
+                    rewind(seq.generator, seeded[seq], len(result[seq]))
+        return result
+
+
+@dataclass
+class _SamplePlan:
+    """Which logits a step samples, known before its forward pass so that the row indices
+    go to the device with the rest of the step's metadata."""
+
+    sampling: list[ScheduledSeq]  # the items that sample, in order
+    rows: list[SampleRow]  # one per draw
+    logits_rows: list[int]  # the hidden rows whose logits are computed
+    sample_rows: list[int]  # the logits row of each draw; empty when one draw per row
+
+    @classmethod
+    def of(cls, step: SchedulerOutput, ends: list[int]) -> "_SamplePlan":
         """Logits of each sampling sequence's last position, or of its last 1 + k positions
         when it verifies k drafts; one sample row per position and per sample."""
         sampling, scored, rows, row_logits = [], [], [], []
@@ -223,25 +242,5 @@ class ModelRunner:
                 rows.append(SampleRow(seq.params, generator, output, prompt, seq.grammar))
                 row_logits.append(len(scored))
             scored.append(end - 1)
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(scored, device=self.device)])
-        seeded = {
-            item.seq: item.seq.generator.get_state()
-            for item in sampling
-            if item.spec_token_ids and item.seq.generator is not None and not item.seq.params.greedy
-        }
-        if row_logits != list(range(len(scored))):  # n > 1: a row per sample
-            logits = logits[torch.tensor(row_logits, device=self.device)]
-        tokens = sample(logits, rows)
-        result, k = {}, 0
-        for item in sampling:
-            seq, drafts = item.seq, item.spec_token_ids
-            num_rows = len(drafts) + 1 if drafts else seq.num_samples
-            result[seq] = tokens[k : k + num_rows]
-            k += num_rows
-            if drafts:
-                result[seq] = accepted_run(result[seq], drafts)
-                if seq in seeded and len(result[seq]) < num_rows:
-                    rewind(seq.generator, seeded[seq], len(result[seq]))
-        return result
+        one_per_row = row_logits == list(range(len(scored)))
+        return cls(sampling, rows, scored, [] if one_per_row else row_logits)

@@ -396,8 +396,11 @@ class LlamaForCausalLM(nn.Module):
         switch = self.config.longrope_switch
         if switch is None:
             return self.inv_freq
-        repeats = torch.tensor(attn.query_lens, device=attn.seq_lens.device)
-        long = torch.repeat_interleave(attn.seq_lens, repeats) > switch  # (T,)
+        # Each token's context length, from the device metadata alone; the known output
+        # size spares the device a synchronisation.
+        repeats = attn.query_start_loc.diff()
+        num_tokens = sum(attn.query_lens)
+        long = torch.repeat_interleave(attn.seq_lens, repeats, output_size=num_tokens) > switch
         return torch.where(long[:, None], self.inv_freq_long, self.inv_freq)
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
