@@ -38,6 +38,11 @@ MODEL = "smollm2"
 ISVC_PATH = f"/apis/pagefleet.dev/v1alpha1/namespaces/{NAMESPACE}/inferenceservices"
 # Model loading on a busy 2-core machine; the second pod loads while the first serves.
 START_TIMEOUT_S = 300
+# The light load's stream length. Each stream is replaced as it ends, so the pods always
+# have some in flight whatever their length; longer ones only slow the walk down: with
+# maxNumSeqs 2 the heavy load's streams queue behind them, and its end (every stream
+# finished) came 100 s after the new replica was ready at 256 tokens.
+LIGHT_STREAM_TOKENS = 64
 
 
 def read(url: str) -> dict:
@@ -113,7 +118,7 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
         assert result.error is None and result.text and result.chunks > 1, result
 
         # Load until the autoscaler adds a replica and that replica is ready. A light load
-        # of long streams (below every target on two pods) starts first and runs through
+        # of streams (below every target on two pods) starts first and runs through
         # the scale-down: once the new replica is ready, some of its streams go there, so
         # the pod that goes has streams in flight at SIGTERM however soon after the heavy
         # load the scale-down comes; its drain must keep them whole.
@@ -124,7 +129,9 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
         def settled() -> bool:
             return spec_replicas() == 1 and len(simulation.terminated) == 1
 
-        light = walk.Load(service.url, MODEL, concurrency=4, max_tokens=256, ignore_eos=True)
+        light = walk.Load(
+            service.url, MODEL, concurrency=4, max_tokens=LIGHT_STREAM_TOKENS, ignore_eos=True
+        )
         light.__enter__()  # stopped below, off the event loop the simulation runs on
         try:
             await asyncio.to_thread(walk.load_until, service.url, MODEL, two_ready, START_TIMEOUT_S)
@@ -134,7 +141,7 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
             await asyncio.to_thread(walk.wait_for, settled, 300, "the scale-down to complete")
         finally:
             await asyncio.to_thread(light.stop)
-        walk.check_streams(light.results, 256)
+        walk.check_streams(light.results, LIGHT_STREAM_TOKENS)
         assert await scaled("scale down 2 -> 1")
         (gone,) = simulation.terminated
         assert gone.exit_code == 0, gone.log_path.read_text()[-3000:]
