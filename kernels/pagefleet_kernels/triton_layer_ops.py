@@ -58,6 +58,14 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _program_rows(BLOCK_R: tl.constexpr, num_heads):
+    """This program's (token, head) rows of a (T, H, ...) tensor: the flat row index, its
+    token (int64, for offsets) and its head."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows, (rows // num_heads).to(tl.int64), rows % num_heads
+
+
+@triton.jit
 def _rms_norm_kernel(
     out_ptr,  # (T, H, N) contiguous
     sum_ptr,  # (T, N) contiguous: round(x + h), ADD only
@@ -77,9 +85,7 @@ def _rms_norm_kernel(
     UNIT_OFFSET: tl.constexpr,
 ):
     dtype = out_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
-    token = (rows // num_heads).to(tl.int64)  # (BLOCK_R,)
-    head = rows % num_heads  # (BLOCK_R,)
+    rows, token, head = _program_rows(BLOCK_R, num_heads)  # (BLOCK_R,) each
     offs = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     mask = (rows < num_rows)[:, None] & (offs < size)[None, :]  # (BLOCK_R, BLOCK_N)
     x_offs = (token * stride_x_t + head * stride_x_h)[:, None] + offs[None, :]
@@ -117,9 +123,7 @@ def _rope_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
 ):
     dtype = out_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
-    token = (rows // num_heads).to(tl.int64)  # (BLOCK_R,)
-    head = rows % num_heads  # (BLOCK_R,)
+    rows, token, head = _program_rows(BLOCK_R, num_heads)  # (BLOCK_R,) each
     offs = tl.arange(0, HEAD_DIM_PADDED)  # (HEAD_DIM_PADDED,)
     mask = (rows < num_rows)[:, None] & (offs < HEAD_DIM)[None, :]  # (BLOCK_R, HEAD_DIM_PADDED)
     x_rows = x_ptr + (token * stride_x_t + head * stride_x_h)[:, None]  # (BLOCK_R, 1)
