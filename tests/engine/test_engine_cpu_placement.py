@@ -9,6 +9,7 @@ import pytest
 from pagefleet_serve.engine.cpu_placement import (
     CpuPlacement,
     cpu_quota,
+    omp_num_threads,
     parse_cpu_list,
     plan_placement,
 )
@@ -42,6 +43,32 @@ EIGHT = list(range(8))
 )
 def test_plan_placement(spec, available, quota, placement):
     assert plan_placement(spec, available, quota) == placement
+
+
+@pytest.mark.parametrize(
+    ("spec", "available", "quota", "placement"),
+    [
+        # OMP_NUM_THREADS=1: the count is the operator's, the CPUs stay as planned.
+        ("auto", [0, 1], None, CpuPlacement([0, 1], None, 1)),
+        ("auto", [0, 1, 2, 3], None, CpuPlacement([0, 1, 2], [3], 1)),
+        ("auto", EIGHT, 6.0, CpuPlacement(None, None, 1)),
+        ("0-3", EIGHT, None, CpuPlacement([0, 1, 2, 3], [4, 5, 6, 7], 1)),
+        ("none", EIGHT, None, CpuPlacement(None, None)),  # torch reads it itself
+    ],
+)
+def test_omp_num_threads_sets_the_count(spec, available, quota, placement):
+    """Three 1-thread servers on two cores each ran two threads under `auto`, and their
+    spinning barriers made a lone prefill 1.5-3x slower (benchmarks/bench_router.py)."""
+    assert plan_placement(spec, available, quota, threads=1) == placement
+
+
+@pytest.mark.parametrize(
+    ("value", "threads"),
+    [("1", 1), (" 6 ", 6), ("4,2", 4), ("0", None), ("-2", None), ("two", None), ("", None)],
+)
+def test_omp_num_threads_reads_the_outer_level(value, threads):
+    assert omp_num_threads({"OMP_NUM_THREADS": value}) == threads
+    assert omp_num_threads({}) is None
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,10 @@ sees 64 in its affinity mask, and 64 intra-op threads on a 2-CPU quota spend mos
 step throttled or spinning at barriers. A quota is CPU time, not particular CPUs, so under
 one `auto` pins nothing and sizes the thread count to the quota (the same split rule: from
 4 CPUs of quota, one is left to the API process).
+
+An explicit `OMP_NUM_THREADS` is the operator's thread count and wins over both rules (the
+CPUs stay as planned): several servers sharing a few cores, each told to run one thread,
+must not each start one thread per CPU and spin at each other's barriers.
 """
 
 import math
@@ -48,9 +52,18 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
-def plan_placement(spec: str, available: list[int], quota: float | None = None) -> CpuPlacement:
-    """`quota`: the CPUs' worth of time the cgroup allows (None: unlimited)."""
-    available = sorted(available)
+def plan_placement(
+    spec: str, available: list[int], quota: float | None = None, threads: int | None = None
+) -> CpuPlacement:
+    """`quota`: the CPUs' worth of time the cgroup allows (None: unlimited); `threads`: the
+    environment's OMP_NUM_THREADS (None: not set), which overrides the thread count."""
+    placement = _plan_cpus(spec, sorted(available), quota)
+    if threads is None or placement.core_threads is None:
+        return placement
+    return CpuPlacement(placement.core, placement.frontend, threads)
+
+
+def _plan_cpus(spec: str, available: list[int], quota: float | None) -> CpuPlacement:
     if spec == "none":
         return CpuPlacement(None, None)
     if spec == "auto":
@@ -70,6 +83,13 @@ def plan_placement(spec: str, available: list[int], quota: float | None = None) 
         )
     frontend = sorted(set(available) - set(core))
     return CpuPlacement(core, frontend or None, len(core))
+
+
+def omp_num_threads(environ=os.environ) -> int | None:
+    """OMP_NUM_THREADS as a thread count: its first (outermost) level, None when unset or
+    not a positive integer (OpenMP ignores such a value too)."""
+    first = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
 
 
 def available_cpus() -> list[int]:

@@ -21,6 +21,7 @@ from pagefleet_serve.config import (
 from pagefleet_serve.engine.cpu_placement import (
     available_cpus,
     cpu_quota,
+    omp_num_threads,
     place_frontend,
     plan_placement,
 )
@@ -270,7 +271,9 @@ def run(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
         )
-        placement = plan_placement(args.cpu_threads_bind, available_cpus(), cpu_quota())
+        placement = plan_placement(
+            args.cpu_threads_bind, available_cpus(), cpu_quota(), omp_num_threads()
+        )
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
