@@ -117,6 +117,8 @@ def baseline(args, src: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", "--dtype", args.dtype]
     cmd += ["--batches", *map(str, args.batches), "--steps", str(args.steps)]
     cmd += ["--prompt-len", str(args.prompt_len)]
+    if args.quantization:  # the baseline must know the flag
+        cmd += ["--quantization", args.quantization]
     out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out)
 
