@@ -1,7 +1,9 @@
 """Paged attention on the CPU through a small C++ kernel that reads K/V in place from the
 block pool (`csrc/paged_attention_cpu.cpp`): no gather copy of each sequence's context, and
 int8/fp8 codes are dequantized as they are read, so a quantized cache also cuts the bytes
-read. The cache write is the torch backend's.
+read. The kernel takes the query in the model's dtype and returns its output in it. The
+cache write is the kernel module's row copy for an unquantized cache, the torch backend's
+(which quantizes) otherwise.
 
 The kernel takes decode rows (one query token). Prefill chunks go to the torch backend,
 whose SDPA flash kernel tiles the queries: the C++ kernel walks each query token's context
@@ -24,7 +26,7 @@ from pagefleet_kernels import cpu_layer_ops as layer_ops
 from pagefleet_kernels import torch_attention
 from pagefleet_kernels.backend import AttentionMetadata
 from pagefleet_kernels.cpu_build import load_extension
-from pagefleet_kernels.torch_attention import _check_scales, write_kv_cache
+from pagefleet_kernels.torch_attention import _check_scales
 
 __all__ = ["available", "layer_ops", "paged_attention", "prepare", "write_kv_cache"]
 
@@ -91,10 +93,36 @@ def prepare(metadata: AttentionMetadata, block_size: int, sliding_windows) -> No
     )
 
 
+def write_kv_cache(
+    key: torch.Tensor,  # (T, Hkv, D)
+    value: torch.Tensor,  # (T, Hkv, D)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (T,) int64
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> None:
+    """The torch backend's `write_kv_cache`: a row copy in C++ when the cache holds the
+    rows' own dtype, the torch backend (which quantizes) otherwise."""
+    if (
+        key_scale is None
+        and value_scale is None
+        and key.dtype == key_cache.dtype == value.dtype == value_cache.dtype
+        and key.stride(-1) == value.stride(-1) == 1
+        and key.stride(-2) == value.stride(-2) == key.shape[-1]
+    ):
+        _extension().write_kv_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
+        return
+    torch_attention.write_kv_cache(
+        key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale
+    )
+
+
 def _decode(query, caches, split: _Split, scale, sliding_window, softcap) -> torch.Tensor:
-    """The C++ kernel over the batch's decode rows (`query` holds just those, in order)."""
+    """The C++ kernel over the batch's decode rows (`query` holds just those, in order),
+    computed in float32, returned in the query's dtype."""
     return _extension().paged_attention(
-        query.float().contiguous(),
+        query.contiguous(),
         *caches,
         *split.decode,
         scale,
@@ -130,11 +158,11 @@ def paged_attention(
         split = _split(block_tables, seq_lens, query_start_loc, query_lens)
     caches = (key_cache, value_cache, key_scale, value_scale)
     if split.prefill is None:  # a decode-only step (the common one): no gather, no scatter
-        return _decode(query, caches, split, scale, sliding_window, softcap).to(query.dtype)
+        return _decode(query, caches, split, scale, sliding_window, softcap)
     out = torch.empty_like(query)
     if len(split.decode_tokens):
         decoded = _decode(query[split.decode_tokens], caches, split, scale, sliding_window, softcap)
-        out[split.decode_tokens] = decoded.to(query.dtype)
+        out[split.decode_tokens] = decoded
     if split.prefill is not None:
         tables, lens, starts, prefill_lens = split.prefill
         out[split.prefill_tokens] = torch_attention.paged_attention(

@@ -97,3 +97,53 @@ def test_engine_greedy_output_equals_the_torch_backend():
         )
         outputs[backend] = [r.outputs[0].token_ids for r in llm.generate(prompts, greedy)]
     assert outputs["cpu"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_decode_rows", [2, 64])  # per-KV-head items and whole rows
+def test_cpu_kernel_16_bit_query_is_the_float32_result_rounded(dtype, num_decode_rows):
+    """The kernel reads a 16-bit query itself and rounds its float32 output once: bit for
+    bit what converting the query to float32 first and the output back afterwards gives."""
+    batch = make_batch(
+        [1] * num_decode_rows, [1 + 23 * i % 200 for i in range(num_decode_rows)], 6, 2, dtype=dtype
+    )
+    actual = batch.attention(cpu_attention)
+    assert actual.dtype == dtype
+    batch.query = batch.query.float()
+    assert torch.equal(actual, batch.attention(cpu_attention).to(dtype))
+
+
+def written_caches(write, key, value, slot_mapping, shape, cache_dtype):
+    scaled = cache_dtype in (torch.int8, torch.float8_e4m3fn)
+    caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(2)]
+    scales = [torch.zeros(shape[:3]) if scaled else None for _ in range(2)]
+    write(key, value, *caches, slot_mapping, *scales)
+    return [t.view(torch.uint8) if t.element_size() == 1 else t for t in caches] + [
+        s for s in scales if s is not None
+    ]
+
+
+@pytest.mark.parametrize("cache", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cpu_cache_write_matches_the_torch_backend_bit_for_bit(dtype, cache):
+    """K and V as the model hands them over (views into one fused qkv projection), into a
+    pool of 16-slot blocks at shuffled slots; int8/fp8 caches take the torch path."""
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(40, 3, 3, 64, generator=generator).to(dtype)
+    key, value = qkv[:, 1], qkv[:, 2]
+    shape = (7, 16, 3, 64)
+    slot_mapping = torch.randperm(7 * 16, generator=generator)[:40]
+    cache_dtype = {"auto": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[cache]
+    args = (key, value, slot_mapping, shape, cache_dtype)
+    expected = written_caches(torch_attention.write_kv_cache, *args)
+    actual = written_caches(cpu_attention.write_kv_cache, *args)
+    for want, got in zip(expected, actual, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_cpu_cache_write_refuses_a_slot_outside_the_pool():
+    key = value = torch.zeros(2, 3, 64)
+    caches = [torch.zeros(4, 16, 3, 64) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="slot 64 is outside the cache"):
+        cpu_attention.write_kv_cache(key, value, *caches, torch.tensor([3, 64]))
+    assert not caches[0].any()  # checked before anything is written

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -221,7 +222,26 @@ void attend(const float* q,            // (Hq, D) this token's query
   std::memcpy(out + h0 * G * D, acc, sizeof(float) * H * G * D);
 }
 
-template <typename cache_t>
+// A query row as floats, and an output row back in the query's dtype (bfloat16/float16:
+// rounded to nearest even, what `.to()` of the float32 output gave).
+template <typename q_t>
+inline const float* query_row(const q_t* q, int64_t n, std::vector<float>& buffer) {
+  buffer.resize(n);
+  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(q[i]);
+  return buffer.data();
+}
+
+template <>
+inline const float* query_row<float>(const float* q, int64_t, std::vector<float>&) {
+  return q;
+}
+
+template <typename q_t>
+inline void store_row(const float* src, q_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<q_t>(src[i]);
+}
+
+template <typename cache_t, typename q_t>
 void run(const torch::Tensor& query, const torch::Tensor& key_cache,
          const torch::Tensor& value_cache, const float* key_scale, const float* value_scale,
          const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
@@ -240,34 +260,74 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
   // to keep every thread busy; one kv head per item otherwise.
   const int64_t parts = T >= 4 * at::get_num_threads() ? 1 : Hkv;
   const int64_t per = Hkv / parts;
-  const float* q = query.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+  const q_t* q = query.data_ptr<q_t>();
+  q_t* o = out.data_ptr<q_t>();
   const cache_t* kc = key_cache.data_ptr<cache_t>();
   const cache_t* vc = value_cache.data_ptr<cache_t>();
   const RowKernels kernels = row_kernels(D);
   at::parallel_for(0, T * parts, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
+    std::vector<float> q_buffer, o_buffer(Hq * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / parts, part = item % parts, i = seq_of[t];
       const int64_t pos = lens[i] - (starts[i + 1] - starts[i]) + (t - starts[i]);
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(pos - sliding_window + 1, 0) : 0;
-      attend<cache_t>(q + t * Hq * D, kc, vc, key_scale, value_scale, tables + i * max_blocks,
-                      first, pos + 1, part * per, (part + 1) * per, Hkv, bs, G, D,
-                      static_cast<float>(scale), static_cast<float>(softcap), o + t * Hq * D,
-                      kernels, w);
+      const int64_t h0 = part * per, h1 = (part + 1) * per;
+      float* o_row = std::is_same<q_t, float>::value ? reinterpret_cast<float*>(o + t * Hq * D)
+                                                     : o_buffer.data();
+      attend<cache_t>(query_row(q + t * Hq * D, Hq * D, q_buffer), kc, vc, key_scale,
+                      value_scale, tables + i * max_blocks, first, pos + 1, h0, h1, Hkv, bs, G,
+                      D, static_cast<float>(scale), static_cast<float>(softcap), o_row, kernels,
+                      w);
+      if (!std::is_same<q_t, float>::value)
+        store_row(o_row + h0 * G * D, o + t * Hq * D + h0 * G * D, (h1 - h0) * G * D);
     }
   });
 }
 
+template <typename q_t>
+void run_cache(const torch::Tensor& query, const torch::Tensor& key_cache,
+               const torch::Tensor& value_cache, const float* ks, const float* vs,
+               const torch::Tensor& tables, const torch::Tensor& lens,
+               const torch::Tensor& starts, double scale, int64_t sliding_window, double softcap,
+               torch::Tensor& out) {
+  switch (key_cache.scalar_type()) {
+    case torch::kFloat32:
+      run<float, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
+                      sliding_window, softcap, out);
+      break;
+    case torch::kBFloat16:
+      run<c10::BFloat16, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts,
+                              scale, sliding_window, softcap, out);
+      break;
+    case torch::kFloat16:
+      run<c10::Half, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
+                          sliding_window, softcap, out);
+      break;
+    case torch::kInt8:
+      run<int8_t, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
+                       sliding_window, softcap, out);
+      break;
+    case torch::kFloat8_e4m3fn:
+      run<c10::Float8_e4m3fn, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts,
+                                   scale, sliding_window, softcap, out);
+      break;
+    default:
+      TORCH_CHECK(false, "cache dtype ", key_cache.scalar_type(),
+                  " is not float32, bfloat16, float16, int8 or float8_e4m3fn");
+  }
+}
+
 }  // namespace
 
+// The output has the query's dtype (float32, bfloat16 or float16); the kernel computes in
+// float32 either way, so a 16-bit query costs no conversion pass outside it.
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
                               torch::Tensor value_cache, c10::optional<torch::Tensor> key_scale,
                               c10::optional<torch::Tensor> value_scale, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
                               int64_t sliding_window, double softcap) {
-  TORCH_CHECK(query.dtype() == torch::kFloat32 && query.is_contiguous(),
-              "query must be contiguous float32 (T, Hq, D)");
+  TORCH_CHECK(query.is_contiguous(), "query must be contiguous (T, Hq, D)");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "key_cache and value_cache must be contiguous (num_blocks, block_size, Hkv, D)");
   TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
@@ -278,36 +338,64 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
   const float* ks = key_scale ? key_scale->data_ptr<float>() : nullptr;
   const float* vs = value_scale ? value_scale->data_ptr<float>() : nullptr;
   auto out = torch::empty_like(query);
-  switch (key_cache.scalar_type()) {
+  switch (query.scalar_type()) {
     case torch::kFloat32:
-      run<float>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                 sliding_window, softcap, out);
+      run_cache<float>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
+                       sliding_window, softcap, out);
       break;
     case torch::kBFloat16:
-      run<c10::BFloat16>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                         sliding_window, softcap, out);
+      run_cache<c10::BFloat16>(query, key_cache, value_cache, ks, vs, tables, lens, starts,
+                               scale, sliding_window, softcap, out);
       break;
     case torch::kFloat16:
-      run<c10::Half>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                     sliding_window, softcap, out);
-      break;
-    case torch::kInt8:
-      run<int8_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                  sliding_window, softcap, out);
-      break;
-    case torch::kFloat8_e4m3fn:
-      run<c10::Float8_e4m3fn>(query, key_cache, value_cache, ks, vs, tables, lens, starts,
-                              scale, sliding_window, softcap, out);
+      run_cache<c10::Half>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
+                           sliding_window, softcap, out);
       break;
     default:
-      TORCH_CHECK(false, "cache dtype ", key_cache.scalar_type(),
-                  " is not float32, bfloat16, float16, int8 or float8_e4m3fn");
+      TORCH_CHECK(false, "query dtype ", query.scalar_type(),
+                  " is not float32, bfloat16 or float16");
   }
   return out;
 }
 
+// This step's K and V rows (T, Hkv, D), each row's heads contiguous, copied into their
+// slots of an unquantized cache of the same dtype: what the torch backend's indexed
+// assignment does, without its per-call dispatch (60 of them in a SmolLM2 decode step).
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                    torch::Tensor value_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "key_cache and value_cache must be contiguous (num_blocks, block_size, Hkv, D)");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  const int64_t T = slot_mapping.size(0);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t row = key_cache.size(2) * key_cache.size(3);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache (",
+                num_slots, " slots)");
+  for (auto* pair : {&key, &value}) {
+    const torch::Tensor& x = *pair;
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == T && x.size(1) * x.size(2) == row &&
+                    x.stride(2) == 1 && x.stride(1) == x.size(2),
+                "key/value must be (T, Hkv, D) with each row's heads contiguous");
+  }
+  for (int pass = 0; pass < 2; ++pass) {
+    const torch::Tensor& x = pass ? value : key;
+    torch::Tensor& cache = pass ? value_cache : key_cache;
+    TORCH_CHECK(x.scalar_type() == cache.scalar_type(), "key/value dtype ", x.scalar_type(),
+                " differs from the cache's ", cache.scalar_type());
+    const int64_t item = x.element_size(), stride = x.stride(0) * item;
+    const char* src = static_cast<const char*>(x.data_ptr());
+    char* dst = static_cast<char*>(cache.data_ptr());
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(dst + slots[t] * row * item, src + t * stride, row * item);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU)");
+  m.def("write_kv_cache", &write_kv_cache, "K/V rows into their slots of the pool (CPU)");
   m.def("parallel_threads", &pagefleet::parallel_threads,
         "threads at::parallel_for gives this extension's loops");
 }
