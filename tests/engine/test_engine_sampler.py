@@ -292,6 +292,20 @@ def test_batched_sampling_equals_sampling_each_row_alone(case, device):
     assert [t.token_id for t in shifted] != [t.token_id for t in batched]
 
 
+def test_greedy_rows_in_a_sampled_batch_never_read_uninitialized_noise():
+    """A greedy row beside sampled ones takes no uniform number, and its slot of the draw's
+    noise must not be whatever memory held before: a NaN there sent the inverse CDF past
+    the last block (`index 2 is out of bounds`), failing the whole step at random. The
+    freed memory is filled with NaN first, where the draw's allocation is likely to land."""
+    logits, rows = batch_rows(BATCH_CASES["mixed"], "cpu")
+    for _ in range(50):
+        poison = torch.full((len(rows), 1), float("nan"), dtype=torch.float64)
+        del poison
+        tokens = sample(logits, rows)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        assert [tokens[i].token_id for i in greedy] == logits[greedy].argmax(-1).tolist()
+
+
 def test_the_engine_hands_the_repetition_penalty_the_prompt_and_the_output():
     llm = LLM("builtin://tiny-random", dtype="float32")
     prompt = list(range(100, 140))

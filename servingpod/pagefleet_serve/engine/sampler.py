@@ -121,7 +121,9 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> to
         scaled = logits / settings[:, :1]  # (temperature 1, the default, divides nothing)
     if any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 or r.params.min_p for r in rows):
         scaled = _apply_top_k_top_p_min_p(scaled, settings[:, 1], settings[:, 2], settings[:, 3])
-    uniform = torch.empty(len(rows), 1, dtype=torch.float64, device=logits.device)
+    # Zeros, not empty: greedy rows draw nothing, but the inverse CDF runs over every row,
+    # and a NaN left in memory sends a row past its last block.
+    uniform = torch.zeros(len(rows), 1, dtype=torch.float64, device=logits.device)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
     if len(unseeded) == len(rows):
         uniform.uniform_()
