@@ -285,35 +285,33 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
   });
 }
 
-template <typename q_t>
-void run_cache(const torch::Tensor& query, const torch::Tensor& key_cache,
-               const torch::Tensor& value_cache, const float* ks, const float* vs,
-               const torch::Tensor& tables, const torch::Tensor& lens,
-               const torch::Tensor& starts, double scale, int64_t sliding_window, double softcap,
-               torch::Tensor& out) {
-  switch (key_cache.scalar_type()) {
-    case torch::kFloat32:
-      run<float, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                      sliding_window, softcap, out);
-      break;
-    case torch::kBFloat16:
-      run<c10::BFloat16, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts,
-                              scale, sliding_window, softcap, out);
-      break;
-    case torch::kFloat16:
-      run<c10::Half, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                          sliding_window, softcap, out);
-      break;
-    case torch::kInt8:
-      run<int8_t, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                       sliding_window, softcap, out);
-      break;
-    case torch::kFloat8_e4m3fn:
-      run<c10::Float8_e4m3fn, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts,
-                                   scale, sliding_window, softcap, out);
-      break;
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// f(Tag<T>{}) for the C++ type T of a query dtype, then of a cache dtype.
+template <typename F>
+void with_query_type(c10::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case torch::kFloat32: return f(Tag<float>{});
+    case torch::kBFloat16: return f(Tag<c10::BFloat16>{});
+    case torch::kFloat16: return f(Tag<c10::Half>{});
     default:
-      TORCH_CHECK(false, "cache dtype ", key_cache.scalar_type(),
+      TORCH_CHECK(false, "query dtype ", dtype, " is not float32, bfloat16 or float16");
+  }
+}
+
+template <typename F>
+void with_cache_type(c10::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case torch::kFloat32: return f(Tag<float>{});
+    case torch::kBFloat16: return f(Tag<c10::BFloat16>{});
+    case torch::kFloat16: return f(Tag<c10::Half>{});
+    case torch::kInt8: return f(Tag<int8_t>{});
+    case torch::kFloat8_e4m3fn: return f(Tag<c10::Float8_e4m3fn>{});
+    default:
+      TORCH_CHECK(false, "cache dtype ", dtype,
                   " is not float32, bfloat16, float16, int8 or float8_e4m3fn");
   }
 }
@@ -338,23 +336,14 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
   const float* ks = key_scale ? key_scale->data_ptr<float>() : nullptr;
   const float* vs = value_scale ? value_scale->data_ptr<float>() : nullptr;
   auto out = torch::empty_like(query);
-  switch (query.scalar_type()) {
-    case torch::kFloat32:
-      run_cache<float>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                       sliding_window, softcap, out);
-      break;
-    case torch::kBFloat16:
-      run_cache<c10::BFloat16>(query, key_cache, value_cache, ks, vs, tables, lens, starts,
-                               scale, sliding_window, softcap, out);
-      break;
-    case torch::kFloat16:
-      run_cache<c10::Half>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                           sliding_window, softcap, out);
-      break;
-    default:
-      TORCH_CHECK(false, "query dtype ", query.scalar_type(),
-                  " is not float32, bfloat16 or float16");
-  }
+  with_query_type(query.scalar_type(), [&](auto q_tag) {
+    with_cache_type(key_cache.scalar_type(), [&](auto cache_tag) {
+      using q_t = typename decltype(q_tag)::type;
+      using cache_t = typename decltype(cache_tag)::type;
+      run<cache_t, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
+                        sliding_window, softcap, out);
+    });
+  });
   return out;
 }
 
