@@ -14,7 +14,7 @@ API-server emulator, so that the operator runs unmodified:
 - the garbage collector: objects whose owner is gone are deleted;
 - the EndpointSlice controller: for each Service with a selector, one EndpointSlice
   listing its ready pods (what the router watches);
-- the Service: `Forwarder`, a round-robin TCP proxy over a Service's ready pods.
+- the Service: `Forwarder`, a least-connections TCP proxy over a Service's ready pods.
 
 A pod whose template mounts its service account token (the router's) gets what the
 mount would give it: a kubeconfig for the emulator (KUBECONFIG) and its namespace
@@ -428,10 +428,15 @@ class KubeletSimulation:
 
 
 class Forwarder:
-    """Stands in for the Service `service`: each new TCP connection goes to the next of
-    the pods its selector picks that is ready (round-robin, as kube-proxy balances
-    connections, not requests). A connection to a pod that starts terminating is left to
-    finish, as in a cluster."""
+    """Stands in for the Service `service`: each new TCP connection goes to the ready pod
+    its selector picks that has the fewest connections open, ties taken in turn (kube-proxy
+    balances connections, not requests; this is its IPVS mode with the `lc` scheduler). A
+    connection to a pod that starts terminating is left to finish, as in a cluster.
+
+    Least connections rather than plain round robin keeps the light load of the walk
+    spread over both pods at every moment: with round robin, streams that end on one pod
+    are replaced on the other about half the time, and a pod could be left with none in
+    flight at the moment the scale-down stops it (seen once in CI)."""
 
     def __init__(self, simulation: KubeletSimulation, service: str):
         self.simulation = simulation
@@ -457,14 +462,19 @@ class Forwarder:
         if not backends:  # a Service without endpoints refuses
             writer.close()
             return
-        backend = backends[next(self._turn) % len(backends)]
-        try:
-            upstream_reader, upstream_writer = await asyncio.open_connection(*backend)
-        except OSError:
-            writer.close()
-            return
+        turn = next(self._turn)
+        backend = min(
+            (backends[(turn + i) % len(backends)] for i in range(len(backends))),
+            key=lambda b: self.active.get(b, 0),
+        )
+        # Counted from the choice on, so that connections arriving together spread out.
         self.active[backend] = self.active.get(backend, 0) + 1
         try:
+            try:
+                upstream_reader, upstream_writer = await asyncio.open_connection(*backend)
+            except OSError:
+                writer.close()
+                return
             await asyncio.gather(
                 self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer)
             )

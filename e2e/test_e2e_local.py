@@ -6,7 +6,7 @@
 - The serving pods are real `pagefleet serve` processes on 127.0.0.2, 127.0.0.3, ...,
   started and stopped by e2e/kubelet_sim.py, a SIMULATION OF THE KUBELET (and of the
   Deployment controller, the garbage collector and the Service), not part of the product.
-- The client is the `openai` SDK through the simulation's round-robin forwarder.
+- The client is the `openai` SDK through the simulation's least-connections forwarder.
 
 The walk: apply the CPU example -> Ready -> stream a chat completion -> load it until the
 autoscaler adds a replica -> stop the load -> after the (short) stabilization window it
@@ -38,11 +38,14 @@ MODEL = "smollm2"
 ISVC_PATH = f"/apis/pagefleet.dev/v1alpha1/namespaces/{NAMESPACE}/inferenceservices"
 # Model loading on a busy 2-core machine; the second pod loads while the first serves.
 START_TIMEOUT_S = 300
-# The light load's stream length. Each stream is replaced as it ends, so the pods always
-# have some in flight whatever their length; longer ones only slow the walk down: with
+# The light load's stream length. Longer ones only slow the walk down: with
 # maxNumSeqs 2 the heavy load's streams queue behind them, and its end (every stream
 # finished) came 100 s after the new replica was ready at 256 tokens.
 LIGHT_STREAM_TOKENS = 64
+# Stream i of the light load is 64 + 8i tokens long: the two streams a pod serves do not
+# end together, so it is never left with none in flight between a stream and the one
+# that replaces it (the forwarder sends that one back to it: least connections).
+LIGHT_STREAM_STAGGER = 8
 
 
 def read(url: str) -> dict:
@@ -130,7 +133,12 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
             return spec_replicas() == 1 and len(simulation.terminated) == 1
 
         light = walk.Load(
-            service.url, MODEL, concurrency=4, max_tokens=LIGHT_STREAM_TOKENS, ignore_eos=True
+            service.url,
+            MODEL,
+            concurrency=4,
+            max_tokens=LIGHT_STREAM_TOKENS,
+            ignore_eos=True,
+            stagger=LIGHT_STREAM_STAGGER,
         )
         light.__enter__()  # stopped below, off the event loop the simulation runs on
         try:

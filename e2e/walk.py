@@ -3,7 +3,7 @@ the `openai` SDK, load the service with concurrent streams until the autoscaler 
 replica, then keep streams in flight while it scales back down and check none was cut.
 
 Every step is synchronous and talks HTTP to `base_url` only, so the real-cluster run
-(through `kubectl port-forward`) and the local run (through the round-robin forwarder
+(through `kubectl port-forward`) and the local run (through the least-connections forwarder
 in e2e/kubelet_sim.py) drive exactly the same code.
 """
 
@@ -97,7 +97,9 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
 
 
 class Load:
-    """`concurrency` streams at once, each replaced as it finishes, until `stop()`."""
+    """`concurrency` streams at once, each replaced as it finishes, until `stop()`.
+    Stream i asks for `max_tokens + i * stagger` tokens: with ignore_eos, streams batched
+    together on one pod then do not all end on the same step."""
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class Load:
         concurrency: int,
         max_tokens: int,
         ignore_eos: bool = False,
+        stagger: int = 0,
     ):
         self.results: list[StreamResult] = []
         self._stopping = threading.Event()
@@ -113,7 +116,7 @@ class Load:
         self._threads = [
             threading.Thread(
                 target=self._run,
-                args=(base_url, model, max_tokens, ignore_eos),
+                args=(base_url, model, max_tokens + i * stagger, ignore_eos),
                 name=f"load-{i}",
                 daemon=True,
             )
