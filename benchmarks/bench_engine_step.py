@@ -1,4 +1,4 @@
-"""The engine's decode step against its GEMMs alone (`python benchmarks/bench_engine_step.py`).
+"""The engine's decode step against its GEMMs alone (`python -m benchmarks.bench_engine_step`).
 
 For each decode batch size (1, 8, 64 by default): that many requests with prompts of
 `--prompt-len` tokens of real English text are prefilled, then `LLMEngine.step` is timed
@@ -29,7 +29,10 @@ from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import LLMEngine
 from pagefleet_serve.sampling_params import SamplingParams
 
+from benchmarks.side_by_side.common import cpu_info
+
 TEXT = Path("/usr/share/common-licenses/GPL-3")
+REPO = Path(__file__).resolve().parents[1]  # where `-m benchmarks.bench_engine_step` runs
 
 
 def linear_modules(model) -> list[torch.nn.Module]:
@@ -114,12 +117,14 @@ def measure(args) -> dict:
 def baseline(args, src: Path) -> dict:
     """This script, run against another checkout's sources in a child process."""
     env = dict(os.environ, PYTHONPATH=f"{src}/servingpod:{src}/kernels:{src}/operator")
-    cmd = [sys.executable, __file__, "--child", "--dtype", args.dtype]
+    cmd = [sys.executable, "-m", "benchmarks.bench_engine_step", "--child", "--dtype", args.dtype]
     cmd += ["--batches", *map(str, args.batches), "--steps", str(args.steps)]
     cmd += ["--prompt-len", str(args.prompt_len)]
     if args.quantization:  # the baseline must know the flag
         cmd += ["--quantization", args.quantization]
-    out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+    out = subprocess.run(
+        cmd, env=env, check=True, stdout=subprocess.PIPE, text=True, cwd=REPO
+    ).stdout
     return json.loads(out)
 
 
@@ -153,7 +158,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args)))
         return
-    results = {}
+    cpu = cpu_info()  # machines differ: the figures mean nothing without it
+    results = {"cpu": {"model": cpu["model"], "notable_flags": cpu["notable_flags"]}}
+    print(f"CPU: {cpu['model']} ({' '.join(cpu['notable_flags'])})")
     if args.baseline_src:
         results["baseline"] = baseline(args, args.baseline_src)
         print_table(f"baseline ({args.baseline_src})", results["baseline"])

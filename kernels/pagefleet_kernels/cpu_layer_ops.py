@@ -12,7 +12,15 @@ import torch
 from pagefleet_kernels import layer_ops
 from pagefleet_kernels.cpu_build import load_extension
 
-__all__ = ["act_and_mul", "add_rms_norm", "available", "dequantize_int4", "rms_norm", "rope"]
+__all__ = [
+    "act_and_mul",
+    "add_rms_norm",
+    "available",
+    "dequantize_int4",
+    "int4_matmul",
+    "rms_norm",
+    "rope",
+]
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -65,3 +73,13 @@ def dequantize_int4(nibbles, scales_and_zeros, group_size: int):
     if ext is None:
         return layer_ops.dequantize_int4(nibbles, scales_and_zeros, group_size)
     return ext.dequantize_int4(list(nibbles), list(scales_and_zeros), group_size)
+
+
+def int4_matmul(x, nibbles, scales_and_zeros, group_size: int):
+    """x (M, K) times the transpose of a 4-bit weight given as parts (see
+    `dequantize_int4`), summed in float32, returned in x's dtype; None when the extension
+    cannot take x (the caller then multiplies another way)."""
+    ext = _native(x)
+    if ext is None or x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    return ext.int4_matmul(x, list(nibbles), list(scales_and_zeros), group_size)

@@ -14,7 +14,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # none expands them to the model dtype, int8 is weight-only int8 with a scale per row (CPU).
 # Default none: PyTorch 2.13's weight-only CPU kernels are fast with bfloat16 activations
 # only (int4 at batch 1: 65 us vs 137 us for the float32 matmul of a 3072x576 matrix) and
-# take a slow path with float32 ones (36 ms), which `dtype=auto` picks on CPUs without bf16.
+# take a slow path with float32 ones, which `dtype=auto` picks on CPUs without bf16. Float32
+# rows go to the C++ backend's own int4 matmul instead (faster than the float32 matrix up
+# to ~8 rows), but wide float32 batches dequantize each layer's weight on every step and
+# stay slower than expanded weights.
 QUANTIZATIONS = ("auto", "none", "int8")
 # The byte-size grammar of `--kv-cache-memory`, shared word for word with the CRD's
 # spec.engine.kvCacheMemory pattern and the operator's check (tests/operator ties the three

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from pagefleet_kernels import cpu_layer_ops, layer_ops
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.model.llama import LlamaForCausalLM
@@ -43,14 +44,17 @@ def test_gguf_codes_stand_for_the_dequantized_weights_exactly(type_name):
     torch.testing.assert_close(weight.dequantize(), torch.from_numpy(expected), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("ops", ["torch", "cpu"])  # the float32 rows' matmul: torch's, C++
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 7, 64])
-def test_quantized_matmul_equals_dequantize_then_matmul(type_name, rows):
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 64])
+def test_quantized_matmul_equals_dequantize_then_matmul(type_name, rows, ops):
+    if ops == "cpu" and not cpu_layer_ops.available():
+        pytest.skip("no C++ compiler here")
     weight = from_gguf(gguf_blocks(type_name, 192, 576), type_name)
     bias = torch.randn(192)
     x = torch.randn(rows, 576)
     expected = x @ weight.dequantize().T + bias
-    actual = QuantizedLinear(weight, bias)(x)
+    actual = QuantizedLinear(weight, bias, cpu_layer_ops if ops == "cpu" else layer_ops)(x)
     assert actual.shape == (rows, 192)
     assert relative_error(actual, expected) < 1e-5
 
@@ -114,8 +118,8 @@ def test_fused_qkv_of_quantized_weights_matches_the_expanded_model():
         assert relative_error(got, expected) < 1e-5, module
 
 
-# Slow: float32 activations take PyTorch's slow weight-only path (see config.QUANTIZATIONS).
-@pytest.mark.slow
+# Float32 activations: the 4-bit layers multiply through the C++ kernel (int4_matmul) where
+# it builds, through PyTorch's int4 matmul otherwise.
 def test_greedy_output_of_native_q4_1_equals_the_expanded_model(make_llm, chat_prompts):
     greedy = SamplingParams(max_tokens=32, temperature=0.0)
     outputs = {}

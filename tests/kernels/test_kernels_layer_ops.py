@@ -173,6 +173,39 @@ def test_dequantize_int4(dtype, parts, group):
             assert actual[5, column] == ((code - 8.0) * scale + zero).to(dtype)
 
 
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13])  # whole and partial blocks of 4 rows
+@pytest.mark.parametrize("parts", [1, 2])  # a 4-bit matrix, a Q8_0 one as two 4-bit parts
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_matmul_equals_dequantize_then_matmul(dtype, parts, rows):
+    """The C++ 4-bit matmul (float32 rows, where torch's int4 kernel is slow) against the
+    dequantized matrix times x, in float64: the same weights, float32 sums. 200 outputs:
+    three tiles of 64 and a partial one."""
+    generator = torch.Generator().manual_seed(rows * parts)
+    outputs, inputs, group = 200, 192, 32
+    nibbles = [
+        torch.randint(0, 256, (outputs, inputs // 2), dtype=torch.uint8, generator=generator)
+        for _ in range(parts)
+    ]
+    scales_and_zeros = [
+        torch.randn(inputs // group, outputs, 2, generator=generator) for _ in range(parts)
+    ]
+    x = torch.randn(rows, inputs, generator=generator).to(dtype)
+    actual = cpu_layer_ops.int4_matmul(x, nibbles, scales_and_zeros, group)
+    assert actual.shape == (rows, outputs) and actual.dtype == dtype
+    weight = layer_ops.dequantize_int4(nibbles, scales_and_zeros, group).double()
+    expected = x.double() @ weight.T
+    error = (actual.double() - expected).abs().max() / expected.abs().max()
+    assert error < (1e-6 if dtype == torch.float32 else 4e-3)  # float32 sums; bf16's rounding
+    # A row on its own gets what it gets among others (no cross-row mixing in a block).
+    torch.testing.assert_close(
+        cpu_layer_ops.int4_matmul(x[-1:].contiguous(), nibbles, scales_and_zeros, group),
+        actual[-1:],
+    )
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        cpu_layer_ops.int4_matmul(x[:, :128].contiguous(), nibbles, scales_and_zeros, 64)
+
+
 @pytest.mark.parametrize("name", [pytest.param("cpu", marks=needs_compiler), "triton"])
 def test_layer_ops_fall_back_to_torch_for_what_the_kernels_do_not_take(name):
     """Float64 (no kernel instantiation) takes the eager ops rather than failing: their
