@@ -23,19 +23,39 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from .common import PEERS, REPO, THREADS, VENV_BIN, PeerUnavailable, log, tail, torch_dtype_name
+from .common import (
+    PEERS,
+    REPO,
+    THREADS,
+    VENV_BIN,
+    PeerUnavailable,
+    cpu_info,
+    log,
+    tail,
+    torch_dtype_name,
+)
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-# A native build dies with 'Illegal instruction' on this CPU; these flags work.
-GGML_FLAGS = [
-    "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON",
-    "-DGGML_F16C=ON",
-    "-DGGML_AVX512=ON",
-    "-DGGML_AMX_TILE=OFF",
-    "-DGGML_AMX_INT8=OFF",
-]
+
+
+# A native build (GGML_NATIVE) died with 'Illegal instruction' on one CPU here: the
+# instruction sets are named instead.
+def ggml_flags(cpu_flags: list[str]) -> list[str]:
+    """llama.cpp's instruction sets, named (not -march=native) and switched on only where
+    this CPU has them: AVX-512 code built for every machine stopped llama-server with
+    SIGILL at start on an AVX2-only EPYC."""
+    avx512 = "avx512f" in cpu_flags
+    return [
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        f"-DGGML_AVX512={'ON' if avx512 else 'OFF'}",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+    ]
+
+
 START_TIMEOUT_S = 300.0
 # vLLM compiles its model with torch.compile at start-up: 100-150 s on an idle 2-core CPU.
 VLLM_START_TIMEOUT_S = 900.0
@@ -121,7 +141,10 @@ def llama_cpp_source() -> Path:
 def build_llama_cpp(source: Path) -> Path:
     """One CMake build of the vendored llama.cpp: `llama-server` and the shared libllama
     that llama-cpp-python loads (LLAMA_CPP_LIB_PATH), so llama.cpp is compiled once."""
-    build = PEERS / "llama.cpp-build"
+    flags = ggml_flags(cpu_info()["flags"])
+    # One build per instruction-set choice: a copied peer folder never runs the wrong one.
+    suffix = "avx512" if "-DGGML_AVX512=ON" in flags else "avx2"
+    build = PEERS / f"llama.cpp-build-{suffix}"
     binary = build / "bin" / "llama-server"
     if binary.exists() and (build / "bin" / "libllama.so").exists():
         return build / "bin"
@@ -147,7 +170,7 @@ def build_llama_cpp(source: Path) -> Path:
             "-DLLAMA_BUILD_EXAMPLES=OFF",
             "-DLLAMA_BUILD_TOOLS=ON",
             "-DLLAMA_BUILD_SERVER=ON",
-            *GGML_FLAGS,
+            *flags,
         ],
         log_path,
         "cmake configure",
