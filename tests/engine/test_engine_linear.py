@@ -6,7 +6,7 @@ exactly the weights it owns."""
 import pytest
 import torch
 import torch.nn.functional as F
-from pagefleet_serve.model.llama import Linear
+from pagefleet_serve.model.llama import Linear, can_prepack
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN"
@@ -17,6 +17,8 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize("rows", [0, 1, 5, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_prepacked_linear_equals_f_linear(dtype, rows, bias):
+    if not can_prepack(dtype):
+        pytest.skip(f"oneDNN cannot prepack {dtype} on this CPU (AVX2 only)")
     torch.manual_seed(rows)
     linear = Linear(576, 960, bias=bias).to(dtype)
     weight = linear.weight.detach().clone()
@@ -47,3 +49,13 @@ def test_engine_prepacks_every_linear_layer(make_llm):
     assert model.embed_tokens.weight.shape == (model.config.vocab_size, model.config.hidden_size)
     compiled = make_llm(enforce_eager=False, **small).engine.runner.model
     assert all(m.packed_weight is None for m in compiled.modules() if isinstance(m, Linear))
+
+
+def test_bfloat16_weights_are_packed_only_where_onednn_takes_them(make_llm):
+    """On a CPU without AVX-512 (or AVX-NE-CONVERT) oneDNN refuses to prepack bfloat16
+    weights: the engine starts anyway, with plain ones (it failed to start there before)."""
+    model = make_llm(
+        dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 << 20
+    ).engine.runner.model
+    packed = [m.packed_weight is not None for m in model.modules() if type(m) is Linear]
+    assert packed and all(p == can_prepack(torch.bfloat16) for p in packed)

@@ -19,7 +19,7 @@ from pagefleet_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, rewind
 from pagefleet_serve.engine.step_buffers import StepBuffers, StepInputs
-from pagefleet_serve.model.llama import LlamaForCausalLM
+from pagefleet_serve.model.llama import LlamaForCausalLM, can_prepack
 from pagefleet_serve.model.loader import LoadedModel
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -63,7 +63,7 @@ class ModelRunner:
         self.model.to(device=device, dtype=dtype).eval()
         if not enforce_eager:
             self.model.compile_around_attention()
-        elif device.type == "cpu" and torch.backends.mkldnn.is_available():
+        elif device.type == "cpu" and can_prepack(dtype):
             # Inductor cannot lower a prepacked weight it did not pack itself.
             self.model.prepack_linears()
         self.kv_cache: torch.Tensor | None = (

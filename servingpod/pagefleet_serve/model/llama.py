@@ -172,6 +172,19 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def can_prepack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN here can prepack (and multiply) weights of `dtype` on the CPU: its
+    bfloat16 and float16 paths need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, and on an
+    AVX2-only CPU `_reorder_linear_weight` refuses them, so those weights stay unpacked."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return dtype == torch.float32
+
+
 def ops_of(backend):
     """The layer ops of an attention backend (see pagefleet_kernels.backend); without one
     (a model built only to load or inspect weights), the eager PyTorch ones."""
