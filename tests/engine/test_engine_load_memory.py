@@ -22,13 +22,15 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 from pagefleet_serve.model.gguf_file import GGUFFile
 from pagefleet_serve.engine.model_runner import ModelRunner
+from pagefleet_serve.model.llama import can_prepack
 from pagefleet_serve.model.loader import load_model, load_tokenizer
 
 SHARED_OBJECT = re.compile(r"\\.so(\\.[0-9.]+)?$")
 
 # oneDNN's one-time set-up (its JIT kernels) is not the load's memory either: warm it, as
 # the first forward pass would, before the peak is reset.
-for dtype in (torch.bfloat16, torch.float32):
+# (Only the dtypes it packs here: an AVX2-only CPU refuses bfloat16.)
+for dtype in [d for d in (torch.bfloat16, torch.float32) if can_prepack(d)]:
     w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64, dtype=dtype), 64)
     torch.ops.mkldnn._linear_pointwise(torch.ones(2, 64, dtype=dtype), w, None, "none", [], "")
 
