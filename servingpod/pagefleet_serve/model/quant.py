@@ -201,27 +201,32 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        rows = flat.shape[0]
-        native = self.num_int4_parts and flat.dtype == torch.float32
-        if self.num_int4_parts and rows >= (DEQUANTIZE_ROWS_FLOAT32 if native else DEQUANTIZE_ROWS):
-            y = F.linear(flat, self.dequantized().to(flat.dtype))
-        elif native and (y := self._native_int4(flat)) is not None:
-            pass
-        elif self.num_int4_parts:
-            y = None
-            for i in range(self.num_int4_parts):
-                part = torch._weight_int4pack_mm_for_cpu(
-                    flat,
-                    getattr(self, f"packed_{i}"),
-                    self.group_size,
-                    getattr(self, f"scales_and_zeros_{i}"),
-                )
-                y = part if y is None else y.add_(part)
+        if self.num_int4_parts:
+            y = self._int4(flat)
         else:
             y = torch._weight_int8pack_mm(flat, self.int8_codes, self.int8_scale)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _int4(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat times the 4-bit weight: dequantized for wide batches, else the backend's
+        own matmul for float32 rows, else PyTorch's int4 matmul (one pass per part)."""
+        float32 = flat.dtype == torch.float32
+        if flat.shape[0] >= (DEQUANTIZE_ROWS_FLOAT32 if float32 else DEQUANTIZE_ROWS):
+            return F.linear(flat, self.dequantized().to(flat.dtype))
+        if float32 and (y := self._native_int4(flat)) is not None:
+            return y
+        y = None
+        for i in range(self.num_int4_parts):
+            part = torch._weight_int4pack_mm_for_cpu(
+                flat,
+                getattr(self, f"packed_{i}"),
+                self.group_size,
+                getattr(self, f"scales_and_zeros_{i}"),
+            )
+            y = part if y is None else y.add_(part)
+        return y
 
     def _native_int4(self, flat: torch.Tensor) -> torch.Tensor | None:
         """The backend's own 4-bit matmul of float32 rows, None where it has none."""
