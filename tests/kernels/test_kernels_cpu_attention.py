@@ -43,11 +43,12 @@ def test_cpu_kernel_matches_torch_backend_and_naive_loop(layout, heads, block_si
     assert_matches_torch_backend_and_naive_loop(batch, cache)
 
 
-# Head sizes with register-resident inner loops (64, 80, 128) and one without (40); a decode
+# Head sizes with register-resident inner loops (64, 80, 96, 128, 256: AVX2 code on a CPU
+# without AVX-512, 16-wide vector types with it) and one without (40); a decode
 # batch wide enough for one work item per token (all KV heads of a key read as one run),
 # and one so narrow that each KV head is its own item.
 @pytest.mark.parametrize("cache", ["auto", "int8"])
-@pytest.mark.parametrize("head_dim", [40, 64, 80, 128])
+@pytest.mark.parametrize("head_dim", [40, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("num_decode_rows", [2, 64])
 def test_cpu_kernel_head_sizes_and_work_splits(head_dim, num_decode_rows, cache):
     context_lens = [1 + (37 * i) % 90 for i in range(num_decode_rows)]
