@@ -18,6 +18,7 @@ __all__ = [
     "available",
     "dequantize_int4",
     "int4_matmul",
+    "linear",
     "rms_norm",
     "rope",
 ]
@@ -83,3 +84,15 @@ def int4_matmul(x, nibbles, scales_and_zeros, group_size: int):
     if ext is None or x.dim() != 2 or x.stride(-1) != 1:
         return None
     return ext.int4_matmul(x, list(nibbles), list(scales_and_zeros), group_size)
+
+
+def linear(x, weight):
+    """x (M, K) times the transpose of a float32 weight (N, K) as it lies, for a few rows
+    (weight-bandwidth-bound: see the model's `Linear`); None when the extension cannot take
+    them (the caller then multiplies another way)."""
+    ext = _native(x)
+    if ext is None or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return None
+    if x.dim() != 2 or x.stride(-1) != 1 or not weight.is_contiguous():
+        return None
+    return ext.linear(x, weight)

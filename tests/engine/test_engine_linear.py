@@ -6,7 +6,8 @@ exactly the weights it owns."""
 import pytest
 import torch
 import torch.nn.functional as F
-from pagefleet_serve.model.llama import Linear, can_prepack
+from pagefleet_kernels import cpu_layer_ops
+from pagefleet_serve.model.llama import FEW_ROWS_NATIVE, Linear, can_prepack
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN"
@@ -33,6 +34,32 @@ def test_prepacked_linear_equals_f_linear(dtype, rows, bias):
         assert torch.equal(got, expected)
     else:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_layer_ops.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_few_float32_rows_go_to_the_backends_kernel_and_more_to_onednn(bias):
+    """Prepacked with the C++ CPU ops, a float32 layer keeps its weight as it lies for the
+    ops' `linear`: up to FEW_ROWS_NATIVE rows get exactly that kernel's product (plus the
+    bias), more rows oneDNN's; both within float32 rounding of F.linear."""
+    torch.manual_seed(1)
+    linear = Linear(576, 960, bias=bias)
+    weight = linear.weight.detach().clone()
+    bias_value = None if linear.bias is None else linear.bias.detach().clone()
+    linear.prepack(cpu_layer_ops)
+    assert linear.packed_weight is not None and torch.equal(linear.weight, weight)
+    for rows in (1, 3, FEW_ROWS_NATIVE, FEW_ROWS_NATIVE + 1, 64):
+        x = torch.randn(rows, 1000)[:, :576]
+        got = linear(x)
+        torch.testing.assert_close(got, F.linear(x, weight, bias_value), rtol=1e-5, atol=1e-5)
+        native = cpu_layer_ops.linear(x, weight)
+        native = native if bias_value is None else native + bias_value
+        assert torch.equal(got, native) == (rows <= FEW_ROWS_NATIVE)
+    # bfloat16 weights are not kept twice: the kernel takes float32 only.
+    if can_prepack(torch.bfloat16):
+        half = Linear(64, 32).to(torch.bfloat16)
+        half.prepack(cpu_layer_ops)
+        assert half.weight.numel() == 0 and half.few_rows is None
 
 
 def test_engine_prepacks_every_linear_layer(make_llm):

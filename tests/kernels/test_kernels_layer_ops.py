@@ -206,6 +206,27 @@ def test_int4_matmul_equals_dequantize_then_matmul(dtype, parts, rows):
         cpu_layer_ops.int4_matmul(x[:, :128].contiguous(), nibbles, scales_and_zeros, 64)
 
 
+@needs_compiler
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 9])  # blocks of 1-4 rows, and several
+@pytest.mark.parametrize(("outputs", "inputs"), [(77, 576), (64, 1536), (19, 20)])
+def test_linear_equals_the_product_in_float64(rows, outputs, inputs):
+    """The C++ few-row float32 matmul against x @ W^T in float64: outputs in whole and partial
+    tiles and blocks (77 = 2 tiles of 32 + 13), inputs a multiple of 8 or not (20); strided
+    rows of x. Other dtypes are refused (None), for the caller to multiply another way."""
+    generator = torch.Generator().manual_seed(rows * outputs)
+    weight = torch.randn(outputs, inputs, generator=generator)
+    x = torch.randn(rows, inputs + 3, generator=generator)[:, :inputs]
+    got = cpu_layer_ops.linear(x, weight)
+    expected = x.double() @ weight.double().T
+    assert got.shape == (rows, outputs) and got.dtype == torch.float32
+    if rows:
+        assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # A row gets the same bits alone as among others.
+    if rows > 1:
+        assert torch.equal(cpu_layer_ops.linear(x[-1:], weight), got[-1:])
+    assert cpu_layer_ops.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)) is None
+
+
 @pytest.mark.parametrize("name", [pytest.param("cpu", marks=needs_compiler), "triton"])
 def test_layer_ops_fall_back_to_torch_for_what_the_kernels_do_not_take(name):
     """Float64 (no kernel instantiation) takes the eager ops rather than failing: their

@@ -280,6 +280,84 @@ void int4_matmul_rows(const float* x, const std::vector<Int4Part>& parts, float*
   });
 }
 
+// y (M, N) = x (M, K) W^T for a float32 W (N, K) and a few rows of x (a decode step's):
+// bound by reading W, which oneDNN's prepacked matmul read at 10-12 GB/s at one row (half
+// what this machine streams). Outputs in tiles of TILE weight rows; within a tile, blocks of
+// up to 4 rows of x meet NC weight rows at a time, 8 inputs per step into R * NC
+// accumulators. A tile (TILE * K floats) stays in L2 for the tile's next row block.
+#if defined(__AVX2__) && defined(__FMA__)
+inline float lane_sum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int64_t R, int64_t NC>
+void linear_block(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t n) {
+  __m256 acc[R][NC];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  const float* wn = w + n * K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[R];
+    for (int64_t r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
+    for (int64_t c = 0; c < NC; ++c) {
+      const __m256 wv = _mm256_loadu_ps(wn + c * K + k);
+      for (int64_t r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+      // The next block's weight rows, a cache line per 16 inputs: more reads in flight than
+      // NC streams give (a prefetch past W's end is harmless).
+      if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(wn + (NC + c) * K + k), _MM_HINT_T0);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < NC; ++c) {
+      float sum = lane_sum(acc[r][c]);
+      for (int64_t j = k; j < K; ++j) sum += x[r * K + j] * wn[c * K + j];
+      y[r * N + n + c] = sum;
+    }
+  }
+}
+
+template <int64_t R, int64_t NC>
+void linear_tile(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t n0,
+                 int64_t n1) {
+  int64_t n = n0;
+  for (; n + NC <= n1; n += NC) linear_block<R, NC>(x, w, y, N, K, n);
+  for (; n < n1; ++n) linear_block<R, 1>(x, w, y, N, K, n);
+}
+#endif
+
+void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t TILE = 32;
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * TILE, n1 = std::min(N, n0 + TILE);
+      for (int64_t m = 0; m < M; m += 4) {
+        const float* xm = x + m * K;
+        float* ym = y + m * N;
+#if defined(__AVX2__) && defined(__FMA__)
+        switch (std::min<int64_t>(4, M - m)) {
+          case 1: linear_tile<1, 8>(xm, w, ym, N, K, n0, n1); break;
+          case 2: linear_tile<2, 4>(xm, w, ym, N, K, n0, n1); break;
+          case 3: linear_tile<3, 3>(xm, w, ym, N, K, n0, n1); break;
+          default: linear_tile<4, 2>(xm, w, ym, N, K, n0, n1); break;
+        }
+#else
+        for (int64_t r = 0; r < std::min<int64_t>(4, M - m); ++r) {
+          for (int64_t n = n0; n < n1; ++n) {
+            float sum = 0.f;
+            for (int64_t k = 0; k < K; ++k) sum += xm[r * K + k] * w[n * K + k];
+            ym[r * N + n] = sum;
+          }
+        }
+#endif
+      }
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
@@ -419,7 +497,22 @@ torch::Tensor int4_matmul(torch::Tensor x, std::vector<torch::Tensor> nibbles,
   return out.to(x.scalar_type());
 }
 
+// (x (M, K), weight (N, K)), both float32 -> x weight^T (M, N).
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32,
+              "linear takes float32 x and weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight must be contiguous (N, K) with K = x's columns");
+  const auto xc = x.contiguous();
+  auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
+  linear_rows(xc.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
+              weight.size(0), x.size(1));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x times a float32 weight's transpose, for a few rows (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm of the sum (CPU)");
   m.def("rope", &rope, "rotary embedding of (T, H, D) (CPU)");

@@ -32,6 +32,9 @@ FEW_LOGIT_ROWS = 8
 # The batch size oneDNN is told to expect when a weight is prepacked; any batch runs. 64
 # measured as fast as 1 at one and eight rows and faster from 64 rows up.
 PREPACK_BATCH_HINT = 64
+# Up to this many float32 rows, a prepacked layer multiplies with its weight as it lies
+# through the backend's `linear` (the C++ CPU ops), where it has one (see `Linear`).
+FEW_ROWS_NATIVE = 8
 
 
 @dataclass(frozen=True)
@@ -146,24 +149,43 @@ class Linear(nn.Linear):
     / 1.4x / 1.1x faster prepacked at batch 1 / 8 / 64 / 2048 (bfloat16, identical results;
     float32 1.3-2.0x, within rounding of MKL's). Unpacked, a single bfloat16/float16 row is computed as two rows (a
     broadcast, no copy): PyTorch sends one row to a matrix-vector routine several times
-    slower than a two-row product."""
+    slower than a two-row product.
+
+    A float32 step of a few rows (decode at small batches) is bound by reading the weight,
+    and oneDNN's prepacked matmul read it at 10-12 GB/s on a 2-core AVX2 EPYC that streams
+    about twice that. Where the backend has a `linear` for such rows (the C++ CPU ops), a
+    float32 weight is therefore kept as it lies next to its packed copy, and up to
+    `FEW_ROWS_NATIVE` rows go to that kernel: a SmolLM2 step's 121 matmuls took 1.2-1.6x
+    less time at 1-4 rows and 1.1-1.25x less at 8 (two runs), the same at 16, and more from
+    32 rows on (oneDNN's blocking). The cost is memory: float32 layers held twice (SmolLM2: 425 MB;
+    a tied LM head is the embedding itself)."""
 
     packed_weight: torch.Tensor | None = None  # oneDNN's layout, once prepacked
+    few_rows = None  # the backend's x @ weight.T for a few float32 rows, once prepacked
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
 
-    def prepack(self) -> None:
-        """Reorder the weight for oneDNN and release this module's reference to the
-        original (CPU only). A weight another module shares (a tied embedding) lives on
-        there, and the packed one is a copy."""
+    def prepack(self, ops=None) -> None:
+        """Reorder the weight for oneDNN (CPU only). The module keeps the original only for
+        `ops.linear` (the layer ops of the backend: a float32 weight, when they have one);
+        otherwise its reference is released. A weight another module shares (a tied
+        embedding) lives on there, and the packed one is a copy."""
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             self.weight.detach(), PREPACK_BATCH_HINT
         )
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        few_rows = getattr(ops, "linear", None)
+        if few_rows is not None and self.weight.dtype == torch.float32:
+            self.few_rows = few_rows
+        else:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
+            if self.few_rows is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS_NATIVE:
+                y = self.few_rows(x, self.weight)
+                if y is not None:
+                    return y if self.bias is None else y + self.bias
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
             )
@@ -392,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
         instead of 4.1."""
         linears = [m for m in self.modules() if type(m) is Linear]
         for linear in linears:
-            linear.prepack()
+            linear.prepack(self.ops)
         return len(linears)
 
     def compile_around_attention(self) -> None:
