@@ -1,10 +1,15 @@
-// What the package's CPU extensions share: a vectorizable exp, bfloat16 rounding done as
-// torch does it, and a check that the extension's parallel loops really run in parallel.
+// What the package's CPU extensions share: a vectorizable exp, an AVX2 vector's lane sum,
+// bfloat16 rounding done as torch does it, and a check that the extension's parallel loops
+// really run in parallel.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -82,5 +87,15 @@ inline int64_t parallel_threads() {
   });
   return static_cast<int64_t>(seen.size());
 }
+
+#if defined(__AVX2__)
+// The sum of the 8 lanes of a.
+inline float sum_lanes(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 }  // namespace pagefleet

@@ -286,13 +286,6 @@ void int4_matmul_rows(const float* x, const std::vector<Int4Part>& parts, float*
 // up to 4 rows of x meet NC weight rows at a time, 8 inputs per step into R * NC
 // accumulators. A tile (TILE * K floats) stays in L2 for the tile's next row block.
 #if defined(__AVX2__) && defined(__FMA__)
-inline float lane_sum(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int64_t R, int64_t NC>
 void linear_block(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t n) {
   __m256 acc[R][NC];
@@ -313,7 +306,7 @@ void linear_block(const float* x, const float* w, float* y, int64_t N, int64_t K
   }
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < NC; ++c) {
-      float sum = lane_sum(acc[r][c]);
+      float sum = pagefleet::sum_lanes(acc[r][c]);
       for (int64_t j = k; j < K; ++j) sum += x[r * K + j] * wn[c * K + j];
       y[r * N + n + c] = sum;
     }

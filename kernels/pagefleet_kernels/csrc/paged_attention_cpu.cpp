@@ -80,13 +80,6 @@ inline __m256 sum_lanes8(const __m256* a) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-inline float sum_lanes(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int C>  // D = 8 * C
 void dots_avx2(const float* q, const float* rows, int64_t stride, int64_t n, int64_t, float* out) {
   int64_t r = 0;
@@ -104,7 +97,7 @@ void dots_avx2(const float* q, const float* rows, int64_t stride, int64_t n, int
     __m256 a = _mm256_setzero_ps();
     for (int c = 0; c < C; ++c)
       a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(rows + r * stride + 8 * c), a);
-    out[r] = sum_lanes(a);
+    out[r] = pagefleet::sum_lanes(a);
   }
 }
 
