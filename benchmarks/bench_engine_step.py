@@ -98,6 +98,11 @@ def measure(args) -> dict:
         max_model_len=args.prompt_len + args.steps + 16,
         kv_cache_memory_bytes=512 << 20,
         **({"quantization": args.quantization} if args.quantization else {}),
+        **(
+            {"activation_quantization": args.activation_quantization}
+            if args.activation_quantization != "none"
+            else {}
+        ),
         **({"enforce_eager": args.enforce_eager} if args.enforce_eager is not None else {}),
     )
     engine = LLMEngine(config)
@@ -108,6 +113,7 @@ def measure(args) -> dict:
     return {
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": args.quantization or "(none: before the flag existed)",
+        "activation_quantization": args.activation_quantization,
         "enforce_eager": getattr(engine.config, "enforce_eager", True),
         "threads": torch.get_num_threads(),
         "rows": rows,
@@ -122,6 +128,9 @@ def baseline(args, src: Path) -> dict:
     cmd += ["--prompt-len", str(args.prompt_len)]
     if args.quantization:  # the baseline must know the flag
         cmd += ["--quantization", args.quantization]
+    activations = args.baseline_activation_quantization or args.activation_quantization
+    if activations != "none":  # likewise
+        cmd += ["--activation-quantization", activations]
     out = subprocess.run(
         cmd, env=env, check=True, stdout=subprocess.PIPE, text=True, cwd=REPO
     ).stdout
@@ -130,7 +139,11 @@ def baseline(args, src: Path) -> dict:
 
 def print_table(name: str, result: dict) -> None:
     eager = result.get("enforce_eager", True)
-    print(f"{name}: dtype {result['dtype']}, quantization {result['quantization']}, eager {eager}")
+    activations = result.get("activation_quantization", "none")
+    print(
+        f"{name}: dtype {result['dtype']}, quantization {result['quantization']}, "
+        f"activations {activations}, eager {eager}"
+    )
     print(f"{'batch':>6} {'step ms':>9} {'GEMMs ms':>9} {'share':>6} {'tok/s':>7}")
     for r in result["rows"]:
         print(
@@ -144,6 +157,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None, help="the engine's --quantization")
+    parser.add_argument(
+        "--activation-quantization", default="none", help="the engine's --activation-quantization"
+    )
+    parser.add_argument(
+        "--baseline-activation-quantization",
+        default=None,
+        help="the baseline's (default: --activation-quantization); with --baseline-src . "
+        "it measures the setting against this checkout without it",
+    )
     parser.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,

@@ -49,12 +49,24 @@ PROMPTS = [
 
 @torch.inference_mode()
 def perplexity(
-    kv_cache_dtype: str, token_ids: list[int], window: int, chunk: int, quantization: str = "none"
+    kv_cache_dtype: str,
+    token_ids: list[int],
+    window: int,
+    chunk: int,
+    quantization: str = "none",
+    activation_quantization: str = "none",
 ) -> dict:
-    """`quantization`: of the weights (see bench_weight_quant.py); float32 expanded here."""
+    """`quantization`, `activation_quantization`: of the weights and of the 4-bit matmuls'
+    activations (see bench_weight_quant.py); float32 expanded here."""
     loaded = load_model(MODEL, torch.float32, quantization)
     runner = ModelRunner(
-        loaded, torch.device("cpu"), torch.float32, BLOCK_SIZE, "auto", kv_cache_dtype
+        loaded,
+        torch.device("cpu"),
+        torch.float32,
+        BLOCK_SIZE,
+        "auto",
+        kv_cache_dtype,
+        activation_quantization=activation_quantization,
     )
     num_blocks = -(-window // BLOCK_SIZE)
     runner.allocate_kv_cache(num_blocks)

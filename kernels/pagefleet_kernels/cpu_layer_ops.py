@@ -19,6 +19,7 @@ __all__ = [
     "dequantize_int4",
     "int4_matmul",
     "linear",
+    "quantize_activations_int8",
     "rms_norm",
     "rope",
 ]
@@ -76,14 +77,22 @@ def dequantize_int4(nibbles, scales_and_zeros, group_size: int):
     return ext.dequantize_int4(list(nibbles), list(scales_and_zeros), group_size)
 
 
-def int4_matmul(x, nibbles, scales_and_zeros, group_size: int):
+def int4_matmul(x, nibbles, scales_and_zeros, group_size: int, int8_activations: bool = False):
     """x (M, K) times the transpose of a 4-bit weight given as parts (see
     `dequantize_int4`), summed in float32, returned in x's dtype; None when the extension
-    cannot take x (the caller then multiplies another way)."""
+    cannot take x (the caller then multiplies another way). `int8_activations`: x^ (see
+    `quantize_activations_int8`) times the weight, with integer dot products."""
     ext = _native(x)
     if ext is None or x.dim() != 2 or x.stride(-1) != 1:
         return None
-    return ext.int4_matmul(x, list(nibbles), list(scales_and_zeros), group_size)
+    return ext.int4_matmul(x, list(nibbles), list(scales_and_zeros), group_size, int8_activations)
+
+
+def quantize_activations_int8(x, group_size: int = 32):
+    ext = _native(x)
+    if ext is None or x.dtype != torch.float32 or x.dim() != 2 or group_size != 32:
+        return layer_ops.quantize_activations_int8(x, group_size)
+    return ext.quantize_activations_int8(x)
 
 
 def linear(x, weight):

@@ -10,7 +10,14 @@ backend stays pure PyTorch end to end.
 import torch
 import torch.nn.functional as F
 
-__all__ = ["act_and_mul", "add_rms_norm", "dequantize_int4", "rms_norm", "rope"]
+__all__ = [
+    "act_and_mul",
+    "add_rms_norm",
+    "dequantize_int4",
+    "quantize_activations_int8",
+    "rms_norm",
+    "rope",
+]
 
 
 def rms_norm(
@@ -64,3 +71,15 @@ def dequantize_int4(
         part = ((codes.float() - 8.0) * scale[..., None] + zero[..., None]).flatten(1)
         total = part if total is None else total + part
     return total.to(scales_and_zeros[0].dtype)
+
+
+def quantize_activations_int8(x: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """x (float32) with each group of `group_size` consecutive inputs rounded to int8 codes
+    under one scale, returned as code * scale (x^): d = max |x| / 127, code = round(x * (1 /
+    d)) to nearest even (0 where d is 0). llama.cpp rounds the activations of its Q4/Q8
+    matmuls the same way (its Q8_0/Q8_1 blocks); the C++ 4-bit matmul computes the same
+    codes and multiplies them with integer dot products."""
+    groups = x.view(*x.shape[:-1], -1, group_size)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(groups * inverse) * scale).view_as(x)

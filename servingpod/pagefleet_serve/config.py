@@ -19,6 +19,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # to ~8 rows), but wide float32 batches dequantize each layer's weight on every step and
 # stay slower than expanded weights.
 QUANTIZATIONS = ("auto", "none", "int8")
+# none: 4-bit matmuls take the activations as they are; int8: rounded to int8 per 32 inputs
+# first (llama.cpp's arithmetic), multiplied with integer dot products on the CPU.
+ACTIVATION_QUANTIZATIONS = ("none", "int8")
 # The byte-size grammar of `--kv-cache-memory`, shared word for word with the CRD's
 # spec.engine.kvCacheMemory pattern and the operator's check (tests/operator ties the three
 # together), so that whatever the API server admits the pod can read.
@@ -66,6 +69,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     quantization: str = "none"
+    # int8: the activations of 4-bit matmuls rounded to int8 per 32 inputs (llama.cpp's
+    # arithmetic), multiplied with integer dot products; needs quantization "auto".
+    activation_quantization: str = "none"
     # vLLM's --enforce-eager: True runs every op eagerly; False compiles each layer's work
     # around its attention with torch.compile (inductor), paid for by the first steps.
     enforce_eager: bool = True
@@ -110,6 +116,17 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.activation_quantization not in ACTIVATION_QUANTIZATIONS:
+            raise ValueError(
+                f"activation_quantization must be one of {ACTIVATION_QUANTIZATIONS}, "
+                f"got {self.activation_quantization!r}"
+            )
+        if self.activation_quantization != "none" and self.quantization != "auto":
+            raise ValueError(
+                f"activation_quantization {self.activation_quantization!r} rounds the "
+                "activations of 4-bit weights, which quantization 'auto' keeps (a GGUF's "
+                f"Q4_0/Q4_1/Q8_0); got quantization {self.quantization!r}"
             )
         if not self.structured_outputs_compile_timeout > 0:
             raise ValueError(

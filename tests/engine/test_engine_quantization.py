@@ -72,6 +72,56 @@ def test_wide_batches_multiply_the_dequantized_matrix(type_name):
     assert relative_error(layer(x), few_at_a_time) < 1e-5
 
 
+@pytest.mark.parametrize("ops", ["torch", "cpu"])  # torch: round x, then torch's matmuls
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_int8_activations_multiply_the_rounded_rows_at_every_batch_size(type_name, ops):
+    """With int8 activations a 4-bit layer computes x^ W^T, x^ being x rounded to int8 per
+    32 inputs: through the C++ integer dot products at a few rows, through the dequantized
+    matrix for a wide batch, through PyTorch's int4 matmul on the torch ops; each equals
+    the float64 product of x^ and the GGUF's weights up to float32 sums, so a row gets the
+    same product at any batch size. The rounding is really applied (x W^T differs)."""
+    if ops == "cpu" and not cpu_layer_ops.available():
+        pytest.skip("no C++ compiler here")
+    weight = from_gguf(gguf_blocks(type_name, 192, 576), type_name)
+    bias = torch.randn(192)
+    layer = QuantizedLinear(weight, bias, cpu_layer_ops if ops == "cpu" else layer_ops)
+    layer.int8_activations = True
+    x = torch.randn(20, 576) * torch.linspace(0.1, 10, 576)  # groups of different scales
+    rounded = layer_ops.quantize_activations_int8(x).double()
+    expected = rounded @ weight.dequantize().double().T + bias.double()
+    wide = layer(x)  # 20 rows: from DEQUANTIZE_ROWS_FLOAT32 on, the dequantized matrix
+    assert relative_error(wide.double(), expected) < 1e-6
+    for rows in (1, 3, 5):
+        assert relative_error(layer(x[:rows]).double(), expected[:rows]) < 1e-6
+    unrounded = x.double() @ weight.dequantize().double().T + bias.double()
+    assert relative_error(wide.double(), unrounded) > 1e-4
+
+
+def test_int8_activations_keep_the_builtin_model_close_to_its_expanded_weights():
+    """The built-in model's 4-bit layers with int8 activations against the expanded
+    weights: a fused layer, the down projection and the Q8_0 head within 2% (the rounding
+    is under 0.4% of a group's largest value) but not exact, and the head's top tokens the
+    same. A model without 4-bit weights is refused: the setting would change nothing."""
+    models = {}
+    for quantization in ("auto", "none"):
+        loaded = load_model("builtin://smollm2-135m", torch.float32, quantization)
+        with torch.device("meta"):
+            models[quantization] = LlamaForCausalLM(loaded.config, backend=None)
+        models[quantization].load_hf_state_dict(loaded.weights)
+    with pytest.raises(ValueError, match="applies to 4-bit weights"):
+        models["none"].use_int8_activations()
+    model = models["auto"]
+    assert model.use_int8_activations() == 30 * 4 + 1  # qkv, o, gate_up, down; the head
+    generator = torch.Generator().manual_seed(0)
+    for name in ("layers.5.self_attn.qkv_proj", "layers.5.mlp.down_proj", "lm_head"):
+        layer = model.get_submodule(name)
+        x = torch.randn(7, layer.in_features, generator=generator)
+        got, exact = layer(x), models["none"].get_submodule(name)(x)
+        assert 1e-5 < relative_error(got, exact) < 0.02, name
+        if name == "lm_head":
+            assert torch.equal(got.argmax(-1), exact.argmax(-1))
+
+
 def test_real_q4_1_and_q8_0_tensors_of_the_builtin_model():
     reader = gguf.GGUFReader(str(builtin_gguf_path()))
     tensors = {t.name: t for t in reader.tensors}
@@ -147,3 +197,28 @@ def test_int8_generates_close_to_float32(make_llm, chat_prompts):
 def test_quantization_setting_is_validated():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="gptq")
+    with pytest.raises(ValueError, match="activation_quantization must be one of"):
+        EngineConfig(quantization="auto", activation_quantization="fp8")
+    with pytest.raises(ValueError, match="which quantization 'auto' keeps"):
+        EngineConfig(activation_quantization="int8")  # expanded weights: nothing to round for
+
+
+def test_int8_activations_serve_the_builtin_model(make_llm, chat_prompts):
+    """The engine with `activation_quantization="int8"` (CPU, float32): its greedy output
+    stays close to the expanded model's (the rounding changes the arithmetic, so not
+    token for token everywhere); bfloat16 activations are refused with the reason."""
+    with pytest.raises(ValueError, match="float32 activations"):
+        make_llm(quantization="auto", activation_quantization="int8", dtype="bfloat16")
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = {}
+    for activations in ("int8", "none"):
+        llm = make_llm(
+            quantization="auto" if activations == "int8" else "none",
+            activation_quantization=activations,
+            max_model_len=512,
+            kv_cache_memory_bytes=64 << 20,
+        )
+        outputs[activations] = [r.outputs[0].token_ids for r in llm.generate(chat_prompts, greedy)]
+    same = sum(a == b for a, b in zip(outputs["int8"], outputs["none"], strict=True))
+    print(f"{same} of {len(chat_prompts)} greedy outputs the same")
+    assert same >= len(chat_prompts) // 2

@@ -207,6 +207,58 @@ def test_int4_matmul_equals_dequantize_then_matmul(dtype, parts, rows):
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_int4_matmul_of_int8_activations_equals_the_rounded_product(parts, rows):
+    """With int8_activations the C++ 4-bit matmul rounds x to int8 per 32 inputs and
+    multiplies the codes with integer dot products: x^ W^T in float64 up to float32 sums
+    (x^ from the eager rounding), a row alone the same bits as among others. The codes
+    reach +-127 and groups have different scales (a zero group too)."""
+    generator = torch.Generator().manual_seed(rows * parts + 7)
+    outputs, inputs, group = 200, 192, 32
+    nibbles = [
+        torch.randint(0, 256, (outputs, inputs // 2), dtype=torch.uint8, generator=generator)
+        for _ in range(parts)
+    ]
+    scales_and_zeros = [
+        torch.randn(inputs // group, outputs, 2, generator=generator) for _ in range(parts)
+    ]
+    x = torch.randn(rows, inputs, generator=generator) * torch.logspace(-2, 2, inputs)
+    x[0, 32:64] = 0
+    actual = cpu_layer_ops.int4_matmul(x, nibbles, scales_and_zeros, group, True)
+    weight = layer_ops.dequantize_int4(nibbles, scales_and_zeros, group).double()
+    expected = layer_ops.quantize_activations_int8(x).double() @ weight.T
+    error = (actual.double() - expected).abs().max() / expected.abs().max()
+    assert error < 1e-6
+    unrounded = x.double() @ weight.T
+    assert (actual.double() - unrounded).abs().max() / unrounded.abs().max() > 1e-4
+    torch.testing.assert_close(
+        cpu_layer_ops.int4_matmul(x[-1:].contiguous(), nibbles, scales_and_zeros, group, True),
+        actual[-1:],
+        atol=0,
+        rtol=0,
+    )
+
+
+@needs_compiler
+def test_int8_rounding_of_activations_is_the_eager_ops_bits():
+    """The C++ rounding (used where a wide batch multiplies the dequantized matrix) gives
+    the eager ops' bits: ties to even (2.5 -> 2, -3.5 -> -4 at scale 1), a zero group stays
+    zero, codes within +-127 of one scale per 32 inputs."""
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(3)) * 5
+    x[1, :32] = 0
+    x[2, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])
+    x[2, 4:32] = 0
+    got = cpu_layer_ops.quantize_activations_int8(x)
+    assert torch.equal(got, layer_ops.quantize_activations_int8(x))
+    assert got[2, :4].tolist() == [127.0, 2.0, -4.0, 0.0] and not got[1, :32].any()
+    groups = got.view(37, -1, 32)
+    scale = x.view(37, -1, 32).abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(scale != 0, groups / scale, 0)
+    assert (codes - codes.round()).abs().max() < 1e-4 and codes.abs().max() < 127.001
+
+
+@needs_compiler
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 9])  # blocks of 1-4 rows, and several
 @pytest.mark.parametrize(("outputs", "inputs"), [(77, 576), (64, 1536), (19, 20)])
 def test_linear_equals_the_product_in_float64(rows, outputs, inputs):

@@ -280,6 +280,132 @@ void int4_matmul_rows(const float* x, const std::vector<Int4Part>& parts, float*
   });
 }
 
+// Activations rounded to int8, one scale per group of 32 inputs (llama.cpp's Q8 activations):
+// d = max |x| / 127, code = nearbyint(x * (1 / d)) (0 where d is 0), x^ = code * d. `sum`
+// holds d * (the group's codes summed), for the zero-point term. The same float32
+// operations as pagefleet_kernels.layer_ops.quantize_int8_groups, so the same codes.
+void quantize_int8_groups(const float* x, int64_t M, int64_t K, int8_t* codes, float* scale,
+                          float* sum) {
+  const int64_t groups = K / INT4_GROUP;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* __restrict__ xg = x + m * K + g * INT4_GROUP;
+      int8_t* __restrict__ cg = codes + m * K + g * INT4_GROUP;
+      float amax = 0.f;
+      for (int64_t j = 0; j < INT4_GROUP; ++j) amax = std::max(amax, std::fabs(xg[j]));
+      const float d = amax / 127.f;
+      const float inverse = d != 0.f ? 1.f / d : 0.f;
+      int32_t total = 0;
+      for (int64_t j = 0; j < INT4_GROUP; ++j) {
+        const int32_t c = static_cast<int32_t>(std::nearbyint(xg[j] * inverse));
+        cg[j] = static_cast<int8_t>(c);
+        total += c;
+      }
+      scale[m * groups + g] = d;
+      sum[m * groups + g] = d * static_cast<float>(total);
+    }
+  }
+}
+
+// y (M, N) = x^ (M, K) W^T with x^ the int8-rounded activations above and W 4-bit
+// (w = q * scale + shift, shift = zero - 8 * scale): per group of 32,
+// y += scale * d * sum(q * code) + shift * d * sum(code), the first an integer dot product
+// (32 unsigned codes times 32 signed ones: two AVX2 instructions), as llama.cpp computes its
+// Q4 x Q8 products. Each group's 32 weight codes are unpacked once for up to ROWS rows.
+#if defined(__AVX2__) && defined(__FMA__)
+template <int64_t R>
+void int4_int8_rows_block(const int8_t* codes, const float* scale, const float* sum,
+                          const std::vector<Int4Part>& parts, float* out, int64_t N, int64_t K,
+                          int64_t n) {
+  const int64_t groups = K / INT4_GROUP;
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  float shifts[R];
+  for (int64_t r = 0; r < R; ++r) {
+    acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    shifts[r] = 0.f;
+  }
+  for (const Int4Part& part : parts) {
+    const uint8_t* row = part.nibbles + n * (K / 2);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* sz = part.scales_and_zeros + (g * N + n) * 2;
+      const float w_scale = sz[0], w_shift = sz[1] - 8.f * sz[0];
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
+      const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
+                                         _mm_and_si128(bytes, mask));
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256i xq = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(codes + r * K + g * INT4_GROUP));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), ones);
+        const float d = scale[r * groups + g];
+        acc[r][g & 1] = _mm256_fmadd_ps(_mm256_set1_ps(w_scale * d), _mm256_cvtepi32_ps(dot),
+                                        acc[r][g & 1]);
+        shifts[r] += w_shift * sum[r * groups + g];
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    out[r * N + n] = pagefleet::sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1])) + shifts[r];
+  }
+}
+#endif
+
+void int4_int8_row(const int8_t* codes, const float* scale, const float* sum,
+                   const std::vector<Int4Part>& parts, float* out, int64_t K, int64_t N,
+                   int64_t n) {
+  const int64_t groups = K / INT4_GROUP;
+  float total = 0.f;
+  for (const Int4Part& part : parts) {
+    const uint8_t* row = part.nibbles + n * (K / 2);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* sz = part.scales_and_zeros + (g * N + n) * 2;
+      const int8_t* cg = codes + g * INT4_GROUP;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < INT4_GROUP / 2; ++j) {
+        const uint8_t code = row[g * INT4_GROUP / 2 + j];
+        dot += (code & 0x0F) * cg[j] + (code >> 4) * cg[INT4_GROUP / 2 + j];
+      }
+      total += sz[0] * scale[g] * static_cast<float>(dot) + (sz[1] - 8.f * sz[0]) * sum[g];
+    }
+  }
+  *out = total;
+}
+
+void int4_int8_matmul_rows(const float* x, const std::vector<Int4Part>& parts, float* out,
+                           int64_t M, int64_t N, int64_t K) {
+  const int64_t groups = K / INT4_GROUP;
+  std::vector<int8_t> codes(M * K);
+  std::vector<float> scale(M * groups), sum(M * groups);
+  quantize_int8_groups(x, M, K, codes.data(), scale.data(), sum.data());
+  constexpr int64_t TILE = 64;
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / (K * M)), [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; tile += TILE) {
+      for (int64_t m = 0; m < M; m += ROWS) {
+        const int8_t* cm = codes.data() + m * K;
+        const float* dm = scale.data() + m * groups;
+        const float* sm = sum.data() + m * groups;
+        float* o = out + m * N;
+        for (int64_t n = tile; n < std::min(tile + TILE, end); ++n) {
+#if defined(__AVX2__) && defined(__FMA__)
+          switch (std::min(ROWS, M - m)) {
+            case 1: int4_int8_rows_block<1>(cm, dm, sm, parts, o, N, K, n); break;
+            case 2: int4_int8_rows_block<2>(cm, dm, sm, parts, o, N, K, n); break;
+            case 3: int4_int8_rows_block<3>(cm, dm, sm, parts, o, N, K, n); break;
+            default: int4_int8_rows_block<4>(cm, dm, sm, parts, o, N, K, n); break;
+          }
+#else
+          for (int64_t r = 0; r < std::min(ROWS, M - m); ++r) {
+            int4_int8_row(cm + r * K, dm + r * groups, sm + r * groups, parts, o + r * N + n,
+                          K, N, n);
+          }
+#endif
+        }
+      }
+    }
+  });
+}
+
 // y (M, N) = x (M, K) W^T for a float32 W (N, K) and a few rows of x (a decode step's):
 // bound by reading W, which oneDNN's prepacked matmul read at 10-12 GB/s at one row (half
 // what this machine streams). Outputs in tiles of TILE weight rows; within a tile, blocks of
@@ -464,9 +590,11 @@ torch::Tensor dequantize_int4(std::vector<torch::Tensor> nibbles,
 }
 
 // (x (M, K), 4-bit parts as for dequantize_int4, scales in float32) -> x W^T (M, N) in x's
-// dtype, computed in float32.
+// dtype, computed in float32; with int8_activations, x^ W^T (x rounded to int8 codes per
+// group of 32, integer dot products: int4_int8_matmul_rows).
 torch::Tensor int4_matmul(torch::Tensor x, std::vector<torch::Tensor> nibbles,
-                          std::vector<torch::Tensor> scales_and_zeros, int64_t group) {
+                          std::vector<torch::Tensor> scales_and_zeros, int64_t group,
+                          bool int8_activations) {
   check_rows(x, "x");
   TORCH_CHECK(group == INT4_GROUP, "int4_matmul takes groups of 32 inputs (GGUF's), not ", group);
   TORCH_CHECK(!nibbles.empty() && nibbles.size() == scales_and_zeros.size(),
@@ -486,8 +614,35 @@ torch::Tensor int4_matmul(torch::Tensor x, std::vector<torch::Tensor> nibbles,
   }
   const auto xf = x.to(torch::kFloat32).contiguous();
   auto out = torch::empty({M, N}, xf.options());
-  int4_matmul_rows(xf.data_ptr<float>(), parts, out.data_ptr<float>(), M, N, K);
+  if (int8_activations) {
+    int4_int8_matmul_rows(xf.data_ptr<float>(), parts, out.data_ptr<float>(), M, N, K);
+  } else {
+    int4_matmul_rows(xf.data_ptr<float>(), parts, out.data_ptr<float>(), M, N, K);
+  }
   return out.to(x.scalar_type());
+}
+
+// x (M, K) float32 -> x^ (M, K): each group of 32 inputs rounded to int8 codes with one
+// scale (quantize_int8_groups), returned as code * scale: what int4_matmul multiplies with
+// int8_activations, for the products that dequantize the weight instead (wide batches).
+torch::Tensor quantize_activations_int8(torch::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "quantize_activations_int8 takes float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % INT4_GROUP == 0, "x has ", K, " columns, not a multiple of ", INT4_GROUP);
+  const auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  const float* in = xc.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, M, grain(K), [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> codes(K);
+    std::vector<float> scale(K / INT4_GROUP), sum(K / INT4_GROUP);
+    for (int64_t m = begin; m < end; ++m) {
+      quantize_int8_groups(in + m * K, 1, K, codes.data(), scale.data(), sum.data());
+      for (int64_t j = 0; j < K; ++j) o[m * K + j] = static_cast<float>(codes[j]) * scale[j / INT4_GROUP];
+    }
+  });
+  return out;
 }
 
 // (x (M, K), weight (N, K)), both float32 -> x weight^T (M, N).
@@ -511,7 +666,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "rotary embedding of (T, H, D) (CPU)");
   m.def("act_and_mul", &act_and_mul, "SiLU or GELU-tanh of the gate times up (CPU)");
   m.def("dequantize_int4", &dequantize_int4, "4-bit weights (one or more parts) to a matrix");
-  m.def("int4_matmul", &int4_matmul, "x times a 4-bit weight (one or more parts), in float32");
+  m.def("int4_matmul", &int4_matmul, "x times a 4-bit weight (one or more parts), in float32",
+        py::arg("x"), py::arg("nibbles"), py::arg("scales_and_zeros"), py::arg("group"),
+        py::arg("int8_activations") = false);
+  m.def("quantize_activations_int8", &quantize_activations_int8,
+        "x rounded to int8 per group of 32 inputs, as code * scale (CPU)");
   m.def("parallel_threads", &pagefleet::parallel_threads,
         "threads at::parallel_for gives this extension's loops");
 }

@@ -185,6 +185,20 @@ def weight_quantization(config: EngineConfig, device: torch.device) -> str:
     return "none"
 
 
+def activation_quantization(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The activation rounding of 4-bit matmuls: int8 is computed for float32 activations
+    on the CPU (its integer dot products are the C++ CPU kernel's), and refused elsewhere."""
+    if config.activation_quantization == "none":
+        return "none"
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"activation_quantization {config.activation_quantization!r} runs on the CPU with "
+            f"float32 activations (dtype float32), got device {device}, dtype "
+            f"{str(dtype).removeprefix('torch.')}"
+        )
+    return config.activation_quantization
+
+
 class DeviceMemory(Protocol):
     """What the KV budget reads of a device's memory (a fake one in tests)."""
 
@@ -231,6 +245,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         make_current(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.activation_quantization = activation_quantization(config, self.device, self.dtype)
         started = time.monotonic()
         loaded = load_model(config.model, self.dtype, weight_quantization(config, self.device))
         self.model_name = loaded.name
@@ -247,6 +262,7 @@ class LLMEngine:
             config.kv_cache_dtype,
             draft,
             config.enforce_eager,
+            self.activation_quantization,
         )
         del loaded
         logger.info(
@@ -315,6 +331,7 @@ class LLMEngine:
             config.attention_backend,
             config.kv_cache_dtype,
             enforce_eager=config.enforce_eager,
+            activation_quantization=self.activation_quantization,
         )
 
     def _kv_budget(self) -> int:

@@ -39,6 +39,7 @@ class ModelRunner:
         kv_cache_dtype: str,
         draft: "ModelRunner | None" = None,
         enforce_eager: bool = True,
+        activation_quantization: str = "none",
     ) -> None:
         """`draft`: a draft model's runner (speculative decoding). Its KV cache follows
         this one over the same block ids: a block holds both models' K/V, and every batch
@@ -61,6 +62,8 @@ class ModelRunner:
         self.model.load_hf_state_dict(weights)
         del weights
         self.model.to(device=device, dtype=dtype).eval()
+        if activation_quantization == "int8":
+            self.model.use_int8_activations()
         if not enforce_eager:
             self.model.compile_around_attention()
         elif device.type == "cpu" and can_prepack(dtype):

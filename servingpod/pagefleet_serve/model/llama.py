@@ -417,6 +417,20 @@ class LlamaForCausalLM(nn.Module):
             linear.prepack(self.ops)
         return len(linears)
 
+    def use_int8_activations(self) -> int:
+        """Round the activations of every 4-bit matmul to int8 per 32 inputs (see
+        `QuantizedLinear`); how many layers that is. A model without 4-bit weights is
+        refused: the setting would change nothing."""
+        layers = [m for m in self.modules() if isinstance(m, QuantizedLinear) and m.num_int4_parts]
+        if not layers:
+            raise ValueError(
+                "activation_quantization 'int8' applies to 4-bit weights, and this model has "
+                "none kept 4-bit: use quantization 'auto' with a Q4_0/Q4_1/Q8_0 GGUF"
+            )
+        for layer in layers:
+            layer.int8_activations = True
+        return len(layers)
+
     def compile_around_attention(self) -> None:
         """torch.compile every layer's work before and after its attention (see
         `LlamaDecoderLayer.compile_around_attention`); the first steps of each new batch

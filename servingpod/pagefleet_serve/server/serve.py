@@ -12,6 +12,7 @@ import time
 from pagefleet_flags import EnvFlags
 
 from pagefleet_serve.config import (
+    ACTIVATION_QUANTIZATIONS,
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
@@ -117,6 +118,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "them to --dtype, int8 is weight-only int8 with a scale per output row (CPU)",
         default=engine("quantization"),
         choices=QUANTIZATIONS,
+    )
+    flag(
+        "--activation-quantization",
+        "int8 rounds the activations of 4-bit matmuls to int8, one scale per 32 inputs, and "
+        "multiplies with integer dot products, as llama.cpp does (CPU, float32, with "
+        "--quantization auto); none (default) keeps them as they are",
+        default=engine("activation_quantization"),
+        choices=ACTIVATION_QUANTIZATIONS,
     )
     flag(
         "--enforce-eager",
@@ -247,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
+            activation_quantization=args.activation_quantization,
             enforce_eager=args.enforce_eager,
             seed=args.seed,
             speculative_config=args.speculative_config,
