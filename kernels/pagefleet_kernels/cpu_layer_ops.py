@@ -22,6 +22,7 @@ __all__ = [
     "quantize_activations_int8",
     "rms_norm",
     "rope",
+    "scales_and_shifts",
 ]
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,15 +78,24 @@ def dequantize_int4(nibbles, scales_and_zeros, group_size: int):
     return ext.dequantize_int4(list(nibbles), list(scales_and_zeros), group_size)
 
 
-def int4_matmul(x, nibbles, scales_and_zeros, group_size: int, int8_activations: bool = False):
-    """x (M, K) times the transpose of a 4-bit weight given as parts (see
-    `dequantize_int4`), summed in float32, returned in x's dtype; None when the extension
-    cannot take x (the caller then multiplies another way). `int8_activations`: x^ (see
+def int4_matmul(x, nibbles, scales_and_shifts, group_size: int, int8_activations: bool = False):
+    """x (M, K) times the transpose of a 4-bit weight given as parts, summed in float32,
+    returned in x's dtype; None when the extension cannot take x (the caller then
+    multiplies another way). A part: its codes as nibbles (see `dequantize_int4`) and each
+    output row's float32 (scale, shift) per group, (N, K / group, 2): w = code * scale +
+    shift (`scales_and_shifts` turns PyTorch's layout into it). `int8_activations`: x^ (see
     `quantize_activations_int8`) times the weight, with integer dot products."""
     ext = _native(x)
     if ext is None or x.dim() != 2 or x.stride(-1) != 1:
         return None
-    return ext.int4_matmul(x, list(nibbles), list(scales_and_zeros), group_size, int8_activations)
+    return ext.int4_matmul(x, list(nibbles), list(scales_and_shifts), group_size, int8_activations)
+
+
+def scales_and_shifts(scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """PyTorch's int4 scales and zeros, (K / group, N, 2) for w = (code - 8) * scale + zero,
+    as `int4_matmul` reads them: (N, K / group, 2) float32 for w = code * scale + shift."""
+    scale, zero = scales_and_zeros.float().unbind(-1)
+    return torch.stack((scale, zero - 8 * scale), dim=-1).transpose(0, 1).contiguous()
 
 
 def quantize_activations_int8(x, group_size: int = 32):

@@ -191,7 +191,9 @@ def test_int4_matmul_equals_dequantize_then_matmul(dtype, parts, rows):
         torch.randn(inputs // group, outputs, 2, generator=generator) for _ in range(parts)
     ]
     x = torch.randn(rows, inputs, generator=generator).to(dtype)
-    actual = cpu_layer_ops.int4_matmul(x, nibbles, scales_and_zeros, group)
+    shifts = [cpu_layer_ops.scales_and_shifts(sz) for sz in scales_and_zeros]
+    assert shifts[0].shape == (outputs, inputs // group, 2)
+    actual = cpu_layer_ops.int4_matmul(x, nibbles, shifts, group)
     assert actual.shape == (rows, outputs) and actual.dtype == dtype
     weight = layer_ops.dequantize_int4(nibbles, scales_and_zeros, group).double()
     expected = x.double() @ weight.T
@@ -199,11 +201,13 @@ def test_int4_matmul_equals_dequantize_then_matmul(dtype, parts, rows):
     assert error < (1e-6 if dtype == torch.float32 else 4e-3)  # float32 sums; bf16's rounding
     # A row on its own gets what it gets among others (no cross-row mixing in a block).
     torch.testing.assert_close(
-        cpu_layer_ops.int4_matmul(x[-1:].contiguous(), nibbles, scales_and_zeros, group),
+        cpu_layer_ops.int4_matmul(x[-1:].contiguous(), nibbles, shifts, group),
         actual[-1:],
     )
     with pytest.raises(RuntimeError, match="groups of 32"):
-        cpu_layer_ops.int4_matmul(x[:, :128].contiguous(), nibbles, scales_and_zeros, 64)
+        cpu_layer_ops.int4_matmul(x[:, :128].contiguous(), nibbles, shifts, 64)
+    with pytest.raises(RuntimeError, match=r"\(N, K / group, 2\)"):  # PyTorch's layout
+        cpu_layer_ops.int4_matmul(x, nibbles, scales_and_zeros, group)
 
 
 @needs_compiler
@@ -225,7 +229,8 @@ def test_int4_matmul_of_int8_activations_equals_the_rounded_product(parts, rows)
     ]
     x = torch.randn(rows, inputs, generator=generator) * torch.logspace(-2, 2, inputs)
     x[0, 32:64] = 0
-    actual = cpu_layer_ops.int4_matmul(x, nibbles, scales_and_zeros, group, True)
+    shifts = [cpu_layer_ops.scales_and_shifts(sz) for sz in scales_and_zeros]
+    actual = cpu_layer_ops.int4_matmul(x, nibbles, shifts, group, True)
     weight = layer_ops.dequantize_int4(nibbles, scales_and_zeros, group).double()
     expected = layer_ops.quantize_activations_int8(x).double() @ weight.T
     error = (actual.double() - expected).abs().max() / expected.abs().max()
@@ -233,7 +238,7 @@ def test_int4_matmul_of_int8_activations_equals_the_rounded_product(parts, rows)
     unrounded = x.double() @ weight.T
     assert (actual.double() - unrounded).abs().max() / unrounded.abs().max() > 1e-4
     torch.testing.assert_close(
-        cpu_layer_ops.int4_matmul(x[-1:].contiguous(), nibbles, scales_and_zeros, group, True),
+        cpu_layer_ops.int4_matmul(x[-1:].contiguous(), nibbles, shifts, group, True),
         actual[-1:],
         atol=0,
         rtol=0,

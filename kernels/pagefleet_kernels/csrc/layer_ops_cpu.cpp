@@ -160,8 +160,11 @@ void dequantize_int4_rows(const std::vector<const uint8_t*>& nibbles,
 }
 
 // y (M, N) = x (M, K) W^T for a 4-bit W of one or more parts (the Q8_0 head is two), in
-// float32 whatever T is: w = (q - 8) * scale + zero, so per group of 32 inputs
-// y += sum(((q - 8) * scale) x) + zero * sum(x). For float32 (and float16) activations,
+// float32 whatever T is: w = q * scale + shift (shift = zero - 8 * scale), so per group of
+// 32 inputs y += sum((q * scale) x) + shift * sum(x). Each output row's (scale, shift)
+// pairs lie side by side, (N, K / 32, 2): read in PyTorch's (K / 32, N, 2) order, a row's
+// scales were K / 32 strided streams, and a step's 4-bit matmuls at one row took 1.4x
+// longer (all of SmolLM2's, int8 activations, one process). For float32 (and float16) activations,
 // where torch's int4 kernel takes a scalar path 10-40x slower than its bfloat16 one.
 // With AVX2 and FMA each group's 32 weights are unpacked into four vectors once and used
 // for up to ROWS rows of x, whose sums stay in registers (two accumulators a row, so
@@ -171,7 +174,7 @@ constexpr int64_t ROWS = 4;
 
 struct Int4Part {
   const uint8_t* nibbles;  // (N, K / 2): in each group, byte j = input j low, j + 16 high
-  const float* scales_and_zeros;  // (K / 32, N, 2), float32
+  const float* scales_and_shifts;  // (N, K / 32, 2), float32
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -180,7 +183,6 @@ void int4_rows_block(const float* x, const float* xsum, const std::vector<Int4Pa
                      float* out, int64_t N, int64_t K, int64_t n) {
   const int64_t groups = K / INT4_GROUP;
   const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m256 eight = _mm256_set1_ps(8.f);
   __m256 even[R], odd[R];
   float zeros[R];
   for (int64_t r = 0; r < R; ++r) {
@@ -189,14 +191,14 @@ void int4_rows_block(const float* x, const float* xsum, const std::vector<Int4Pa
   }
   for (const Int4Part& part : parts) {
     const uint8_t* row = part.nibbles + n * (K / 2);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* sz = part.scales_and_zeros + (g * N + n) * 2;
+    const float* sz = part.scales_and_shifts + n * groups * 2;
+    for (int64_t g = 0; g < groups; ++g, sz += 2) {
       const __m256 scale = _mm256_set1_ps(sz[0]);
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
       const __m128i low = _mm_and_si128(bytes, mask);
       const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-      auto weights = [&](__m128i codes) {  // 8 codes -> (q - 8) * scale
-        return _mm256_mul_ps(scale, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), eight));
+      auto weights = [&](__m128i codes) {  // 8 codes -> q * scale
+        return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)));
       };
       const __m256 w0 = weights(low), w1 = weights(_mm_srli_si128(low, 8));
       const __m256 w2 = weights(high), w3 = weights(_mm_srli_si128(high, 8));
@@ -226,14 +228,14 @@ void int4_row(const float* x, const float* xsum, const std::vector<Int4Part>& pa
   float sum = 0.f;
   for (const Int4Part& part : parts) {
     const uint8_t* row = part.nibbles + n * (K / 2);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* sz = part.scales_and_zeros + (g * N + n) * 2;
+    const float* sz = part.scales_and_shifts + n * groups * 2;
+    for (int64_t g = 0; g < groups; ++g, sz += 2) {
       const float* xg = x + g * INT4_GROUP;
       float dot = 0.f;
       for (int64_t j = 0; j < INT4_GROUP / 2; ++j) {
         const uint8_t code = row[g * INT4_GROUP / 2 + j];
-        dot += (static_cast<float>(code & 0x0F) - 8.f) * xg[j];
-        dot += (static_cast<float>(code >> 4) - 8.f) * xg[INT4_GROUP / 2 + j];
+        dot += static_cast<float>(code & 0x0F) * xg[j];
+        dot += static_cast<float>(code >> 4) * xg[INT4_GROUP / 2 + j];
       }
       sum += sz[0] * dot + sz[1] * xsum[g];
     }
@@ -308,7 +310,7 @@ void quantize_int8_groups(const float* x, int64_t M, int64_t K, int8_t* codes, f
 }
 
 // y (M, N) = x^ (M, K) W^T with x^ the int8-rounded activations above and W 4-bit
-// (w = q * scale + shift, shift = zero - 8 * scale): per group of 32,
+// (w = q * scale + shift, as int4_matmul_rows reads it): per group of 32,
 // y += scale * d * sum(q * code) + shift * d * sum(code), the first an integer dot product
 // (32 unsigned codes times 32 signed ones: two AVX2 instructions), as llama.cpp computes its
 // Q4 x Q8 products. Each group's 32 weight codes are unpacked once for up to ROWS rows.
@@ -328,9 +330,9 @@ void int4_int8_rows_block(const int8_t* codes, const float* scale, const float* 
   }
   for (const Int4Part& part : parts) {
     const uint8_t* row = part.nibbles + n * (K / 2);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* sz = part.scales_and_zeros + (g * N + n) * 2;
-      const float w_scale = sz[0], w_shift = sz[1] - 8.f * sz[0];
+    const float* sz = part.scales_and_shifts + n * groups * 2;
+    for (int64_t g = 0; g < groups; ++g, sz += 2) {
+      const float w_scale = sz[0], w_shift = sz[1];
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
       const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
                                          _mm_and_si128(bytes, mask));
@@ -358,15 +360,15 @@ void int4_int8_row(const int8_t* codes, const float* scale, const float* sum,
   float total = 0.f;
   for (const Int4Part& part : parts) {
     const uint8_t* row = part.nibbles + n * (K / 2);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* sz = part.scales_and_zeros + (g * N + n) * 2;
+    const float* sz = part.scales_and_shifts + n * groups * 2;
+    for (int64_t g = 0; g < groups; ++g, sz += 2) {
       const int8_t* cg = codes + g * INT4_GROUP;
       int32_t dot = 0;
       for (int64_t j = 0; j < INT4_GROUP / 2; ++j) {
         const uint8_t code = row[g * INT4_GROUP / 2 + j];
         dot += (code & 0x0F) * cg[j] + (code >> 4) * cg[INT4_GROUP / 2 + j];
       }
-      total += sz[0] * scale[g] * static_cast<float>(dot) + (sz[1] - 8.f * sz[0]) * sum[g];
+      total += sz[0] * scale[g] * static_cast<float>(dot) + sz[1] * sum[g];
     }
   }
   *out = total;
@@ -589,16 +591,17 @@ torch::Tensor dequantize_int4(std::vector<torch::Tensor> nibbles,
   return out;
 }
 
-// (x (M, K), 4-bit parts as for dequantize_int4, scales in float32) -> x W^T (M, N) in x's
+// (x (M, K), 4-bit parts: nibbles as for dequantize_int4 with each output row's float32
+// (scale, shift) pairs, (N, K / group, 2), w = q * scale + shift) -> x W^T (M, N) in x's
 // dtype, computed in float32; with int8_activations, x^ W^T (x rounded to int8 codes per
 // group of 32, integer dot products: int4_int8_matmul_rows).
 torch::Tensor int4_matmul(torch::Tensor x, std::vector<torch::Tensor> nibbles,
-                          std::vector<torch::Tensor> scales_and_zeros, int64_t group,
+                          std::vector<torch::Tensor> scales_and_shifts, int64_t group,
                           bool int8_activations) {
   check_rows(x, "x");
   TORCH_CHECK(group == INT4_GROUP, "int4_matmul takes groups of 32 inputs (GGUF's), not ", group);
-  TORCH_CHECK(!nibbles.empty() && nibbles.size() == scales_and_zeros.size(),
-              "one scales_and_zeros tensor per nibbles tensor");
+  TORCH_CHECK(!nibbles.empty() && nibbles.size() == scales_and_shifts.size(),
+              "one scales_and_shifts tensor per nibbles tensor");
   const int64_t M = x.size(0), N = nibbles[0].size(0), K = 2 * nibbles[0].size(1);
   TORCH_CHECK(x.size(1) == K && K % group == 0, "x has ", x.size(1), " columns, the weight ", K);
   std::vector<Int4Part> parts;
@@ -606,10 +609,10 @@ torch::Tensor int4_matmul(torch::Tensor x, std::vector<torch::Tensor> nibbles,
     TORCH_CHECK(nibbles[p].scalar_type() == torch::kUInt8 && nibbles[p].is_contiguous() &&
                     nibbles[p].size(0) == N && nibbles[p].size(1) == K / 2,
                 "nibbles must be contiguous uint8 (N, K / 2), alike for every part");
-    const auto& sz = scales_and_zeros[p];
+    const auto& sz = scales_and_shifts[p];
     TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == torch::kFloat32 && sz.dim() == 3 &&
-                    sz.size(0) == K / group && sz.size(1) == N && sz.size(2) == 2,
-                "scales_and_zeros must be contiguous float32 (K / group, N, 2)");
+                    sz.size(0) == N && sz.size(1) == K / group && sz.size(2) == 2,
+                "scales_and_shifts must be contiguous float32 (N, K / group, 2)");
     parts.push_back({nibbles[p].data_ptr<uint8_t>(), sz.data_ptr<float>()});
   }
   const auto xf = x.to(torch::kFloat32).contiguous();
@@ -667,7 +670,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("act_and_mul", &act_and_mul, "SiLU or GELU-tanh of the gate times up (CPU)");
   m.def("dequantize_int4", &dequantize_int4, "4-bit weights (one or more parts) to a matrix");
   m.def("int4_matmul", &int4_matmul, "x times a 4-bit weight (one or more parts), in float32",
-        py::arg("x"), py::arg("nibbles"), py::arg("scales_and_zeros"), py::arg("group"),
+        py::arg("x"), py::arg("nibbles"), py::arg("scales_and_shifts"), py::arg("group"),
         py::arg("int8_activations") = false);
   m.def("quantize_activations_int8", &quantize_activations_int8,
         "x rounded to int8 per group of 32 inputs, as code * scale (CPU)");

@@ -199,10 +199,15 @@ class QuantizedLinear(nn.Module):
         self.num_int4_parts = len(parts)
         # Buffers, not parameters, and not in the state dict: built from the checkpoint's
         # codes at load, never loaded by name.
+        # The backend's own matmul reads each output row's (scale, shift) pairs side by side.
+        own_layout = getattr(ops, "scales_and_shifts", None)
         for i, (packed, scales_and_zeros, nibbles) in enumerate(parts):
             self.register_buffer(f"packed_{i}", packed, persistent=False)
             self.register_buffer(f"scales_and_zeros_{i}", scales_and_zeros, persistent=False)
             self.register_buffer(f"nibbles_{i}", nibbles, persistent=False)
+            if own_layout is not None:
+                shifts = own_layout(scales_and_zeros)
+                self.register_buffer(f"scales_and_shifts_{i}", shifts, persistent=False)
         if not parts:  # int8 with one scale per row
             self.register_buffer("int8_codes", weight.codes, persistent=False)
             self.register_buffer("int8_scale", weight.scale[:, 0].contiguous(), persistent=False)
@@ -244,13 +249,14 @@ class QuantizedLinear(nn.Module):
     def _native_int4(self, flat: torch.Tensor) -> torch.Tensor | None:
         """The backend's own 4-bit matmul of float32 rows, None where it has none."""
         matmul = getattr(self.ops, "int4_matmul", None)
-        if matmul is None or self.scales_and_zeros_0.dtype != torch.float32:
+        shifts = getattr(self, "scales_and_shifts_0", None)
+        if matmul is None or shifts is None or shifts.dtype != torch.float32:
             return None
         parts = range(self.num_int4_parts)
         return matmul(
             flat,
             [getattr(self, f"nibbles_{i}") for i in parts],
-            [getattr(self, f"scales_and_zeros_{i}") for i in parts],
+            [getattr(self, f"scales_and_shifts_{i}") for i in parts],
             self.group_size,
             self.int8_activations,
         )
