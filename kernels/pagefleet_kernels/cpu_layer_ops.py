@@ -18,6 +18,7 @@ __all__ = [
     "available",
     "dequantize_int4",
     "int4_matmul",
+    "int8_matmul",
     "linear",
     "quantize_activations_int8",
     "rms_norm",
@@ -89,6 +90,17 @@ def int4_matmul(x, nibbles, scales_and_shifts, group_size: int, int8_activations
     if ext is None or x.dim() != 2 or x.stride(-1) != 1:
         return None
     return ext.int4_matmul(x, list(nibbles), list(scales_and_shifts), group_size, int8_activations)
+
+
+def int8_matmul(x, codes, scales, group_size: int, int8_activations: bool = False):
+    """x (M, K) times the transpose of W given as int8 codes (N, K) with one float32 scale
+    per group of inputs, (N, K / group) (GGUF's Q8_0: w = code * scale), in float32, returned
+    in x's dtype; None when the extension cannot take x. `int8_activations` as for
+    `int4_matmul`."""
+    ext = _native(x)
+    if ext is None or x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    return ext.int8_matmul(x, codes, scales, group_size, int8_activations)
 
 
 def scales_and_shifts(scales_and_zeros: torch.Tensor) -> torch.Tensor:

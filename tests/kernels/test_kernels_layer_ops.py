@@ -246,6 +246,34 @@ def test_int4_matmul_of_int8_activations_equals_the_rounded_product(parts, rows)
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13])
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_int8_matmul_of_q8_0_codes_equals_the_product_in_float64(int8_activations, rows):
+    """The C++ matmul of int8 codes with a scale per 32 inputs (GGUF's Q8_0) against the
+    float64 product with x (or x^, with int8 activations), codes at -128 and 127 included;
+    a row alone the same bits as among others; a wrong layout refused."""
+    generator = torch.Generator().manual_seed(rows + 11 * int8_activations)
+    outputs, inputs, group = 200, 192, 32
+    codes = torch.randint(-128, 128, (outputs, inputs), dtype=torch.int8, generator=generator)
+    codes[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    scales = torch.rand(outputs, inputs // group, generator=generator)
+    x = torch.randn(rows, inputs, generator=generator) * torch.logspace(-2, 2, inputs)
+    actual = cpu_layer_ops.int8_matmul(x, codes, scales, group, int8_activations)
+    weight = (codes.double() * scales.double().repeat_interleave(group, dim=1)).T
+    rounded = layer_ops.quantize_activations_int8(x) if int8_activations else x
+    expected = rounded.double() @ weight
+    assert (actual.double() - expected).abs().max() / expected.abs().max() < 1e-6
+    torch.testing.assert_close(
+        cpu_layer_ops.int8_matmul(x[-1:].contiguous(), codes, scales, group, int8_activations),
+        actual[-1:],
+        atol=0,
+        rtol=0,
+    )
+    with pytest.raises(RuntimeError, match=r"\(N, K / group\)"):
+        cpu_layer_ops.int8_matmul(x, codes, scales.T.contiguous(), group)
+
+
+@needs_compiler
 def test_int8_rounding_of_activations_is_the_eager_ops_bits():
     """The C++ rounding (used where a wide batch multiplies the dequantized matrix) gives
     the eager ops' bits: ties to even (2.5 -> 2, -3.5 -> -4 at scale 1), a zero group stays

@@ -408,6 +408,124 @@ void int4_int8_matmul_rows(const float* x, const std::vector<Int4Part>& parts, f
   });
 }
 
+// y (M, N) = x (M, K) W^T for W given as int8 codes (N, K) with one scale per group of 32
+// inputs (GGUF's Q8_0: w = code * scale), in float32. Float x: each group's codes converted
+// once for up to ROWS rows, y += scale * sum(code * x). int8_activations: x rounded as
+// above, y += scale * d * sum(code * x code), the integer dot product as llama.cpp's Q8 x Q8
+// (maddubs takes one unsigned operand: |code| against x code carrying code's sign).
+#if defined(__AVX2__) && defined(__FMA__)
+template <int64_t R>
+void int8_rows_block(const float* x, const int8_t* w, const float* w_scale, float* out,
+                     int64_t N, int64_t K, int64_t n) {
+  const int64_t groups = K / INT4_GROUP;
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int8_t* row = w + n * K;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 wf[4];
+    for (int64_t i = 0; i < 4; ++i) {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + g * 32 + i * 8));
+      wf[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+    }
+    const __m256 scale = _mm256_set1_ps(w_scale[n * groups + g]);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* xr = x + r * K + g * INT4_GROUP;
+      __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(xr), wf[0]);
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), wf[1], dot);
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), wf[2], dot);
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), wf[3], dot);
+      acc[r][g & 1] = _mm256_fmadd_ps(scale, dot, acc[r][g & 1]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) out[r * N + n] = pagefleet::sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+template <int64_t R>
+void int8_int8_rows_block(const int8_t* codes, const float* scale, const int8_t* w,
+                          const float* w_scale, float* out, int64_t N, int64_t K, int64_t n) {
+  const int64_t groups = K / INT4_GROUP;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int8_t* row = w + n * K;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32));
+    const __m256i magnitude = _mm256_sign_epi8(wq, wq);
+    const float ws = w_scale[n * groups + g];
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256i xq = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(codes + r * K + g * INT4_GROUP));
+      const __m256i dot =
+          _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, wq)), ones);
+      acc[r][g & 1] = _mm256_fmadd_ps(_mm256_set1_ps(ws * scale[r * groups + g]),
+                                      _mm256_cvtepi32_ps(dot), acc[r][g & 1]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) out[r * N + n] = pagefleet::sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+#endif
+
+// One output of one row, without AVX2/FMA: x_codes null for float x.
+float int8_dot(const float* x, const int8_t* x_codes, const float* x_scale, const int8_t* w,
+               const float* w_scale, int64_t K) {
+  float total = 0.f;
+  for (int64_t g = 0; g < K / INT4_GROUP; ++g) {
+    float dot = 0.f;
+    int32_t idot = 0;
+    for (int64_t j = g * INT4_GROUP; j < (g + 1) * INT4_GROUP; ++j) {
+      if (x_codes) idot += static_cast<int32_t>(w[j]) * x_codes[j];
+      else dot += static_cast<float>(w[j]) * x[j];
+    }
+    total += x_codes ? w_scale[g] * x_scale[g] * static_cast<float>(idot) : w_scale[g] * dot;
+  }
+  return total;
+}
+
+void int8_matmul_rows(const float* x, const int8_t* w, const float* w_scale, float* out,
+                      int64_t M, int64_t N, int64_t K, bool int8_activations) {
+  const int64_t groups = K / INT4_GROUP;
+  std::vector<int8_t> codes(int8_activations ? M * K : 0);
+  std::vector<float> scale(int8_activations ? M * groups : 0), sum(scale.size());
+  if (int8_activations) quantize_int8_groups(x, M, K, codes.data(), scale.data(), sum.data());
+  constexpr int64_t TILE = 64;
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / (K * M)), [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; tile += TILE) {
+      for (int64_t m = 0; m < M; m += ROWS) {
+        const int64_t rows = std::min(ROWS, M - m);
+        const float* xm = x + m * K;
+        const int8_t* cm = int8_activations ? codes.data() + m * K : nullptr;
+        const float* dm = int8_activations ? scale.data() + m * groups : nullptr;
+        float* o = out + m * N;
+        for (int64_t n = tile; n < std::min(tile + TILE, end); ++n) {
+#if defined(__AVX2__) && defined(__FMA__)
+          if (int8_activations) {
+            switch (rows) {
+              case 1: int8_int8_rows_block<1>(cm, dm, w, w_scale, o, N, K, n); break;
+              case 2: int8_int8_rows_block<2>(cm, dm, w, w_scale, o, N, K, n); break;
+              case 3: int8_int8_rows_block<3>(cm, dm, w, w_scale, o, N, K, n); break;
+              default: int8_int8_rows_block<4>(cm, dm, w, w_scale, o, N, K, n); break;
+            }
+          } else {
+            switch (rows) {
+              case 1: int8_rows_block<1>(xm, w, w_scale, o, N, K, n); break;
+              case 2: int8_rows_block<2>(xm, w, w_scale, o, N, K, n); break;
+              case 3: int8_rows_block<3>(xm, w, w_scale, o, N, K, n); break;
+              default: int8_rows_block<4>(xm, w, w_scale, o, N, K, n); break;
+            }
+          }
+#else
+          for (int64_t r = 0; r < rows; ++r) {
+            o[r * N + n] = int8_dot(xm + r * K, cm ? cm + r * K : nullptr,
+                                    dm ? dm + r * groups : nullptr, w + n * K,
+                                    w_scale + n * groups, K);
+          }
+#endif
+        }
+      }
+    }
+  });
+}
+
 // y (M, N) = x (M, K) W^T for a float32 W (N, K) and a few rows of x (a decode step's):
 // bound by reading W, which oneDNN's prepacked matmul read at 10-12 GB/s at one row (half
 // what this machine streams). Outputs in tiles of TILE weight rows; within a tile, blocks of
@@ -648,6 +766,26 @@ torch::Tensor quantize_activations_int8(torch::Tensor x) {
   return out;
 }
 
+// (x (M, K), codes (N, K) int8, scales (N, K / group) float32) -> x W^T (M, N) in x's dtype
+// for w = code * scale (GGUF's Q8_0), computed in float32; int8_activations as int4_matmul.
+torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                          int64_t group, bool int8_activations) {
+  check_rows(x, "x");
+  TORCH_CHECK(group == INT4_GROUP, "int8_matmul takes groups of 32 inputs (GGUF's), not ", group);
+  const int64_t M = x.size(0), N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.dim() == 2,
+              "codes must be contiguous int8 (N, K)");
+  TORCH_CHECK(x.size(1) == K && K % group == 0, "x has ", x.size(1), " columns, the weight ", K);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group,
+              "scales must be contiguous float32 (N, K / group)");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({M, N}, xf.options());
+  int8_matmul_rows(xf.data_ptr<float>(), codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                   out.data_ptr<float>(), M, N, K, int8_activations);
+  return out.to(x.scalar_type());
+}
+
 // (x (M, K), weight (N, K)), both float32 -> x weight^T (M, N).
 torch::Tensor linear(torch::Tensor x, torch::Tensor weight) {
   check_rows(x, "x");
@@ -671,6 +809,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4", &dequantize_int4, "4-bit weights (one or more parts) to a matrix");
   m.def("int4_matmul", &int4_matmul, "x times a 4-bit weight (one or more parts), in float32",
         py::arg("x"), py::arg("nibbles"), py::arg("scales_and_shifts"), py::arg("group"),
+        py::arg("int8_activations") = false);
+  m.def("int8_matmul", &int8_matmul, "x times an int8 weight with a scale per 32 inputs",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("group"),
         py::arg("int8_activations") = false);
   m.def("quantize_activations_int8", &quantize_activations_int8,
         "x rounded to int8 per group of 32 inputs, as code * scale (CPU)");

@@ -197,6 +197,11 @@ class QuantizedLinear(nn.Module):
                 )
             )
         self.num_int4_parts = len(parts)
+        if weight.bits == 8 and parts and getattr(ops, "int8_matmul", None) is not None:
+            # The backend's own matmul takes Q8_0's codes as they are: a group's 32 codes
+            # at once, instead of the two 4-bit parts (one byte per weight more).
+            self.register_buffer("group_codes", weight.codes.contiguous(), persistent=False)
+            self.register_buffer("group_scales", weight.scale.contiguous(), persistent=False)
         # Buffers, not parameters, and not in the state dict: built from the checkpoint's
         # codes at load, never loaded by name.
         # The backend's own matmul reads each output row's (scale, shift) pairs side by side.
@@ -247,7 +252,12 @@ class QuantizedLinear(nn.Module):
         return y
 
     def _native_int4(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """The backend's own 4-bit matmul of float32 rows, None where it has none."""
+        """The backend's own 4-bit (or Q8_0) matmul of float32 rows, None where it has none."""
+        codes = getattr(self, "group_codes", None)
+        if codes is not None and self.group_scales.dtype == torch.float32:
+            return self.ops.int8_matmul(
+                flat, codes, self.group_scales, self.group_size, self.int8_activations
+            )
         matmul = getattr(self.ops, "int4_matmul", None)
         shifts = getattr(self, "scales_and_shifts_0", None)
         if matmul is None or shifts is None or shifts.dtype != torch.float32:
