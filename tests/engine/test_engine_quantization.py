@@ -85,7 +85,8 @@ def test_int8_activations_multiply_the_rounded_rows_at_every_batch_size(type_nam
     weight = from_gguf(gguf_blocks(type_name, 192, 576), type_name)
     bias = torch.randn(192)
     layer = QuantizedLinear(weight, bias, cpu_layer_ops if ops == "cpu" else layer_ops)
-    layer.int8_activations = True
+    layer(torch.randn(2, 576))  # a product before, then int8 activations from here on
+    layer.round_activations_to_int8()
     x = torch.randn(20, 576) * torch.linspace(0.1, 10, 576)  # groups of different scales
     rounded = layer_ops.quantize_activations_int8(x).double()
     expected = rounded @ weight.dequantize().double().T + bias.double()

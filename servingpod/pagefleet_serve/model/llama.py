@@ -428,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
                 "none kept 4-bit: use quantization 'auto' with a Q4_0/Q4_1/Q8_0 GGUF"
             )
         for layer in layers:
-            layer.int8_activations = True
+            layer.round_activations_to_int8()
         return len(layers)
 
     def compile_around_attention(self) -> None:

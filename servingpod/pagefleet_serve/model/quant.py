@@ -171,6 +171,7 @@ class QuantizedLinear(nn.Module):
     computes with the same x^."""
 
     int8_activations = False
+    _native: tuple | None = None  # see _native_int4
 
     def __init__(
         self, weight: QuantizedWeight, bias: torch.Tensor | None = None, ops=layer_ops
@@ -251,25 +252,40 @@ class QuantizedLinear(nn.Module):
             y = part if y is None else y.add_(part)
         return y
 
+    def round_activations_to_int8(self) -> None:
+        """From now on, multiply x^ (see the class) instead of x."""
+        self.int8_activations = True
+        self._native = None
+
+    def _apply(self, fn, recurse=True):  # .to() and the like: new buffers, a new binding
+        self._native = None
+        return super()._apply(fn, recurse)
+
     def _native_int4(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """The backend's own 4-bit (or Q8_0) matmul of float32 rows, None where it has none."""
+        """The backend's own 4-bit (or Q8_0) matmul of float32 rows, None where it has none.
+        The function and its arguments after x are looked up once (a decode step makes 121
+        of these calls, and module attribute lookups cost about a microsecond each)."""
+        if self._native is None:
+            self._native = self._bind_native()
+        if not self._native:
+            return None
+        matmul, args = self._native
+        return matmul(flat, *args)
+
+    def _bind_native(self) -> tuple:
+        """(the backend's matmul, its arguments after x), or () where it has none."""
         codes = getattr(self, "group_codes", None)
         if codes is not None and self.group_scales.dtype == torch.float32:
-            return self.ops.int8_matmul(
-                flat, codes, self.group_scales, self.group_size, self.int8_activations
-            )
+            args = (codes, self.group_scales, self.group_size, self.int8_activations)
+            return self.ops.int8_matmul, args
         matmul = getattr(self.ops, "int4_matmul", None)
         shifts = getattr(self, "scales_and_shifts_0", None)
         if matmul is None or shifts is None or shifts.dtype != torch.float32:
-            return None
+            return ()
         parts = range(self.num_int4_parts)
-        return matmul(
-            flat,
-            [getattr(self, f"nibbles_{i}") for i in parts],
-            [getattr(self, f"scales_and_shifts_{i}") for i in parts],
-            self.group_size,
-            self.int8_activations,
-        )
+        nibbles = [getattr(self, f"nibbles_{i}") for i in parts]
+        shifts = [getattr(self, f"scales_and_shifts_{i}") for i in parts]
+        return matmul, (nibbles, shifts, self.group_size, self.int8_activations)
 
     def dequantized(self) -> torch.Tensor:
         """The 4-bit weight (its parts summed) as a float matrix in the scales' dtype."""
