@@ -198,14 +198,9 @@ class QuantizedLinear(nn.Module):
                 )
             )
         self.num_int4_parts = len(parts)
-        if weight.bits == 8 and parts and getattr(ops, "int8_matmul", None) is not None:
-            # The backend's own matmul takes Q8_0's codes as they are: a group's 32 codes
-            # at once, instead of the two 4-bit parts (one byte per weight more).
-            self.register_buffer("group_codes", weight.codes.contiguous(), persistent=False)
-            self.register_buffer("group_scales", weight.scale.contiguous(), persistent=False)
         # Buffers, not parameters, and not in the state dict: built from the checkpoint's
-        # codes at load, never loaded by name.
-        # The backend's own matmul reads each output row's (scale, shift) pairs side by side.
+        # codes at load, never loaded by name. The backend's own matmul (where it has one)
+        # reads each output row's (scale, shift) pairs side by side: scales_and_shifts_i.
         own_layout = getattr(ops, "scales_and_shifts", None)
         for i, (packed, scales_and_zeros, nibbles) in enumerate(parts):
             self.register_buffer(f"packed_{i}", packed, persistent=False)
@@ -214,6 +209,11 @@ class QuantizedLinear(nn.Module):
             if own_layout is not None:
                 shifts = own_layout(scales_and_zeros)
                 self.register_buffer(f"scales_and_shifts_{i}", shifts, persistent=False)
+        if weight.bits == 8 and parts and getattr(ops, "int8_matmul", None) is not None:
+            # The backend's own matmul takes Q8_0's codes as they are: a group's 32 codes
+            # at once, instead of the two 4-bit parts (one byte per weight more).
+            self.register_buffer("group_codes", weight.codes.contiguous(), persistent=False)
+            self.register_buffer("group_scales", weight.scale.contiguous(), persistent=False)
         if not parts:  # int8 with one scale per row
             self.register_buffer("int8_codes", weight.codes, persistent=False)
             self.register_buffer("int8_scale", weight.scale[:, 0].contiguous(), persistent=False)
