@@ -173,6 +173,19 @@ def test_dequantize_int4(dtype, parts, group):
             assert actual[5, column] == ((code - 8.0) * scale + zero).to(dtype)
 
 
+def random_int4_parts(parts: int, outputs: int, inputs: int, group: int, generator):
+    """`parts` random 4-bit matrices: nibbles (outputs, inputs / 2) and PyTorch's scales and
+    zeros (inputs / group, outputs, 2)."""
+    nibbles = [
+        torch.randint(0, 256, (outputs, inputs // 2), dtype=torch.uint8, generator=generator)
+        for _ in range(parts)
+    ]
+    scales_and_zeros = [
+        torch.randn(inputs // group, outputs, 2, generator=generator) for _ in range(parts)
+    ]
+    return nibbles, scales_and_zeros
+
+
 @needs_compiler
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 13])  # whole and partial blocks of 4 rows
 @pytest.mark.parametrize("parts", [1, 2])  # a 4-bit matrix, a Q8_0 one as two 4-bit parts
@@ -183,13 +196,7 @@ def test_int4_matmul_equals_dequantize_then_matmul(dtype, parts, rows):
     three tiles of 64 and a partial one."""
     generator = torch.Generator().manual_seed(rows * parts)
     outputs, inputs, group = 200, 192, 32
-    nibbles = [
-        torch.randint(0, 256, (outputs, inputs // 2), dtype=torch.uint8, generator=generator)
-        for _ in range(parts)
-    ]
-    scales_and_zeros = [
-        torch.randn(inputs // group, outputs, 2, generator=generator) for _ in range(parts)
-    ]
+    nibbles, scales_and_zeros = random_int4_parts(parts, outputs, inputs, group, generator)
     x = torch.randn(rows, inputs, generator=generator).to(dtype)
     shifts = [cpu_layer_ops.scales_and_shifts(sz) for sz in scales_and_zeros]
     assert shifts[0].shape == (outputs, inputs // group, 2)
@@ -220,13 +227,7 @@ def test_int4_matmul_of_int8_activations_equals_the_rounded_product(parts, rows)
     reach +-127 and groups have different scales (a zero group too)."""
     generator = torch.Generator().manual_seed(rows * parts + 7)
     outputs, inputs, group = 200, 192, 32
-    nibbles = [
-        torch.randint(0, 256, (outputs, inputs // 2), dtype=torch.uint8, generator=generator)
-        for _ in range(parts)
-    ]
-    scales_and_zeros = [
-        torch.randn(inputs // group, outputs, 2, generator=generator) for _ in range(parts)
-    ]
+    nibbles, scales_and_zeros = random_int4_parts(parts, outputs, inputs, group, generator)
     x = torch.randn(rows, inputs, generator=generator) * torch.logspace(-2, 2, inputs)
     x[0, 32:64] = 0
     shifts = [cpu_layer_ops.scales_and_shifts(sz) for sz in scales_and_zeros]
