@@ -58,6 +58,33 @@ def test_cpu_kernel_head_sizes_and_work_splits(head_dim, num_decode_rows, cache)
     assert_matches_torch_backend_and_naive_loop(batch, cache)
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("cache", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
+@pytest.mark.parametrize("context_len", [1, 16, 17, 300, 1500])
+def test_cpu_kernel_cuts_a_lone_decode_rows_context_between_threads(
+    context_len, heads, cache, threads
+):
+    """A decode batch of one has fewer (token, KV head) items than twice the threads: each
+    item's context is then cut into runs of whole blocks, attended on their own and merged
+    by their softmax sums (runs past a short context are empty). Against the torch backend
+    and the naive loop, with a sliding window too (the runs cover only the window)."""
+    batch = make_batch([1], [context_len], *heads, cache=cache, seed=context_len)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_matches_torch_backend_and_naive_loop(batch, cache)
+        for window in (5, 40):
+            torch.testing.assert_close(
+                batch.attention(cpu_attention, sliding_window=window),
+                batch.attention(torch_attention, sliding_window=window),
+                atol=1e-4,
+                rtol=1e-4,
+            )
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(7, None), (None, 5.0), (20, 30.0)])
 def test_cpu_kernel_sliding_window_and_softcap(sliding_window, softcap):
     batch = make_batch([1, 12, 1], [40, 50, 3], 6, 2)

@@ -226,7 +226,9 @@ void attend(const float* q,            // (Hq, D) this token's query
             int64_t first, int64_t end, int64_t h0, int64_t h1, int64_t Hkv, int64_t bs,
             int64_t G, int64_t D, float scale, float softcap,
             float* out,                // (Hq, D) this token's output
-            RowKernels kernels, Scratch& w) {
+            RowKernels kernels, Scratch& w,
+            float* max_out = nullptr,  // (Hq,) when given: each query head's largest score
+            float* sum_out = nullptr) {  // and the sum of exp(score - largest)
   const int64_t L = end - first, H = h1 - h0, W = H * D;
   w.scores.resize(H * G * L);
   w.tile.resize(bs * W);
@@ -270,6 +272,10 @@ void attend(const float* q,            // (Hq, D) this token's query
     float sum = 0.f;
 #pragma omp simd reduction(+:sum)
     for (int64_t i = 0; i < L; ++i) { sj[i] = pagefleet::exp_nonpositive(sj[i] - m); sum += sj[i]; }
+    if (max_out) {
+      max_out[h0 * G + j] = m;
+      sum_out[h0 * G + j] = sum;
+    }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
 #pragma omp simd
     for (int64_t i = 0; i < L; ++i) sj[i] *= inv;
@@ -312,6 +318,73 @@ inline void store_row(const float* src, q_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<q_t>(src[i]);
 }
 
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Too few items to keep every thread busy (a decode batch of one: one item per KV head,
+// three of them for SmolLM2 on two threads): each item's context is cut into `splits`
+// runs of whole blocks, attended on their own (attend's softmax over its run, with its
+// largest score and sum kept), then merged: out = sum_s w_s out_s / sum_s w_s with w_s =
+// sum_s exp(max_s - max). Each thread then reads an equal share of the cache, which at
+// batch 1 is read from memory (the weights streamed since evicted it).
+template <typename cache_t, typename q_t>
+void run_split(const q_t* q, const cache_t* kc, const cache_t* vc, const float* ksc,
+               const float* vsc, const int64_t* tables, const int64_t* lens,
+               const int64_t* starts, const std::vector<int64_t>& seq_of, int64_t T, int64_t Hq,
+               int64_t D, int64_t bs, int64_t Hkv, int64_t G, int64_t max_blocks, int64_t parts,
+               int64_t splits, float scale, int64_t sliding_window, float softcap, q_t* o,
+               RowKernels kernels) {
+  const int64_t per = Hkv / parts, items = T * parts * splits;
+  // Per (token, split): the output rows (Hq, D), each query head's largest score and sum.
+  std::vector<float> partial(T * splits * Hq * D), largest(T * splits * Hq), sums(T * splits * Hq);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    std::vector<float> q_buffer;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / (parts * splits), part = item / splits % parts, s = item % splits;
+      const int64_t i = seq_of[t];
+      const int64_t pos = lens[i] - (starts[i + 1] - starts[i]) + (t - starts[i]);
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(pos - sliding_window + 1, 0) : 0;
+      // Whole blocks per run, the runs over [first, pos]; a run past the end is empty.
+      const int64_t run_blocks = ceil_div(pos / bs - first / bs + 1, splits);
+      const int64_t k0 = std::max(first, (first / bs + s * run_blocks) * bs);
+      const int64_t k1 = std::min(pos + 1, (first / bs + (s + 1) * run_blocks) * bs);
+      const int64_t h0 = part * per, h1 = (part + 1) * per, row = t * splits + s;
+      float* m = largest.data() + row * Hq;
+      float* sum = sums.data() + row * Hq;
+      if (k0 >= k1) {
+        std::fill(sum + h0 * G, sum + h1 * G, 0.f);
+        std::fill(m + h0 * G, m + h1 * G, -std::numeric_limits<float>::infinity());
+        continue;
+      }
+      attend<cache_t>(query_row(q + t * Hq * D, Hq * D, q_buffer), kc, vc, ksc, vsc,
+                      tables + i * max_blocks, k0, k1, h0, h1, Hkv, bs, G, D, scale, softcap,
+                      partial.data() + row * Hq * D, kernels, w, m, sum);
+    }
+  });
+  std::vector<float> merged(Hq * D);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < Hq; ++j) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s)
+        if (sums[(t * splits + s) * Hq + j] > 0.f) top = std::max(top, largest[(t * splits + s) * Hq + j]);
+      float total = 0.f;
+      float* acc = merged.data() + j * D;
+      std::fill(acc, acc + D, 0.f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t row = (t * splits + s) * Hq + j;
+        if (!(sums[row] > 0.f)) continue;
+        const float weight = sums[row] * pagefleet::exp_nonpositive(largest[row] - top);
+        const float* part_out = partial.data() + row * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += weight * part_out[d];
+        total += weight;
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+    }
+    store_row(merged.data(), o + t * Hq * D, Hq * D);
+  }
+}
+
 template <typename cache_t, typename q_t>
 void run(const torch::Tensor& query, const torch::Tensor& key_cache,
          const torch::Tensor& value_cache, const float* key_scale, const float* value_scale,
@@ -336,6 +409,14 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
   const cache_t* kc = key_cache.data_ptr<cache_t>();
   const cache_t* vc = value_cache.data_ptr<cache_t>();
   const RowKernels kernels = row_kernels(D);
+  const int64_t threads = at::get_num_threads();
+  if (T * parts < 2 * threads) {
+    run_split(q, kc, vc, key_scale, value_scale, tables, lens, starts, seq_of, T, Hq, D, bs,
+              Hkv, G, max_blocks, parts, ceil_div(2 * threads, T * parts),
+              static_cast<float>(scale), sliding_window, static_cast<float>(softcap), o,
+              kernels);
+    return;
+  }
   at::parallel_for(0, T * parts, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
     std::vector<float> q_buffer, o_buffer(Hq * D);
