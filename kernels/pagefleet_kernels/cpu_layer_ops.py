@@ -16,11 +16,13 @@ __all__ = [
     "act_and_mul",
     "add_rms_norm",
     "available",
+    "decoder_layer",
     "dequantize_int4",
     "int4_matmul",
     "int8_matmul",
     "linear",
     "quantize_activations_int8",
+    "quantized_linear",
     "rms_norm",
     "rope",
     "scales_and_shifts",
@@ -127,3 +129,62 @@ def linear(x, weight):
     if x.dim() != 2 or x.stride(-1) != 1 or not weight.is_contiguous():
         return None
     return ext.linear(x, weight)
+
+
+def quantized_linear(
+    *,
+    nibbles=(),
+    scales_and_shifts=(),
+    codes=None,
+    scales=None,
+    bias=None,
+    group_size: int,
+    int8_activations: bool = False,
+):
+    """A quantized linear layer bound once for `decoder_layer`: 4-bit parts (the arguments
+    of `int4_matmul`) or Q8_0 codes with their scales (those of `int8_matmul`), and a bias
+    added after the product; None when the extension cannot be built."""
+    ext = _extension()
+    if ext is None:
+        return None
+    return ext.QuantizedLinear(
+        list(nibbles), list(scales_and_shifts), codes, scales, bias, group_size, int8_activations
+    )
+
+
+def decoder_layer(
+    input_norm,
+    post_attention_norm,
+    eps: float,
+    unit_offset: bool,
+    qkv,
+    o,
+    gate_up,
+    down,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    gelu: bool,
+):
+    """A decoder layer's work around its attention as two C++ calls, for float32 rows whose
+    four matmuls are `quantized_linear` bindings: `attention_inputs(x, cos, sin)` -> q, k, v
+    and `attention_outputs(x, attended)` -> the layer's output, each the ops of
+    `LlamaDecoderLayer`'s methods of those names in the same order (the same bits). None
+    when the extension cannot be built."""
+    ext = _extension()
+    if ext is None:
+        return None
+    return ext.DecoderLayer(
+        input_norm,
+        post_attention_norm,
+        eps,
+        unit_offset,
+        qkv,
+        o,
+        gate_up,
+        down,
+        heads,
+        kv_heads,
+        head_dim,
+        gelu,
+    )

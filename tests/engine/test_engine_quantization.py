@@ -16,6 +16,7 @@ from pagefleet_serve.model.llama import LlamaForCausalLM
 from pagefleet_serve.model.loader import builtin_gguf_path, load_model
 from pagefleet_serve.model.quant import (
     DEQUANTIZE_ROWS,
+    DEQUANTIZE_ROWS_FLOAT32,
     QuantizedLinear,
     from_gguf,
     quantize_int8,
@@ -223,3 +224,58 @@ def test_int8_activations_serve_the_builtin_model(make_llm, chat_prompts):
     same = sum(a == b for a, b in zip(outputs["int8"], outputs["none"], strict=True))
     print(f"{same} of {len(chat_prompts)} greedy outputs the same")
     assert same >= len(chat_prompts) // 2
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_the_fused_layers_binding_multiplies_as_the_layer_does(type_name):
+    """`QuantizedLinear.fused_binding` (the C++ object the fused decoder layer multiplies
+    with) gives the layer's own bits, bias included, with and without int8 activations."""
+    if not cpu_layer_ops.available():
+        pytest.skip("no C++ compiler here")
+    layer = QuantizedLinear(
+        from_gguf(gguf_blocks(type_name, 192, 576), type_name), torch.randn(192), cpu_layer_ops
+    )
+    x = torch.randn(3, 576)
+    assert torch.equal(layer.fused_binding()(x), layer(x))
+    layer.round_activations_to_int8()
+    assert torch.equal(layer.fused_binding()(x), layer(x))
+    torch_ops = QuantizedLinear(from_gguf(gguf_blocks(type_name, 16, 64), type_name), None)
+    assert torch_ops.fused_binding() is None  # the torch ops have no C++ matmul
+
+
+def test_fused_decoder_layers_compute_the_ops_bits():
+    """The built-in model's layers with the C++ CPU ops: below DEQUANTIZE_ROWS_FLOAT32 rows
+    each runs its work around attention as two C++ calls (`fused_around_attention`), whose
+    q, k, v and output are the bits of the ops called one by one, with float32 or int8
+    activations; wide batches, bfloat16 and compiled layers go op by op."""
+    if not cpu_layer_ops.available():
+        pytest.skip("no C++ compiler here")
+    from pagefleet_kernels import cpu_attention
+
+    loaded = load_model("builtin://smollm2-135m", torch.float32, "auto")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(loaded.config, backend=cpu_attention)
+    model.load_hf_state_dict(loaded.weights)
+    generator = torch.Generator().manual_seed(0)
+    for activations in ("float32", "int8"):
+        if activations == "int8":
+            model.use_int8_activations()
+        for rows in (1, 5, DEQUANTIZE_ROWS_FLOAT32 - 1):
+            x = torch.randn(rows, 576, generator=generator)
+            cos, sin = torch.randn(2, rows, 64, generator=generator).unbind(0)
+            attended = torch.randn(rows, 576, generator=generator)
+            for layer in (model.layers[0], model.layers[17]):
+                fused = layer.fused_around_attention(x)
+                assert fused is not None
+                for got, expected in zip(
+                    fused.attention_inputs(x, cos, sin),
+                    layer.attention_inputs(x, cos, sin),
+                    strict=True,
+                ):
+                    assert got.shape == expected.shape and torch.equal(got, expected)
+                got = fused.attention_outputs(x, attended)
+                assert torch.equal(got, layer.attention_outputs(x, attended))
+    assert model.layers[0].fused_around_attention(torch.randn(DEQUANTIZE_ROWS_FLOAT32, 576)) is None
+    assert model.layers[0].fused_around_attention(torch.randn(1, 576, dtype=torch.bfloat16)) is None
+    model.layers[1].compile_around_attention()  # compiled: inductor fuses the eager ops instead
+    assert model.layers[1].fused_around_attention(torch.randn(1, 576)) is None

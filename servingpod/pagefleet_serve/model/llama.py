@@ -23,7 +23,7 @@ from pagefleet_kernels import layer_ops
 from pagefleet_kernels.backend import AttentionMetadata
 from torch import nn
 
-from pagefleet_serve.model.quant import QuantizedLinear, QuantizedWeight
+from pagefleet_serve.model.quant import DEQUANTIZE_ROWS_FLOAT32, QuantizedLinear, QuantizedWeight
 
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 # Up to this many float32 rows on the CPU, logits are the product with the vocabulary
@@ -320,9 +320,55 @@ class LlamaDecoderLayer(nn.Module):
             self.post_feedforward_layernorm = make_norm(config, config.hidden_size, ops)
         self.mlp = LlamaMLP(config, ops)
 
+    _fused = None  # see fused_around_attention; () where the layer has none
+    _compiled = False
+
     def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
-        q, k, v = self.attention_inputs(x, cos, sin)
-        return self.attention_outputs(x, self.self_attn.attend(q, k, v, kv_cache, attn))
+        around = self.fused_around_attention(x) or self
+        q, k, v = around.attention_inputs(x, cos, sin)
+        return around.attention_outputs(x, self.self_attn.attend(q, k, v, kv_cache, attn))
+
+    def fused_around_attention(self, x: torch.Tensor):
+        """The backend's fused decoder layer (`decoder_layer` of the C++ CPU ops) for these
+        rows, None where the layer's ops run one by one. It has `attention_inputs` and
+        `attention_outputs` as below, computed by the same C++ ops in the same order (the
+        same bits) in two calls instead of about ten, each of which costs 5-10 us from
+        Python on a small CPU. It exists for float32 rows few enough for the quantized
+        layers' own C++ matmuls (see `QuantizedLinear`), when all four matmuls have one."""
+        if x.dtype != torch.float32 or x.shape[0] >= DEQUANTIZE_ROWS_FLOAT32:
+            return None
+        if self._fused is None:
+            self._fused = self._bind_fused() or ()
+        return self._fused or None
+
+    def _bind_fused(self):
+        make = getattr(self.self_attn.ops, "decoder_layer", None)
+        attn, mlp = self.self_attn, self.mlp
+        if make is None or self._compiled or self.sandwich_norms or attn.qk_norm:
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, QuantizedLinear) for m in linears):
+            return None
+        bound = [m.fused_binding() for m in linears]
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if None in bound or any(n.weight.dtype != torch.float32 for n in norms):
+            return None
+        norm = self.input_layernorm
+        return make(
+            norm.weight,
+            self.post_attention_layernorm.weight,
+            norm.eps,
+            norm.unit_offset,
+            *bound,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            mlp.gelu,
+        )
+
+    def _apply(self, fn, recurse=True):  # .to() and the like: new tensors, a new binding
+        self._fused = None
+        return super()._apply(fn, recurse)
 
     # The layer around its attention: pure tensor functions, what compile_around_attention
     # compiles.
@@ -343,6 +389,7 @@ class LlamaDecoderLayer(nn.Module):
         shares the compiled code (the modules' weights are its inputs)."""
         self.attention_inputs = torch.compile(self.attention_inputs, dynamic=None)
         self.attention_outputs = torch.compile(self.attention_outputs, dynamic=None)
+        self._compiled, self._fused = True, ()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -429,6 +476,8 @@ class LlamaForCausalLM(nn.Module):
             )
         for layer in layers:
             layer.round_activations_to_int8()
+        for layer in self.layers:  # their fused ops bound the matmuls as they were
+            layer._fused = None
         return len(layers)
 
     def compile_around_attention(self) -> None:

@@ -272,6 +272,24 @@ class QuantizedLinear(nn.Module):
         matmul, args = self._native
         return matmul(flat, *args)
 
+    def fused_binding(self):
+        """The layer as the backend's C++ `quantized_linear`, what its fused decoder layer
+        multiplies with (the same matmul as `_native_int4`, bias included); None where the
+        backend has none or this layer has no C++ matmul."""
+        make = getattr(self.ops, "quantized_linear", None)
+        if make is None:
+            return None
+        if self._native is None:
+            self._native = self._bind_native()
+        if not self._native:
+            return None
+        matmul, (weights, scales, group_size, int8) = self._native
+        if matmul is self.ops.int8_matmul:
+            weights = {"codes": weights, "scales": scales}
+        else:
+            weights = {"nibbles": weights, "scales_and_shifts": scales}
+        return make(**weights, bias=self.bias, group_size=group_size, int8_activations=int8)
+
     def _bind_native(self) -> tuple:
         """(the backend's matmul, its arguments after x), or () where it has none."""
         codes = getattr(self, "group_codes", None)
