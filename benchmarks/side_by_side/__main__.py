@@ -54,13 +54,14 @@ from .workloads import (
 DEFAULT_SERVERS = [
     "pagefleet",
     "pagefleet-q4",
+    "pagefleet-q4-int8",
     "vllm",
     "llama-server",
     "llama-cpp-python",
     "transformers-cb",
     "transformers",
 ]
-QUICK_SERVERS = ["pagefleet", "pagefleet-q4", "vllm", "llama-server"]
+QUICK_SERVERS = ["pagefleet", "pagefleet-q4", "pagefleet-q4-int8", "vllm", "llama-server"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

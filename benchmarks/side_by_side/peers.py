@@ -454,6 +454,14 @@ def server_specs(args: argparse.Namespace, gguf: Path, special_ids: list[int]) -
             ready_path="/ready",
         ),
         ServerSpec(
+            "pagefleet-q4-int8",
+            "PageFleet `pagefleet serve --quantization auto --activation-quantization int8` "
+            "(Q4_1 weights times activations rounded to int8 per 32, llama.cpp's arithmetic)",
+            pagefleet("--quantization", "auto", "--activation-quantization", "int8"),
+            "smollm2-135m",
+            ready_path="/ready",
+        ),
+        ServerSpec(
             "transformers",
             "`transformers serve`",
             transformers(),

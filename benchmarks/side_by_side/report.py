@@ -215,6 +215,29 @@ def vllm_ratio_lines(report: dict) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def llama_server_lines(report: dict) -> list[str]:
+    """PageFleet serving the GGUF's own quantized weights (its best variant at each level)
+    against llama-server, which serves them too: the target is at least its tok/s at c=1."""
+    servers = report["servers"]
+    theirs = servers.get("llama-server", {}).get("throughput", {})
+    out = []
+    for c in report["plan"]["concurrencies"]:
+        ours = {
+            name: entry["throughput"][str(c)]["output_throughput"]
+            for name, entry in servers.items()
+            if name.startswith("pagefleet-q4") and entry.get("throughput", {}).get(str(c))
+        }
+        base = theirs.get(str(c), {}).get("output_throughput")
+        if not ours or not base:
+            continue
+        best = max(ours, key=ours.get)
+        line = f"{best} / llama-server at c={c}: {ours[best]:.1f} / {base:.1f} = {ours[best] / base:.3f}x"
+        if c == 1:
+            line += f" (target at least 1.0x): {'met' if ours[best] >= base else 'not met'}"
+        out.append(line)
+    return out
+
+
 def targets(report: dict) -> list[str]:
     out = []
     servers = report["servers"]
@@ -223,7 +246,7 @@ def targets(report: dict) -> list[str]:
     levels = {
         name: e["throughput"][top]
         for name, e in servers.items()
-        if name != "pagefleet" and top in e.get("throughput", {})
+        if not name.startswith("pagefleet") and top in e.get("throughput", {})
     }
     # A level cut at the time limit undercounts a batching server still prefilling its
     # wave: the target is judged against the peers that finished.
@@ -231,12 +254,14 @@ def targets(report: dict) -> list[str]:
     cut = sorted(n for n, r in levels.items() if r["incomplete"])
     ratios = vllm_ratios(report)
     if ratios:
-        worst = min(ratios.values())
+        # At the same precision: at least vLLM's tok/s alone, 1.3x it with company.
+        met = all(r >= (1.0 if c == "1" else 1.3) for c, r in ratios.items())
         out.append(
             "throughput vs vLLM at "
             + ", ".join(f"c={c} {r:.2f}x" for c, r in ratios.items())
-            + f" (target at least 1.0x at each): {'met' if worst >= 1.0 else 'not met'}"
+            + f" (target at least 1.0x at c=1, 1.3x above): {'met' if met else 'not met'}"
         )
+    out += llama_server_lines(report)
     if ours and peers:
         best = max(peers, key=peers.get)
         ratio = ours / peers[best] if peers[best] else math.nan

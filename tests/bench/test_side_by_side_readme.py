@@ -61,3 +61,41 @@ def test_a_failed_request_is_reported_by_its_exception_not_its_traceback_header(
         "aiohttp.client_exceptions.ClientConnectionResetError: Cannot write to closing",
         "Server returned 503",
     ]
+
+
+def test_targets_compare_the_quantized_variants_with_llama_server_and_vllm():
+    """The best of PageFleet's variants serving the GGUF's own weights against llama-server
+    (the target is its tok/s at c=1), and PageFleet against vLLM at the same precision
+    (1.0x at c=1, 1.3x above); PageFleet's variants are never its peers."""
+    from benchmarks.side_by_side.report import targets
+
+    def level(tok_s: float) -> dict:
+        return {"output_throughput": tok_s, "incomplete": 0}
+
+    def server(*tok_s: float) -> dict:
+        return {"throughput": {c: level(t) for c, t in zip(("1", "8"), tok_s, strict=True)}}
+
+    report = {
+        "plan": {"concurrencies": [1, 8]},
+        "servers": {
+            "pagefleet": server(20.0, 130.0),
+            "pagefleet-q4": server(40.0, 150.0),
+            "pagefleet-q4-int8": server(44.0, 140.0),
+            "vllm": server(16.0, 100.0),
+            "llama-server": server(42.0, 70.0),
+        },
+        "wall_s": 60.0,
+        "command": "python -m benchmarks.side_by_side --quick",
+    }
+    lines = targets(report)
+    assert "throughput vs vLLM at c=1 1.25x, c=8 1.30x (target at least 1.0x at c=1, " in lines[0]
+    assert lines[0].endswith(": met")
+    assert lines[1] == (
+        "pagefleet-q4-int8 / llama-server at c=1: 44.0 / 42.0 = 1.048x (target at least 1.0x): met"
+    )
+    assert lines[2] == "pagefleet-q4 / llama-server at c=8: 150.0 / 70.0 = 2.143x"
+    assert "best peer that finished, vllm, 100.0: 1.30x" in lines[3]
+    report["servers"]["vllm"] = server(16.0, 101.0)
+    report["servers"]["pagefleet-q4-int8"] = server(41.0, 140.0)
+    lines = targets(report)
+    assert lines[0].endswith(": not met") and lines[1].endswith(": not met")
