@@ -1,7 +1,8 @@
 // Paged attention on the CPU, reading K/V in place from the block pool (no gather copy).
 //
 // One work item per query token (or per (token, KV head) when there are too few tokens to
-// keep every thread busy). It walks the token's visible context block by block through the
+// keep every thread busy; with fewer items still, per run of whole blocks of its context,
+// merged after: run_split). It walks the token's visible context block by block through the
 // block table, in two passes: every score first, then a softmax per query head over a
 // contiguous row, then the V rows weighted by it. Within a block the rows of all KV heads
 // are contiguous, so each pass reads a block as one run of memory (converted to float in a
