@@ -366,8 +366,13 @@ class LlamaDecoderLayer(nn.Module):
             mlp.gelu,
         )
 
-    def _apply(self, fn, recurse=True):  # .to() and the like: new tensors, a new binding
+    def unbind_fused(self) -> None:
+        """Bind the fused layer again on its next use: its matmuls changed (new tensors
+        after `.to()`, int8 activations switched on)."""
         self._fused = None
+
+    def _apply(self, fn, recurse=True):
+        self.unbind_fused()
         return super()._apply(fn, recurse)
 
     # The layer around its attention: pure tensor functions, what compile_around_attention
@@ -476,8 +481,8 @@ class LlamaForCausalLM(nn.Module):
             )
         for layer in layers:
             layer.round_activations_to_int8()
-        for layer in self.layers:  # their fused ops bound the matmuls as they were
-            layer._fused = None
+        for layer in self.layers:
+            layer.unbind_fused()
         return len(layers)
 
     def compile_around_attention(self) -> None:
