@@ -65,7 +65,7 @@ mutation: install
 
 # The walk on the cluster in the current kubeconfig (kind, k3d, real); skipped without one.
 e2e: install
-	$(PY) -m pytest -v -rs e2e/test_e2e_cluster.py
+	$(PY) -m pytest -v -rs -p no:randomly e2e/test_e2e_cluster.py
 
 e2e-local: install
 	$(PY) -m pytest -v -m "slow or not slow" e2e/test_e2e_local.py e2e/test_e2e_hf.py e2e/test_e2e_router.py
@@ -111,7 +111,7 @@ bench-quick: install bench-peer-vllm
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m benchmarks.side_by_side --quick $(BENCH_ARGS)
 
-# The README's Performance tables from benchmarks/results/results.json.
+# The Performance tables of docs/performance.md from benchmarks/results/results.json.
 bench-readme: install
 	$(PY) -m benchmarks.side_by_side.readme
 

@@ -1,16 +1,19 @@
-"""Rewrite the README's Performance numbers from a side-by-side run's results.json.
+"""Rewrite the Performance numbers of docs/performance.md from a side-by-side run's
+results.json.
 
-`python -m benchmarks.side_by_side.readme [--results PATH] [--readme PATH]` (`make
-bench-readme`) replaces what lies between the two marker lines in the README with the
-run line (date, CPU model and flags, command, dtype), the throughput tables of both
-clients, the PageFleet/vLLM ratios and the targets, all from results.json, so that no
-number in that block is typed by hand. Everything outside the markers is left alone.
+`python -m benchmarks.side_by_side.readme [--results PATH] [--doc PATH]` (`make
+bench-readme`) replaces what lies between the two marker lines in docs/performance.md
+(the README's Performance section until it moved there) with the run line (date, CPU
+model and flags, command, dtype), the throughput tables of both clients, the
+PageFleet/vLLM ratios and the targets, all from results.json, so that no number in that
+block is typed by hand. Everything outside the markers is left alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,11 +25,15 @@ BEGIN = (
     "benchmarks/results/results.json; edit benchmarks/side_by_side/readme.py, not this block -->"
 )
 END = "<!-- end of side-by-side results -->"
+# The page that holds the block; its links to the results are relative to its folder.
+DOC = REPO / "docs" / "performance.md"
+RESULTS_LINK = Path(os.path.relpath(BENCHMARKS / "results", DOC.parent)).as_posix()
 
 
 def generated_block(report: dict) -> str:
-    results = "benchmarks/results"
+    results = RESULTS_LINK
     plots = ", ".join(f"[{p}]({results}/{p})" for p in report.get("plots", []))
+    shown = "benchmarks/results"
     lines = [
         BEGIN,
         run_line(report),
@@ -40,33 +47,34 @@ def generated_block(report: dict) -> str:
         "",
         *[f"- {t}" for t in targets(report)],
         "",
-        f"The whole report, with every number: [{results}/results.md]({results}/results.md) "
+        f"The whole report, with every number: [{shown}/results.md]({results}/results.md) "
         f"([JSON]({results}/results.json)). Plots: {plots or 'none'}.",
         END,
     ]
     return "\n".join(lines)
 
 
-def rewrite(readme: str, report: dict) -> str:
-    """`readme` with the block between the markers replaced; the markers must be there,
+def rewrite(doc: str, report: dict) -> str:
+    """`doc` with the block between the markers replaced; the markers must be there,
     once each and in order."""
-    start, end = readme.find(BEGIN), readme.find(END)
-    if start < 0 or end < start or readme.count(BEGIN) != 1 or readme.count(END) != 1:
+    start, end = doc.find(BEGIN), doc.find(END)
+    if start < 0 or end < start or doc.count(BEGIN) != 1 or doc.count(END) != 1:
         raise ValueError(
-            "README: the side-by-side markers must appear once each, begin before end: "
-            f"{BEGIN!r} ... {END!r}"
+            f"{DOC.relative_to(REPO)}: the side-by-side markers must appear once each, "
+            f"begin before end: {BEGIN!r} ... {END!r}"
         )
-    return readme[:start] + generated_block(report) + readme[end + len(END) :]
+    return doc[:start] + generated_block(report) + doc[end + len(END) :]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side.readme")
     parser.add_argument("--results", type=Path, default=BENCHMARKS / "results" / "results.json")
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
+    # --readme: the flag's name from when the block lived in README.md.
+    parser.add_argument("--doc", "--readme", dest="doc", type=Path, default=DOC)
     args = parser.parse_args(argv)
     report = json.loads(args.results.read_text())
-    args.readme.write_text(rewrite(args.readme.read_text(), report))
-    print(f"rewrote the side-by-side block of {args.readme} from {args.results}")
+    args.doc.write_text(rewrite(args.doc.read_text(), report))
+    print(f"rewrote the side-by-side block of {args.doc} from {args.results}")
     return 0
 
 

@@ -1,7 +1,8 @@
-"""The README's Performance numbers are the side-by-side run's results.json, rewritten by
-`python -m benchmarks.side_by_side.readme`: regenerating from the committed JSON leaves the
-committed README as it is (a number typed into the block by hand, or a new results.json
-without `make bench-readme`, fails here), and a README without the markers is refused."""
+"""The Performance numbers of docs/performance.md (once the README's Performance section)
+are the side-by-side run's results.json, rewritten by `python -m
+benchmarks.side_by_side.readme`: regenerating from the committed JSON leaves the committed
+page as it is (a number typed into the block by hand, or a new results.json without `make
+bench-readme`, fails here), and a page without the markers is refused."""
 
 import shutil
 import subprocess
@@ -9,11 +10,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+PERFORMANCE = REPO / "docs" / "performance.md"
 
 
-def regenerate(readme: Path) -> subprocess.CompletedProcess:
+def regenerate(page: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks.side_by_side.readme", "--readme", str(readme)],
+        [sys.executable, "-m", "benchmarks.side_by_side.readme", "--doc", str(page)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -22,22 +24,22 @@ def regenerate(readme: Path) -> subprocess.CompletedProcess:
 
 
 def test_readme_block_is_what_the_results_json_gives(tmp_path):
-    readme = tmp_path / "README.md"
-    shutil.copy(REPO / "README.md", readme)
-    done = regenerate(readme)
+    page = tmp_path / "performance.md"
+    shutil.copy(PERFORMANCE, page)
+    done = regenerate(page)
     assert done.returncode == 0, done.stderr
-    assert readme.read_text() == (REPO / "README.md").read_text()
-    block = readme.read_text().split("<!-- side-by-side results")[1]
+    assert page.read_text() == PERFORMANCE.read_text()
+    block = page.read_text().split("<!-- side-by-side results")[1]
     assert "| PageFleet `pagefleet serve` |" in block and "CPU cores" in block
 
 
 def test_a_readme_without_the_markers_is_refused(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# PageFleet\n\n## Performance\n\n| server | c=1 |\n")
-    done = regenerate(readme)
+    page = tmp_path / "performance.md"
+    page.write_text("# Benchmarks and performance\n\n## Performance\n\n| server | c=1 |\n")
+    done = regenerate(page)
     assert done.returncode != 0
     assert "markers must appear once each" in done.stderr
-    assert readme.read_text().endswith("| server | c=1 |\n")
+    assert page.read_text().endswith("| server | c=1 |\n")
 
 
 def test_a_failed_request_is_reported_by_its_exception_not_its_traceback_header():
