@@ -49,47 +49,60 @@ def get_parser() -> argparse.ArgumentParser:
         default=120,
         help="seconds to wait for the operator before releasing its finalizer here",
     )
+    # Every option is taken before `run` and after it. A sub-parser writes its defaults
+    # over what the main parser read (`--namespace NS run` ran cluster-wide), so only the
+    # main parser has defaults; `run` sets an option only when it is given there.
     for target in (parser, run):
+
+        def default(value, target=target):
+            return value if target is parser else argparse.SUPPRESS
+
         target.add_argument(
             "-n",
             "--namespace",
             action="append",
-            default=[],
+            default=default([]),
             help="watch only this namespace (repeatable); all namespaces when absent",
         )
         target.add_argument(
             "--liveness",
-            default="http://0.0.0.0:8080/healthz",
+            default=default("http://0.0.0.0:8080/healthz"),
             help="kopf's liveness endpoint; empty to disable",
         )
         target.add_argument(
             "--metrics-port",
             type=int,
-            default=0,
-            help="serve the operator's own Prometheus /metrics on this port (all addresses); "
+            default=default(0),
+            help="serve the operator's own Prometheus /metrics on this port; "
             "0, the default, serves none (the chart sets 8081)",
+        )
+        target.add_argument(
+            "--metrics-bind-address",
+            default=default("0.0.0.0"),
+            help="the address --metrics-port listens on (127.0.0.1: this host only); "
+            "kopf's health endpoint takes its address from --liveness",
         )
         target.add_argument(
             "--pod-monitor-by-default",
             action="store_true",
-            default=OperatorConfig.from_env().pod_monitor_default,
+            default=default(OperatorConfig.from_env().pod_monitor_default),
             help="create a PodMonitor for every InferenceService that leaves "
             f"spec.monitoring.podMonitor unset (env {POD_MONITOR_DEFAULT_ENV}=true)",
         )
         target.add_argument(
             "--default-image",
-            default=OperatorConfig.from_env().default_image,
+            default=default(OperatorConfig.from_env().default_image),
             help=f"serving-pod image when spec.engine.image is empty (env {DEFAULT_IMAGE_ENV})",
         )
         target.add_argument(
             "--router-image",
-            default=OperatorConfig.from_env().router_image,
+            default=default(OperatorConfig.from_env().router_image),
             help="`pagefleet router` image when spec.router.image is empty (env "
             f"{ROUTER_IMAGE_ENV}; the chart passes the operator's own image)",
         )
         target.add_argument(
             "--default-image-pull-policy",
-            default=OperatorConfig.from_env().default_image_pull_policy,
+            default=default(OperatorConfig.from_env().default_image_pull_policy),
             choices=PULL_POLICIES,
             help="serving-pod imagePullPolicy when spec.engine.imagePullPolicy is empty "
             f"(env {DEFAULT_PULL_POLICY_ENV}; unset: Kubernetes' default)",
@@ -97,24 +110,24 @@ def get_parser() -> argparse.ArgumentParser:
         target.add_argument(
             "--platform-assigns-user-ids",
             action="store_true",
-            default=not OperatorConfig.from_env().fixed_user_ids,
+            default=default(not OperatorConfig.from_env().fixed_user_ids),
             help="leave the serving pods' runAsUser, runAsGroup and fsGroup to the platform "
             f"(OpenShift restricted-v2) instead of 1000 (env {PLATFORM_USER_IDS_ENV}=true)",
         )
         target.add_argument(
             "--allowed-image-prefix",
             action="append",
-            default=list(OperatorConfig.from_env().allowed_image_prefixes),
+            default=default(list(OperatorConfig.from_env().allowed_image_prefixes)),
             help="refuse spec.engine.image unless it starts with one of these (repeatable; "
             f"env {ALLOWED_IMAGE_PREFIXES_ENV}, comma-separated); unset: any image",
         )
         target.add_argument(
             "--otlp-traces-endpoint",
-            default=None,
+            default=default(None),
             help="send a span per reconcile and autoscaler round to this OTLP/HTTP endpoint "
             "(e.g. http://collector:4318/v1/traces); unset: no tracing",
         )
-        target.add_argument("-v", "--verbose", action="store_true")
+        target.add_argument("-v", "--verbose", action="store_true", default=default(False))
     return parser
 
 
@@ -132,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose)
     metrics = OperatorMetrics()
     if args.metrics_port:
-        metrics.serve(args.metrics_port)
+        metrics.serve(args.metrics_port, args.metrics_bind_address)
     kopf.run(
         standalone=True,  # one replica, no peering objects
         clusterwide=not args.namespace,

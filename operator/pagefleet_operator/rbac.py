@@ -18,8 +18,10 @@ RULES: list[dict[str, Any]] = [
     # Children carry blockOwnerDeletion: true; with the OwnerReferencesPermissionEnforcement
     # admission plugin (on in OpenShift) setting it needs update on the owner's finalizers.
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
-    # The autoscaler writes spec.replicas through the same door as `kubectl scale`.
-    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/scale"], "verbs": ["patch"]},
+    # The autoscaler writes spec.replicas through the same door as `kubectl scale`; get
+    # because the routers' Roles it creates read the scale too (RBAC grants only what the
+    # granter holds).
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/scale"], "verbs": ["get", "patch"]},
     # Server-side apply creates through PATCH, which needs both verbs.
     {
         "apiGroups": ["apps"],

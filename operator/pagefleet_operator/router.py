@@ -95,7 +95,7 @@ def get_router_rules(name: str) -> list[dict[str, Any]]:
             "apiGroups": [GROUP],
             "resources": [f"{PLURAL}/scale"],
             "resourceNames": [name],
-            "verbs": ["patch"],
+            "verbs": ["get", "patch"],  # the wake reads the scale before it patches
         },
     ]
 

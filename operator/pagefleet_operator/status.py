@@ -113,6 +113,15 @@ def get_status(
 ) -> dict[str, Any]:
     meta = body["metadata"]
     ready, desired, progressing, deadline_problem = _rollout(spec, deployment)
+    if deployment is None and problem is not None:
+        # Nothing is being created while the spec has a problem (a missing PVC, say):
+        # say what the Deployment waits for instead of "Creating".
+        progressing = _condition(
+            "Progressing",
+            False,
+            problem.reason,
+            f"the Deployment is not created until this is fixed: {problem.message}",
+        )
     problem = problem or deadline_problem
     url = get_url(body, spec) if spec else None
     if ready:

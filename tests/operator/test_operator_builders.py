@@ -368,7 +368,7 @@ def test_router_role_is_endpointslices_and_its_own_scale_only():
             "apiGroups": ["pagefleet.dev"],
             "resources": ["inferenceservices/scale"],
             "resourceNames": ["demo"],
-            "verbs": ["patch"],
+            "verbs": ["get", "patch"],
         },
     ]
     binding = desired["RouterRoleBinding"]

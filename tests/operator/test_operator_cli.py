@@ -28,3 +28,27 @@ def test_pagefleet_operator_help_shows_the_operator_flags():
         check=True,
     )
     assert "--namespace" in result.stdout and "--liveness" in result.stdout
+
+
+def test_options_before_and_after_run_are_both_kept():
+    """`--namespace NS run` watched every namespace: the `run` sub-parser's defaults
+    overwrote what the main parser had read."""
+    from pagefleet_operator.__main__ import get_parser
+
+    parse = get_parser().parse_args
+    assert parse(["--namespace", "ml", "run"]).namespace == ["ml"]
+    assert parse(["run", "--namespace", "ml"]).namespace == ["ml"]
+    assert parse(["--metrics-port", "8081", "run", "-v"]).metrics_port == 8081
+    defaults = parse(["run"])
+    assert defaults.namespace == [] and defaults.metrics_port == 0 and not defaults.verbose
+    assert parse([]).namespace == []
+
+
+def test_the_metrics_listener_binds_the_address_given():
+    from pagefleet_operator.__main__ import get_parser
+
+    parse = get_parser().parse_args
+    assert parse([]).metrics_bind_address == "0.0.0.0"
+    assert parse(["run", "--metrics-bind-address", "127.0.0.1"]).metrics_bind_address == (
+        "127.0.0.1"
+    )

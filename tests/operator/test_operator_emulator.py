@@ -62,6 +62,18 @@ def _pointer(obj, path: str):
     return obj
 
 
+def _scale_view(live: dict) -> dict:
+    """The autoscaling/v1 Scale kube-apiserver serves for a custom resource: its
+    `spec.replicas` is omitempty, so a zero is absent (`"spec": {}`), not written out."""
+    replicas = (live.get("spec") or {}).get("replicas")
+    return {
+        "apiVersion": "autoscaling/v1",
+        "kind": "Scale",
+        "metadata": live.get("metadata", {}),
+        "spec": {"replicas": replicas} if replicas else {},
+    }
+
+
 class ApiServerEmulator(kmock.KubernetesEmulator):
     """kmock's emulator plus the bookkeeping a real API server does on every write."""
 
@@ -170,6 +182,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 # APIUnprocessableEntityError and retries on the next cycle); the emulator
                 # alone would answer 500.
                 live = self.objects[key].raw
+                if request.subresource == "scale":
+                    live = _scale_view(live)
                 for op in data:
                     if op.get("op") == "test" and _pointer(live, op["path"]) != op.get("value"):
                         raise kmock.KubernetesError(
@@ -610,7 +624,8 @@ async def test_router_objects_against_the_api_emulator(kmock, operator):
 
 
 async def test_the_routers_wake_against_the_api_emulator(kmock, tmp_path, caplog):
-    """The router's wake from zero through the scale subresource, only from zero."""
+    """The router's wake from zero through the scale subresource, only from zero, with no
+    operator running (nothing else raises it), against a scale whose zero is omitted."""
     import kubernetes
     from pagefleet_operator.kube import Kube
     from pagefleet_router.wake import ScaleSubresourceWaker
@@ -621,15 +636,45 @@ async def test_the_routers_wake_against_the_api_emulator(kmock, tmp_path, caplog
         spec = {"model": {"uri": "builtin://smollm2-135m"}, "replicas": 0}
         await Client(session).call("POST", isvc_path(), make_isvc("sleepy", spec))
 
+    caplog.set_level("INFO", logger="pagefleet_router.wake")
     waker = ScaleSubresourceWaker(kube, "ml", "sleepy")
     await waker.wake()
     assert stored(kmock, ISVC, "sleepy")["spec"]["replicas"] == 1
+    assert "raised ml/sleepy from 0 to 1 replica" in caplog.text
     # Raised by someone else meanwhile (say to 3): a wake leaves it alone (the 422 of
     # the failed test is expected, not an error).
     await asyncio.to_thread(kube.scale, "ml", "sleepy", 3)  # off the emulator's loop
     await waker.wake()
     assert stored(kmock, ISVC, "sleepy")["spec"]["replicas"] == 3
+    assert "not raising ml/sleepy: already at 3 replicas" in caplog.text
     assert "failed" not in caplog.text
+
+
+async def test_a_stale_wake_leaves_the_service_alone(kmock, tmp_path):
+    """A wake patch read at zero but sent after someone raised the service fails its
+    resourceVersion test (422) on the scale subresource, whose zero is omitted."""
+    import kubernetes
+    from pagefleet_operator.kube import Kube, KubeError, get_path
+    from pagefleet_router.wake import wake_patch
+
+    declare_resources(kmock)
+    kube = Kube(kubernetes.config.new_client_from_config(write_kubeconfig(kmock, tmp_path)))
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
+        spec = {"model": {"uri": "builtin://smollm2-135m"}, "replicas": 0}
+        await Client(session).call("POST", isvc_path(), make_isvc("sleepy", spec))
+    read_at_zero = stored(kmock, ISVC, "sleepy")["metadata"]["resourceVersion"]
+    await asyncio.to_thread(kube.scale, "ml", "sleepy", 3)
+    path = get_path("InferenceService", "ml", "sleepy", "scale")
+    with pytest.raises(KubeError) as failed:
+        await asyncio.to_thread(
+            kube.request,
+            "PATCH",
+            path,
+            wake_patch(read_at_zero),
+            content_type="application/json-patch+json",
+        )
+    assert failed.value.status == 422
+    assert stored(kmock, ISVC, "sleepy")["spec"]["replicas"] == 3
 
 
 def endpoint_slice(name: str, service: str, *addresses: str, ready: bool = True) -> dict:

@@ -4,7 +4,9 @@ merges patches and counts writes the way the server would."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
 import itertools
 import logging
 
@@ -188,6 +190,18 @@ def test_unsatisfiable_spec_is_degraded_not_a_crash(spec, reason, words):
     assert not run(kube).new_problem
 
 
+def test_a_missing_cache_pvc_says_what_the_deployment_waits_for():
+    """Not `Progressing=True Creating` while nothing is created."""
+    kube = FakeKube(make_body({**BUILTIN, "modelCache": {"pvcName": "cache"}}))
+    run(kube)
+    progressing = condition(kube, "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "PVCNotFound")
+    assert progressing["message"] == (
+        "the Deployment is not created until this is fixed: spec.modelCache.pvcName: "
+        "PersistentVolumeClaim 'cache' does not exist in 'ml'"
+    )
+
+
 def test_problem_clears_when_the_pvc_appears():
     kube = FakeKube(make_body({"model": {"uri": "pvc://weights/llama"}}))
     run(kube)
@@ -237,6 +251,71 @@ def test_autoscale_once_ignores_disabled_and_invalid():
     kube = FakeKube(make_body({"model": {}}))
     assert autoscale_once(kube, kube.body(), default_image=DEFAULT_IMAGE, scrape=list) is None
     assert kube.writes == []
+
+
+def test_the_autoscaler_leaves_alone_a_service_the_reconciler_marks_degraded(monkeypatch, warnings):
+    """With --allowed-image-prefix set, an image outside it makes the spec invalid: the
+    reconciler marks the service Degraded, and the autoscaler, parsing with the same
+    options, neither runs for it nor scales it (it used to, reading the spec without
+    the operator's options)."""
+    spec = {
+        **BUILTIN,
+        "replicas": 2,
+        "engine": {"image": "elsewhere.example/pagefleet:evil"},
+        "autoscaling": {"enabled": True, "maxReplicas": 6, "intervalSeconds": 30},
+    }
+    kube = FakeKube(make_body(spec))
+    config = OperatorConfig(
+        default_image=DEFAULT_IMAGE, allowed_image_prefixes=("registry.local/",)
+    )
+    memo = kopf.Memo(kube=kube, config=config, metrics=OperatorMetrics())
+    handlers.reconcile_service(body=kube.body(), memo=memo, logger=logging.getLogger())
+    assert condition(kube, "Degraded")["reason"] == "InvalidSpec"
+    assert "allowed prefix" in condition(kube, "Degraded")["message"]
+    assert [reason for reason, _ in warnings] == ["InvalidSpec"]
+    writes = list(kube.writes)
+
+    busy = [PodSample("a", True, 0.95, 10), PodSample("b", True, 0.95, 10)]
+    # The round as the operator runs it, the pods' metrics aside.
+    busy_round = functools.partial(autoscale_once, scrape=lambda _: busy)
+    monkeypatch.setattr(handlers, "autoscale_once", busy_round)
+    assert handlers._autoscale_round(kube.body(), memo) is None
+    assert not handlers._autoscaling_enabled(body=kube.body(), memo=memo)
+    options = config.spec_options()
+    assert autoscale_once(kube, kube.body(), scrape=lambda _: busy, **options) is None
+    assert kube.body()["spec"]["replicas"] == 2
+    assert kube.writes == writes  # no scale, no autoscaler status
+
+    # Inside the allowed prefix the same service is scaled, every intervalSeconds.
+    kube.put("InferenceService", make_body({**spec, "engine": {"image": "registry.local/p:1"}}))
+    assert handlers._autoscaling_enabled(body=kube.body(), memo=memo)
+    decision = autoscale_once(kube, kube.body(), scrape=lambda _: busy, **options)
+    assert decision.replicas == 4 and kube.body()["spec"]["replicas"] == 4
+
+
+def test_the_autoscaler_waits_the_parsed_interval(monkeypatch):
+    """The daemon's wait between rounds is the parsed spec's intervalSeconds, and the
+    default (15 s, the CRD's) when the spec leaves it out."""
+    waits = []
+
+    class Stopped:
+        def __bool__(self):
+            return len(waits) >= 1
+
+        async def wait(self, seconds):
+            waits.append(seconds)
+
+    monkeypatch.setattr(handlers, "_autoscale_round", lambda body, memo: None)
+    cases = (({"enabled": True, "intervalSeconds": 42}, 42), ({"enabled": True}, 15))
+    for autoscaling, expected in cases:
+        waits.clear()
+        kube = FakeKube(make_body({**BUILTIN, "autoscaling": autoscaling}))
+        asyncio.run(
+            handlers.autoscaler(
+                stopped=Stopped(), body=kube.body(), memo=memo_of(kube), logger=logging.getLogger()
+            )
+        )
+        assert waits == [expected]
 
 
 def test_autoscale_rounds_remember_recommendations_through_the_status():
