@@ -10,7 +10,8 @@ whose SDPA flash kernel tiles the queries: the C++ kernel walks each query token
 on its own and measured 3-10x slower there (512 queries over 2048 keys, 256 over 256),
 while for decode it reads each K/V row once where the torch backend copies it first.
 
-Its `layer_ops` are the C++ ones of `cpu_layer_ops`.
+The C++ backend's layer ops and matmuls are those of `cpu_layer_ops` (see
+`backend.cpu_backend`).
 
 The kernel is compiled on first use (`pagefleet_kernels.cpu_build`: a C++ compiler is
 needed, the build is cached). `available()` says whether it could be built; the engine
@@ -22,13 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet_kernels import cpu_layer_ops as layer_ops
-from pagefleet_kernels import torch_attention
+from pagefleet_kernels import cpu_layer_ops, torch_attention
 from pagefleet_kernels.backend import AttentionMetadata
 from pagefleet_kernels.cpu_build import load_extension
 from pagefleet_kernels.torch_attention import _check_scales
 
-__all__ = ["available", "layer_ops", "paged_attention", "prepare", "write_kv_cache"]
+__all__ = ["available", "paged_attention", "prepare", "write_kv_cache"]
 
 
 def _extension():
@@ -187,5 +187,8 @@ if __name__ == "__main__":
     # `python -m pagefleet_kernels.cpu_attention`: compile (or find) the kernel ahead of
     # the first engine start. Without a compiler the engine uses torch, so this never fails.
     logging.basicConfig(level=logging.INFO)
-    for name, built in (("attention kernel", available()), ("layer ops", layer_ops.available())):
+    for name, built in (
+        ("attention kernel", available()),
+        ("layer ops", cpu_layer_ops.available()),
+    ):
         print(f"CPU {name}: {'built' if built else 'unavailable, torch fallback'}")

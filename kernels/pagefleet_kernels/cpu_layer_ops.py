@@ -121,8 +121,8 @@ def quantize_activations_int8(x, group_size: int = 32):
 
 def linear(x, weight):
     """x (M, K) times the transpose of a float32 weight (N, K) as it lies, for a few rows
-    (weight-bandwidth-bound: see the model's `Linear`); None when the extension cannot take
-    them (the caller then multiplies another way)."""
+    (weight-bandwidth-bound: see `pagefleet_serve.model.linear.PrepackedLinear`); None when
+    the extension cannot take them (the caller then multiplies another way)."""
     ext = _native(x)
     if ext is None or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return None

@@ -21,15 +21,20 @@ SCALE_DTYPE = torch.float32
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
+# The element type of each quantized `kv_cache_dtype` setting ("auto" is the model's own).
+# The settings are named in pagefleet_serve.config.KV_CACHE_DTYPES, which the kernels, a
+# layer below the serving package, do not import: tests/kernels checks the two agree.
+QUANTIZED_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's element type for a `kv_cache_dtype` setting (auto: the model's dtype)."""
     if name == "auto":
         return model_dtype
-    if name == "fp8":
-        return torch.float8_e4m3fn
-    if name == "int8":
-        return torch.int8
-    raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'int8', got {name!r}")
+    if name in QUANTIZED_KV_CACHE_DTYPES:
+        return QUANTIZED_KV_CACHE_DTYPES[name]
+    allowed = ", ".join(repr(n) for n in ("auto", *QUANTIZED_KV_CACHE_DTYPES))
+    raise ValueError(f"kv_cache_dtype must be one of {allowed}, got {name!r}")
 
 
 def is_quantized(cache_dtype: torch.dtype) -> bool:

@@ -3,8 +3,8 @@ and the implementation on every device without a native one. `cpu_layer_ops` com
 same in one C++ pass each, `triton_layer_ops` in one Triton kernel each (the same bits, the
 norm's reduction order and the activations' exponential aside).
 
-The model takes these from its attention backend (`backend.layer_ops`), so the torch
-backend stays pure PyTorch end to end.
+They are the torch backend's layer ops (`backend.torch_backend`), so that backend stays
+pure PyTorch end to end.
 """
 
 import torch

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# The layer ops the model runs with this backend: eager PyTorch.
-from pagefleet_kernels import layer_ops as layer_ops
 from pagefleet_kernels.backend import AttentionMetadata
 from pagefleet_kernels.kv_cache import QMAX, SCALE_DTYPE, is_quantized
 

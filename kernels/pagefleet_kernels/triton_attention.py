@@ -17,8 +17,9 @@ picks either as its attention backend and nothing else differs.
   Quantized tiles are dequantized on the fly: the K scale multiplies the score columns, the
   V scale the probability columns, never the K/V tiles themselves.
 
-`layer_ops` (the norms, rotary embedding and MLP activation around the attention) are
-`triton_layer_ops`: one kernel launch each instead of eager PyTorch's several.
+The Triton backend's layer ops (the norms, rotary embedding and MLP activation around the
+attention) are `triton_layer_ops`: one kernel launch each instead of eager PyTorch's several
+(see `backend.triton_backend`).
 """
 
 import os
@@ -27,12 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-# The layer ops the model runs with this backend: one Triton kernel each.
-from pagefleet_kernels import triton_layer_ops as layer_ops
 from pagefleet_kernels.kv_cache import QMAX, SCALE_DTYPE, is_quantized
 from pagefleet_kernels.torch_attention import MIN_AMAX
 
-__all__ = ["SEGMENT_COUNTS", "layer_ops", "paged_attention", "prepare", "write_kv_cache"]
+__all__ = ["SEGMENT_COUNTS", "paged_attention", "prepare", "write_kv_cache"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SEGMENTS = 16

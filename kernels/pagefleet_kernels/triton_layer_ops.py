@@ -23,10 +23,7 @@ import triton.language as tl
 
 from pagefleet_kernels import layer_ops
 
-__all__ = ["act_and_mul", "add_rms_norm", "dequantize_int4", "rms_norm", "rope"]
-
-# 4-bit weights are dequantized for large batches only, once per matmul: not worth a kernel.
-dequantize_int4 = layer_ops.dequantize_int4
+__all__ = ["act_and_mul", "add_rms_norm", "rms_norm", "rope"]
 
 # The interpreter is chosen when `triton.jit` decorates the kernels, at import: it runs them
 # on CPU tensors, compiled kernels need CUDA ones. (The ahead-of-time compile test records

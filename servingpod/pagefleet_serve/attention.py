@@ -1,22 +1,25 @@
-"""Choose the attention implementation; the rest of the engine is the same on every backend.
+"""Choose the kernel backend; the rest of the engine is the same on every backend.
 
-A backend follows `pagefleet_kernels.backend.AttentionBackend`: `torch` is
-`pagefleet_kernels.torch_attention`, `cpu` its C++ decode kernel
-(`pagefleet_kernels.cpu_attention`), `triton` the kernels of
-`pagefleet_kernels.triton_attention`. `auto` takes Triton on CUDA and the C++ kernel on the
-CPU when a compiler could build it (it measured 1.6x faster than torch for float32 decode at
-batch 64, 5x with an int8 cache), torch otherwise.
+`--attention-backend` (vLLM's name for the flag) names a whole `pagefleet_kernels.backend.
+KernelBackend`, not only its attention: `torch` (PyTorch end to end), `cpu` (the C++
+decode attention, layer ops, few-row and 4-bit/Q8_0 matmuls and fused decoder layer of
+`cpu_attention` / `cpu_layer_ops`), `triton` (the Triton attention and layer ops). `auto`
+takes Triton on CUDA and the C++ kernels on the CPU when a compiler could build them (the
+attention measured 1.6x faster than torch for float32 decode at batch 64, 5x with an int8
+cache), torch otherwise.
 """
 
 import os
 
 import torch
+from pagefleet_kernels.backend import KernelBackend, cpu_backend, torch_backend, triton_backend
 
 from pagefleet_serve.config import ATTENTION_BACKENDS
 
 
-def get_attention_backend(name: str, device: torch.device):
-    """The backend module; every backend implements sliding windows and soft-capping."""
+def get_kernel_backend(name: str, device: torch.device) -> KernelBackend:
+    """The backend `name` (one of ATTENTION_BACKENDS) on `device`; every backend implements
+    sliding windows and soft-capping."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
         if device.type == "cpu":
@@ -24,9 +27,7 @@ def get_attention_backend(name: str, device: torch.device):
 
             name = "cpu" if cpu_attention.available() else "torch"
     if name == "torch":
-        from pagefleet_kernels import torch_attention
-
-        return torch_attention
+        return torch_backend()
     if name == "cpu":
         from pagefleet_kernels import cpu_attention
 
@@ -35,7 +36,7 @@ def get_attention_backend(name: str, device: torch.device):
                 f"attention_backend 'cpu' needs the CPU device and a C++ compiler to build its "
                 f"kernel (device {device}); use 'torch'"
             )
-        return cpu_attention
+        return cpu_backend()
     if name == "triton":
         # The interpreter runs the same kernels on CPU tensors (slowly): for tests.
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -43,7 +44,5 @@ def get_attention_backend(name: str, device: torch.device):
                 f"attention_backend 'triton' needs a CUDA device, got {device}; use 'torch' "
                 f"(or set TRITON_INTERPRET=1 to run the kernels in the Triton interpreter)"
             )
-        from pagefleet_kernels import triton_attention
-
-        return triton_attention
+        return triton_backend()
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")

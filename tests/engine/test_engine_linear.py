@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pagefleet_kernels import cpu_layer_ops
-from pagefleet_serve.model.llama import FEW_ROWS_NATIVE, Linear, can_prepack
+from pagefleet_kernels.backend import cpu_backend, torch_backend
+from pagefleet_serve.model.linear import (
+    FEW_ROWS_NATIVE,
+    Linear,
+    PrepackedLinear,
+    can_prepack,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN"
@@ -25,8 +31,8 @@ def test_prepacked_linear_equals_f_linear(dtype, rows, bias):
     weight = linear.weight.detach().clone()
     bias_value = None if linear.bias is None else linear.bias.detach().clone()
     x = torch.randn(rows, 1000, dtype=dtype)[:, :576]  # rows 1000 apart: not contiguous
-    linear.prepack()
-    assert linear.weight.numel() == 0  # the unpacked copy is released
+    linear = PrepackedLinear(linear, torch_backend())
+    assert linear.weight is None  # the unpacked copy is released
     got = linear(x)
     expected = F.linear(x, weight, bias_value)
     assert got.shape == (rows, 960)
@@ -46,7 +52,7 @@ def test_few_float32_rows_go_to_the_backends_kernel_and_more_to_onednn(bias):
     linear = Linear(576, 960, bias=bias)
     weight = linear.weight.detach().clone()
     bias_value = None if linear.bias is None else linear.bias.detach().clone()
-    linear.prepack(cpu_layer_ops)
+    linear = PrepackedLinear(linear, cpu_backend())
     assert linear.packed_weight is not None and torch.equal(linear.weight, weight)
     for rows in (1, 3, FEW_ROWS_NATIVE, FEW_ROWS_NATIVE + 1, 64):
         x = torch.randn(rows, 1000)[:, :576]
@@ -57,9 +63,8 @@ def test_few_float32_rows_go_to_the_backends_kernel_and_more_to_onednn(bias):
         assert torch.equal(got, native) == (rows <= FEW_ROWS_NATIVE)
     # bfloat16 weights are not kept twice: the kernel takes float32 only.
     if can_prepack(torch.bfloat16):
-        half = Linear(64, 32).to(torch.bfloat16)
-        half.prepack(cpu_layer_ops)
-        assert half.weight.numel() == 0 and half.few_rows is None
+        half = PrepackedLinear(Linear(64, 32).to(torch.bfloat16), cpu_backend())
+        assert half.weight is None and half.few_rows is None
 
 
 def test_engine_prepacks_every_linear_layer(make_llm):
@@ -71,11 +76,11 @@ def test_engine_prepacks_every_linear_layer(make_llm):
     for layer in model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            assert linear.packed_weight is not None
-    assert model.lm_head.packed_weight is not None
+            assert isinstance(linear, PrepackedLinear) and linear.packed_weight is not None
+    assert isinstance(model.lm_head, PrepackedLinear) and model.lm_head.packed_weight is not None
     assert model.embed_tokens.weight.shape == (model.config.vocab_size, model.config.hidden_size)
     compiled = make_llm(enforce_eager=False, **small).engine.runner.model
-    assert all(m.packed_weight is None for m in compiled.modules() if isinstance(m, Linear))
+    assert not any(isinstance(m, PrepackedLinear) for m in compiled.modules())
 
 
 def test_bfloat16_weights_are_packed_only_where_onednn_takes_them(make_llm):
@@ -84,5 +89,6 @@ def test_bfloat16_weights_are_packed_only_where_onednn_takes_them(make_llm):
     model = make_llm(
         dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 << 20
     ).engine.runner.model
-    packed = [m.packed_weight is not None for m in model.modules() if type(m) is Linear]
+    linears = [m for m in model.modules() if isinstance(m, (Linear, PrepackedLinear))]
+    packed = [isinstance(m, PrepackedLinear) for m in linears]
     assert packed and all(p == can_prepack(torch.bfloat16) for p in packed)

@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 import torch
 from pagefleet_kernels import cpu_layer_ops, layer_ops
+from pagefleet_kernels.backend import cpu_backend, torch_backend
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.config import EngineConfig
-from pagefleet_serve.model.llama import LlamaForCausalLM
-from pagefleet_serve.model.loader import builtin_gguf_path, load_model
-from pagefleet_serve.model.quant import (
+from pagefleet_serve.model.linear import (
     DEQUANTIZE_ROWS,
     DEQUANTIZE_ROWS_FLOAT32,
     QuantizedLinear,
-    from_gguf,
-    quantize_int8,
+    quantized_linear,
 )
+from pagefleet_serve.model.llama import LlamaForCausalLM
+from pagefleet_serve.model.loader import builtin_gguf_path, load_model
+from pagefleet_serve.model.quant import from_gguf, quantize_int8
 
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -55,7 +56,7 @@ def test_quantized_matmul_equals_dequantize_then_matmul(type_name, rows, ops):
     bias = torch.randn(192)
     x = torch.randn(rows, 576)
     expected = x @ weight.dequantize().T + bias
-    actual = QuantizedLinear(weight, bias, cpu_layer_ops if ops == "cpu" else layer_ops)(x)
+    actual = quantized_linear(weight, bias, cpu_backend() if ops == "cpu" else torch_backend())(x)
     assert actual.shape == (rows, 192)
     assert relative_error(actual, expected) < 1e-5
 
@@ -66,7 +67,7 @@ def test_wide_batches_multiply_the_dequantized_matrix(type_name):
     matmul: the nibbles and scales it keeps for that give the GGUF's weights exactly, and a
     wide batch gets what the same rows get a few at a time through the int4 kernel."""
     weight = from_gguf(gguf_blocks(type_name, 192, 576), type_name)
-    layer = QuantizedLinear(weight)
+    layer = quantized_linear(weight, None, torch_backend())
     torch.testing.assert_close(layer.dequantized(), weight.dequantize(), atol=0, rtol=0)
     x = torch.randn(DEQUANTIZE_ROWS, 576)
     few_at_a_time = torch.cat([layer(x[i : i + 8]) for i in range(0, DEQUANTIZE_ROWS, 8)])
@@ -85,7 +86,7 @@ def test_int8_activations_multiply_the_rounded_rows_at_every_batch_size(type_nam
         pytest.skip("no C++ compiler here")
     weight = from_gguf(gguf_blocks(type_name, 192, 576), type_name)
     bias = torch.randn(192)
-    layer = QuantizedLinear(weight, bias, cpu_layer_ops if ops == "cpu" else layer_ops)
+    layer = quantized_linear(weight, bias, cpu_backend() if ops == "cpu" else torch_backend())
     layer(torch.randn(2, 576))  # a product before, then int8 activations from here on
     layer.round_activations_to_int8()
     x = torch.randn(20, 576) * torch.linspace(0.1, 10, 576)  # groups of different scales
@@ -135,7 +136,8 @@ def test_real_q4_1_and_q8_0_tensors_of_the_builtin_model():
         expected = torch.from_numpy(gguf.quants.dequantize(data, tensor.tensor_type))
         weight = from_gguf(data, tensor.tensor_type.name)
         torch.testing.assert_close(weight.dequantize(), expected, atol=0, rtol=0)
-        assert relative_error(QuantizedLinear(weight)(x), x @ expected.T) < 1e-5
+        layer = quantized_linear(weight, None, torch_backend())
+        assert relative_error(layer(x), x @ expected.T) < 1e-5
 
 
 def test_int8_weight_only_matmul_and_its_rounding_error():
@@ -145,7 +147,8 @@ def test_int8_weight_only_matmul_and_its_rounding_error():
     # Round to nearest: at most half a step per weight.
     assert ((quantized.dequantize() - weight).abs() <= quantized.scale / 2 + 1e-7).all()
     x = torch.randn(3, 64)
-    assert relative_error(QuantizedLinear(quantized)(x), x @ quantized.dequantize().T) < 1e-5
+    layer = quantized_linear(quantized, None, torch_backend())
+    assert relative_error(layer(x), x @ quantized.dequantize().T) < 1e-5
 
 
 def test_fused_qkv_of_quantized_weights_matches_the_expanded_model():
@@ -232,29 +235,28 @@ def test_the_fused_layers_binding_multiplies_as_the_layer_does(type_name):
     with) gives the layer's own bits, bias included, with and without int8 activations."""
     if not cpu_layer_ops.available():
         pytest.skip("no C++ compiler here")
-    layer = QuantizedLinear(
-        from_gguf(gguf_blocks(type_name, 192, 576), type_name), torch.randn(192), cpu_layer_ops
+    layer = quantized_linear(
+        from_gguf(gguf_blocks(type_name, 192, 576), type_name), torch.randn(192), cpu_backend()
     )
     x = torch.randn(3, 576)
     assert torch.equal(layer.fused_binding()(x), layer(x))
     layer.round_activations_to_int8()
     assert torch.equal(layer.fused_binding()(x), layer(x))
-    torch_ops = QuantizedLinear(from_gguf(gguf_blocks(type_name, 16, 64), type_name), None)
+    weight = from_gguf(gguf_blocks(type_name, 16, 64), type_name)
+    torch_ops = quantized_linear(weight, None, torch_backend())
     assert torch_ops.fused_binding() is None  # the torch ops have no C++ matmul
 
 
 def test_fused_decoder_layers_compute_the_ops_bits():
     """The built-in model's layers with the C++ CPU ops: below DEQUANTIZE_ROWS_FLOAT32 rows
-    each runs its work around attention as two C++ calls (`fused_around_attention`), whose
+    each runs its work around attention as two C++ calls (its `fused.for_rows`), whose
     q, k, v and output are the bits of the ops called one by one, with float32 or int8
     activations; wide batches, bfloat16 and compiled layers go op by op."""
     if not cpu_layer_ops.available():
         pytest.skip("no C++ compiler here")
-    from pagefleet_kernels import cpu_attention
-
     loaded = load_model("builtin://smollm2-135m", torch.float32, "auto")
     with torch.device("meta"):
-        model = LlamaForCausalLM(loaded.config, backend=cpu_attention)
+        model = LlamaForCausalLM(loaded.config, backend=cpu_backend())
     model.load_hf_state_dict(loaded.weights)
     generator = torch.Generator().manual_seed(0)
     for activations in ("float32", "int8"):
@@ -265,7 +267,7 @@ def test_fused_decoder_layers_compute_the_ops_bits():
             cos, sin = torch.randn(2, rows, 64, generator=generator).unbind(0)
             attended = torch.randn(rows, 576, generator=generator)
             for layer in (model.layers[0], model.layers[17]):
-                fused = layer.fused_around_attention(x)
+                fused = layer.fused.for_rows(x)
                 assert fused is not None
                 for got, expected in zip(
                     fused.attention_inputs(x, cos, sin),
@@ -275,7 +277,7 @@ def test_fused_decoder_layers_compute_the_ops_bits():
                     assert got.shape == expected.shape and torch.equal(got, expected)
                 got = fused.attention_outputs(x, attended)
                 assert torch.equal(got, layer.attention_outputs(x, attended))
-    assert model.layers[0].fused_around_attention(torch.randn(DEQUANTIZE_ROWS_FLOAT32, 576)) is None
-    assert model.layers[0].fused_around_attention(torch.randn(1, 576, dtype=torch.bfloat16)) is None
+    assert model.layers[0].fused.for_rows(torch.randn(DEQUANTIZE_ROWS_FLOAT32, 576)) is None
+    assert model.layers[0].fused.for_rows(torch.randn(1, 576, dtype=torch.bfloat16)) is None
     model.layers[1].compile_around_attention()  # compiled: inductor fuses the eager ops instead
-    assert model.layers[1].fused_around_attention(torch.randn(1, 576)) is None
+    assert model.layers[1].fused is None

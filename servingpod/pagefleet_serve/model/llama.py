@@ -7,34 +7,34 @@ sublayers, GeGLU, scaled embeddings, attention and final logit soft-capping) and
 whether the checkpoint already has q/k/v and gate/up fused (Phi-3).
 
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
-sequence; the attention backend uses `AttentionMetadata` to find each token's sequence and
-context; the backend's `layer_ops` (pagefleet_kernels.layer_ops, or their C++ versions with
-the CPU backend, their Triton ones with the Triton backend) do the norms, rotary embedding
-and MLP activation. Weight names follow Hugging Face's LlamaForCausalLM; q/k/v and gate/up
-are fused at load time (one matmul each).
+sequence; the kernel backend (`pagefleet_kernels.backend.KernelBackend`) attends using
+`AttentionMetadata` to find each token's sequence and context, and does the norms, rotary
+embedding and MLP activation with its layer ops. The matmuls are the linear layers of
+`pagefleet_serve.model.linear`, one class per weight format, and a layer's work around its
+attention may run as the backend's fused decoder layer (`pagefleet_serve.model.fused`).
+Weight names follow Hugging Face's LlamaForCausalLM; q/k/v and gate/up are fused at load
+time (one matmul each).
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from pagefleet_kernels import layer_ops
-from pagefleet_kernels.backend import AttentionMetadata
+from pagefleet_kernels.backend import AttentionMetadata, KernelBackend, torch_backend
 from torch import nn
 
-from pagefleet_serve.model.quant import DEQUANTIZE_ROWS_FLOAT32, QuantizedLinear, QuantizedWeight
+from pagefleet_serve.model.fused import FusedAroundAttention, bind_fused_layer
+from pagefleet_serve.model.linear import (
+    Linear,
+    LMHead,
+    prepack_linears,
+    prepare_for_compile,
+    quantized_linear,
+    use_int8_activations,
+)
+from pagefleet_serve.model.quant import QuantizedWeight
 
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
-# Up to this many float32 rows on the CPU, logits are the product with the vocabulary
-# matrix as it lies (see `compute_logits`; measured slower than MKL's GEMM from 12 rows).
-FEW_LOGIT_ROWS = 8
-# The batch size oneDNN is told to expect when a weight is prepacked; any batch runs. 64
-# measured as fast as 1 at one and eight rows and faster from 64 rows up.
-PREPACK_BATCH_HINT = 64
-# Up to this many float32 rows, a prepacked layer multiplies with its weight as it lies
-# through the backend's `linear` (the C++ CPU ops), where it has one (see `Linear`).
-FEW_ROWS_NATIVE = 8
 
 
 @dataclass(frozen=True)
@@ -139,105 +139,31 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) 
     return inv_freq.float()
 
 
-class Linear(nn.Linear):
-    """A linear layer, bias-free unless asked.
-
-    On the CPU, `prepack` reorders the weight once into oneDNN's blocked layout and multiplies
-    with it from then on (`torch.ops.mkldnn._linear_pointwise`, what inductor's CPU freezing
-    uses; vLLM's CPU backend prepacks its oneDNN weights the same way). `F.linear` reorders
-    the weight on every call: the 120 matmuls of a SmolLM2 decode step measured 1.9x / 1.9x
-    / 1.4x / 1.1x faster prepacked at batch 1 / 8 / 64 / 2048 (bfloat16, identical results;
-    float32 1.3-2.0x, within rounding of MKL's). Unpacked, a single bfloat16/float16 row is computed as two rows (a
-    broadcast, no copy): PyTorch sends one row to a matrix-vector routine several times
-    slower than a two-row product.
-
-    A float32 step of a few rows (decode at small batches) is bound by reading the weight,
-    and oneDNN's prepacked matmul read it at 10-12 GB/s on a 2-core AVX2 EPYC that streams
-    about twice that. Where the backend has a `linear` for such rows (the C++ CPU ops), a
-    float32 weight is therefore kept as it lies next to its packed copy, and up to
-    `FEW_ROWS_NATIVE` rows go to that kernel: a SmolLM2 step's 121 matmuls took 1.2-1.6x
-    less time at 1-4 rows and 1.1-1.25x less at 8 (two runs), the same at 16, and more from
-    32 rows on (oneDNN's blocking). The cost is memory: float32 layers held twice (SmolLM2: 425 MB;
-    a tied LM head is the embedding itself)."""
-
-    packed_weight: torch.Tensor | None = None  # oneDNN's layout, once prepacked
-    few_rows = None  # the backend's x @ weight.T for a few float32 rows, once prepacked
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-
-    def prepack(self, ops=None) -> None:
-        """Reorder the weight for oneDNN (CPU only). The module keeps the original only for
-        `ops.linear` (the layer ops of the backend: a float32 weight, when they have one);
-        otherwise its reference is released. A weight another module shares (a tied
-        embedding) lives on there, and the packed one is a copy."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-            self.weight.detach(), PREPACK_BATCH_HINT
-        )
-        few_rows = getattr(ops, "linear", None)
-        if few_rows is not None and self.weight.dtype == torch.float32:
-            self.few_rows = few_rows
-        else:
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            if self.few_rows is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS_NATIVE:
-                y = self.few_rows(x, self.weight)
-                if y is not None:
-                    return y if self.bias is None else y + self.bias
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight, self.bias, "none", [], ""
-            )
-        if x.shape[0] == 1 and x.dtype != torch.float32 and x.device.type == "cpu":
-            return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
-        return F.linear(x, self.weight, self.bias)
-
-
-def can_prepack(dtype: torch.dtype) -> bool:
-    """Whether oneDNN here can prepack (and multiply) weights of `dtype` on the CPU: its
-    bfloat16 and float16 paths need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, and on an
-    AVX2-only CPU `_reorder_linear_weight` refuses them, so those weights stay unpacked."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if dtype == torch.float16:
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return dtype == torch.float32
-
-
-def ops_of(backend):
-    """The layer ops of an attention backend (see pagefleet_kernels.backend); without one
-    (a model built only to load or inspect weights), the eager PyTorch ones."""
-    return getattr(backend, "layer_ops", layer_ops)
-
-
 class RMSNorm(nn.Module):
     """Normalized in float32, then cast back before the weight, as Hugging Face does;
     Gemma's (1 + weight) is applied in float32 (`unit_offset`)."""
 
-    def __init__(self, size: int, eps: float, unit_offset: bool = False, ops=layer_ops) -> None:
+    def __init__(self, size: int, eps: float, unit_offset: bool, backend: KernelBackend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.unit_offset = unit_offset
-        self.ops = ops
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return self.backend.rms_norm(x, self.weight, self.eps, self.unit_offset)
 
     def add(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, the norm of x + h): a residual add and the norm after it, in one op."""
-        return self.ops.add_rms_norm(x, h, self.weight, self.eps, self.unit_offset)
+        return self.backend.add_rms_norm(x, h, self.weight, self.eps, self.unit_offset)
 
 
-def make_norm(config: ModelConfig, size: int, ops=layer_ops) -> RMSNorm:
-    return RMSNorm(size, config.rms_norm_eps, config.norm_unit_offset, ops)
+def make_norm(config: ModelConfig, size: int, backend: KernelBackend) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, config.norm_unit_offset, backend)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend, layer: int) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend, layer: int) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -247,10 +173,9 @@ class LlamaAttention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
-        self.ops = ops_of(backend)
         if config.qk_norm:
-            self.q_norm = make_norm(config, config.head_dim, self.ops)
-            self.k_norm = make_norm(config, config.head_dim, self.ops)
+            self.q_norm = make_norm(config, config.head_dim, backend)
+            self.k_norm = make_norm(config, config.head_dim, backend)
         self.qk_norm = config.qk_norm
         self.sliding_window = config.layer_sliding_window(layer)
         self.softcap = config.attn_logit_softcapping
@@ -265,7 +190,7 @@ class LlamaAttention(nn.Module):
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k side by side: rotated in one pass, then split (views).
-        q, k = self.ops.rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        q, k = self.backend.rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         return q, k, v
 
@@ -294,86 +219,54 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops=layer_ops) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
-        self.ops = ops
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.gelu))
+        return self.down_proj(self.backend.act_and_mul(self.gate_up_proj(x), self.gelu))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend, layer: int) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend, layer: int) -> None:
         super().__init__()
-        ops = ops_of(backend)
-        self.input_layernorm = make_norm(config, config.hidden_size, ops)
+        self.backend = backend
+        self.input_layernorm = make_norm(config, config.hidden_size, backend)
         self.self_attn = LlamaAttention(config, backend, layer)
         # Llama: the norm before the MLP. Gemma 2 (Hugging Face's names): the norm of the
         # attention output, with two more around the MLP.
-        self.post_attention_layernorm = make_norm(config, config.hidden_size, ops)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size, backend)
         self.sandwich_norms = config.sandwich_norms
         if config.sandwich_norms:
-            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, ops)
-            self.post_feedforward_layernorm = make_norm(config, config.hidden_size, ops)
-        self.mlp = LlamaMLP(config, ops)
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, backend)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size, backend)
+        self.mlp = LlamaMLP(config, backend)
 
-    _fused = None  # see fused_around_attention; () where the layer has none
-    _compiled = False
+    # The backend's fused form of the work around attention, bound to this layer's weights
+    # (see pagefleet_serve.model.fused); None: the ops run one by one.
+    fused: FusedAroundAttention | None = None
+    compiled = False
 
     def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
-        around = self.fused_around_attention(x) or self
+        # The fused layer's `attention_inputs` and `attention_outputs` compute what this
+        # layer's do, for the rows it takes.
+        fused = self.fused
+        around = (fused is not None and fused.for_rows(x)) or self
         q, k, v = around.attention_inputs(x, cos, sin)
         return around.attention_outputs(x, self.self_attn.attend(q, k, v, kv_cache, attn))
 
-    def fused_around_attention(self, x: torch.Tensor):
-        """The backend's fused decoder layer (`decoder_layer` of the C++ CPU ops) for these
-        rows, None where the layer's ops run one by one. It has `attention_inputs` and
-        `attention_outputs` as below, computed by the same C++ ops in the same order (the
-        same bits) in two calls instead of about ten, each of which costs 5-10 us from
-        Python on a small CPU. It exists for float32 rows few enough for the quantized
-        layers' own C++ matmuls (see `QuantizedLinear`), when all four matmuls have one."""
-        if x.dtype != torch.float32 or x.shape[0] >= DEQUANTIZE_ROWS_FLOAT32:
-            return None
-        if self._fused is None:
-            self._fused = self._bind_fused() or ()
-        return self._fused or None
-
-    def _bind_fused(self):
-        make = getattr(self.self_attn.ops, "decoder_layer", None)
-        attn, mlp = self.self_attn, self.mlp
-        if make is None or self._compiled or self.sandwich_norms or attn.qk_norm:
-            return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(m, QuantizedLinear) for m in linears):
-            return None
-        bound = [m.fused_binding() for m in linears]
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        if None in bound or any(n.weight.dtype != torch.float32 for n in norms):
-            return None
-        norm = self.input_layernorm
-        return make(
-            norm.weight,
-            self.post_attention_layernorm.weight,
-            norm.eps,
-            norm.unit_offset,
-            *bound,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            mlp.gelu,
-        )
-
-    def unbind_fused(self) -> None:
-        """Bind the fused layer again on its next use: its matmuls changed (new tensors
-        after `.to()`, int8 activations switched on)."""
-        self._fused = None
+    def bind_fused(self) -> None:
+        """Bind the fused layer to the current weights: after loading, and again whenever
+        its matmuls change (new tensors after `.to()`, int8 activations switched on)."""
+        self.fused = bind_fused_layer(self, self.backend)
 
     def _apply(self, fn, recurse=True):
-        self.unbind_fused()
-        return super()._apply(fn, recurse)
+        super()._apply(fn, recurse)
+        self.bind_fused()
+        return self
 
     # The layer around its attention: pure tensor functions, what compile_around_attention
     # compiles.
@@ -392,15 +285,19 @@ class LlamaDecoderLayer(nn.Module):
         """Compile the parts around attention with inductor (each into a few fused
         kernels); attention itself stays eager, it reads per-step metadata. Every layer
         shares the compiled code (the modules' weights are its inputs)."""
+        prepare_for_compile(self)
         self.attention_inputs = torch.compile(self.attention_inputs, dynamic=None)
         self.attention_outputs = torch.compile(self.attention_outputs, dynamic=None)
-        self._compiled, self._fused = True, ()
+        self.compiled, self.fused = True, None
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend | None = None) -> None:
+        """`backend`: the kernels (see pagefleet_serve.attention.get_kernel_backend); None:
+        the torch backend (a model built only to load or inspect weights)."""
         super().__init__()
         self.config = config
+        self.backend = backend = torch_backend() if backend is None else backend
         # Given an (uninitialised) weight, Embedding skips its normal_ init, which on the meta
         # device imports torch._dynamo (~3 s of start-up); the checkpoint replaces it anyway.
         self.embed_tokens = nn.Embedding(
@@ -411,9 +308,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, backend, i) for i in range(config.num_layers)]
         )
-        self.ops = ops_of(backend)  # the backend's layer ops (also for quantized layers)
-        self.norm = make_norm(config, config.hidden_size, self.ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.norm = make_norm(config, config.hidden_size, backend)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._set_rope_frequencies(torch.device("cpu"))
@@ -453,37 +349,32 @@ class LlamaForCausalLM(nn.Module):
         if self.config.local_rope_theta is not None:
             local_rope = self._rope(positions, self.inv_freq_local, x.dtype)
         windows = {layer.self_attn.sliding_window for layer in self.layers}
-        self.layers[0].self_attn.backend.prepare(attn, kv_caches[0].key.shape[1], windows)
+        self.backend.prepare(attn, kv_caches[0].key.shape[1], windows)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             cos, sin = local_rope if layer.self_attn.sliding_window else rope
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
 
     def prepack_linears(self) -> int:
-        """Prepack every float linear layer for oneDNN on the CPU (see `Linear`); how many
-        were packed. A tied LM head is packed as a copy, the embedding keeping its rows for
-        lookups: SmolLM2 holds 56 MB more in bfloat16, and its batch-1 logits take 1.9 ms
-        instead of 4.1."""
-        linears = [m for m in self.modules() if type(m) is Linear]
-        for linear in linears:
-            linear.prepack(self.ops)
-        return len(linears)
+        """Prepack every float linear layer for oneDNN on the CPU (see
+        `linear.PrepackedLinear`); how many were packed. A tied LM head is packed as a copy,
+        the embedding keeping its rows for lookups: SmolLM2 holds 56 MB more in bfloat16,
+        and its batch-1 logits take 1.9 ms instead of 4.1."""
+        return prepack_linears(self, self.backend)
 
     def use_int8_activations(self) -> int:
         """Round the activations of every 4-bit matmul to int8 per 32 inputs (see
-        `QuantizedLinear`); how many layers that is. A model without 4-bit weights is
+        `linear.Int4Linear`); how many layers that is. A model without 4-bit weights is
         refused: the setting would change nothing."""
-        layers = [m for m in self.modules() if isinstance(m, QuantizedLinear) and m.num_int4_parts]
-        if not layers:
+        count = use_int8_activations(self)
+        if not count:
             raise ValueError(
                 "activation_quantization 'int8' applies to 4-bit weights, and this model has "
                 "none kept 4-bit: use quantization 'auto' with a Q4_0/Q4_1/Q8_0 GGUF"
             )
-        for layer in layers:
-            layer.round_activations_to_int8()
         for layer in self.layers:
-            layer.unbind_fused()
-        return len(layers)
+            layer.bind_fused()
+        return count
 
     def compile_around_attention(self) -> None:
         """torch.compile every layer's work before and after its attention (see
@@ -520,18 +411,7 @@ class LlamaForCausalLM(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head, rows = self.lm_head, hidden.shape[0]
-        few = 1 < rows <= FEW_LOGIT_ROWS and hidden.dtype == torch.float32
-        plain = type(head) is Linear and head.bias is None and head.packed_weight is None
-        if few and hidden.device.type == "cpu" and plain:
-            # MKL's float32 GEMM packs the (transposed) weight on every call: for a few rows
-            # of the vocabulary matrix, far larger than the caches, that doubles the memory
-            # traffic (5 rows of SmolLM2's 49152 x 576: 23-26 ms vs 13-15 ms for the
-            # product with the weight as it lies, one row 14 ms either way). Speculative
-            # verification scores 1 + k rows of each sequence.
-            logits = (head.weight @ hidden.T).T
-        else:
-            logits = head(hidden).float()
+        logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -539,8 +419,8 @@ class LlamaForCausalLM(nn.Module):
         """Load Hugging Face LlamaForCausalLM names (`model.` prefix optional), fusing
         q/k/v (weights and biases) and gate/up where they come apart (the loader fuses them
         as it streams, Phi-3 checkpoints come fused). A matrix given as a QuantizedWeight turns
-        its layer into a QuantizedLinear (the embedding table is expanded: a lookup reads
-        a few rows, not the whole table)."""
+        its layer into the quantized layer of its format (`linear.quantized_linear`; the
+        embedding table is expanded: a lookup reads a few rows, not the whole table)."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
         weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
         for i in range(self.config.num_layers):
@@ -569,13 +449,16 @@ class LlamaForCausalLM(nn.Module):
                 f"weights do not fit the model's configuration: missing {sorted(missing)[:5]}, "
                 f"unexpected {sorted(unexpected)[:5]}"
             )
+        for layer in self.layers:
+            layer.bind_fused()
 
     def _quantize_layer(self, path: str, weight: QuantizedWeight, weights: dict) -> None:
-        """Swap the Linear at `path` for a QuantizedLinear of `weight` (and its bias)."""
-        parent_path, _, attr = path.rpartition(".")
-        parent = self.get_submodule(parent_path) if parent_path else self
+        """Swap the Linear at `path` for the quantized layer of `weight` (and its bias)."""
+        parent, _, attr = path.rpartition(".")
         bias = weights.pop(path + ".bias", None)
-        setattr(parent, attr, QuantizedLinear(weight, bias, self.ops))
+        self.get_submodule(parent).register_module(
+            attr, quantized_linear(weight, bias, self.backend)
+        )
 
 
 def _cat_rows(parts: list) -> torch.Tensor | QuantizedWeight:
