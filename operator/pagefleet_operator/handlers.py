@@ -19,14 +19,14 @@ from .config import OperatorConfig
 from .kube import Kube, KubeError, load_api_client
 from .names import MANAGED_BY
 from .reconcile import Outcome, reconcile
-from .scaler import autoscale_once
+from .scaler import autoscale_once, autoscaled_spec
+from .spec import AutoscalingSpec
 from .telemetry import OperatorMetrics
 from .tracing import maybe_span
 
 RETRY_DELAY_SECONDS = 10
 # Periodic re-reconcile: puts back manual drift and notices e.g. a PVC created later.
 RESYNC_SECONDS = 60
-DEFAULT_INTERVAL_SECONDS = 15
 CRD_POLL_SECONDS = 5
 MANAGED_DEPLOYMENTS = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 
@@ -152,8 +152,10 @@ def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     _reconcile(parent, memo, logger)
 
 
-def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
-    return bool((spec.get("autoscaling") or {}).get("enabled"))
+def _autoscaling_enabled(body: kopf.Body, memo: kopf.Memo, **_: Any) -> bool:
+    """Whether the autoscaler runs for this resource: autoscaling is on in the spec as the
+    reconciler parses it (a spec it rejects, Degraded, is not scaled)."""
+    return autoscaled_spec(body, **memo["config"].spec_options()) is not None
 
 
 # A daemon rather than a timer: each resource has its own intervalSeconds, and a kopf
@@ -163,7 +165,7 @@ def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
 # resources on, no reconcile handler would get a thread again.
 def _autoscale_round(body: Any, memo: kopf.Memo) -> Decision | None:
     with maybe_span(memo.get("tracer"), "autoscale", _resource_attributes(body)) as span:
-        decision = autoscale_once(memo["kube"], body, default_image=memo["config"].default_image)
+        decision = autoscale_once(memo["kube"], body, **memo["config"].spec_options())
         if span is not None and decision is not None:
             span.set_attributes(
                 {
@@ -199,5 +201,6 @@ async def autoscaler(
                 )
             if decision is not None and decision.scaled:
                 kopf.event(body, type="Normal", reason="Scaled", message=decision.reason)
-        interval = (body.get("spec", {}).get("autoscaling") or {}).get("intervalSeconds")
-        await stopped.wait(interval or DEFAULT_INTERVAL_SECONDS)
+        spec = autoscaled_spec(body, **memo["config"].spec_options())
+        autoscaling = spec.autoscaling if spec is not None else AutoscalingSpec()
+        await stopped.wait(autoscaling.interval_seconds)

@@ -11,14 +11,16 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pagefleet_serve.metric_names import (
+    KV_CACHE_USAGE_PERC,
+    NUM_REQUESTS_WAITING,
+    ROUTER_HELD_REQUESTS,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from .autoscale import PodSample
 from .names import HTTP_PORT, HTTP_PORT_NAME
 
-KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
-NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
-HELD_REQUESTS = "pagefleet:router_held_requests"
 SCRAPE_TIMEOUT_SECONDS = 2.0
 # A serving pod's whole /metrics is a few tens of KiB; anything far larger is not one.
 MAX_METRICS_BYTES = 2 * 1024 * 1024
@@ -42,13 +44,13 @@ def parse_metrics(text: str) -> tuple[float, float]:
     seen_waiting = False
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == KV_CACHE_USAGE:
+            if sample.name == KV_CACHE_USAGE_PERC:
                 kv_values.append(sample.value)
             elif sample.name == NUM_REQUESTS_WAITING:
                 waiting += sample.value
                 seen_waiting = True
     if not kv_values or not seen_waiting:
-        raise MetricsError(f"missing {KV_CACHE_USAGE} or {NUM_REQUESTS_WAITING}")
+        raise MetricsError(f"missing {KV_CACHE_USAGE_PERC} or {NUM_REQUESTS_WAITING}")
     return max(kv_values), waiting
 
 
@@ -121,9 +123,9 @@ def parse_held_requests(text: str) -> int:
     """The router's held-requests gauge from its Prometheus text."""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == HELD_REQUESTS:
+            if sample.name == ROUTER_HELD_REQUESTS:
                 return round(sample.value)
-    raise MetricsError(f"missing {HELD_REQUESTS}")
+    raise MetricsError(f"missing {ROUTER_HELD_REQUESTS}")
 
 
 def scrape_router_pod(pod: Mapping[str, Any]) -> int:

@@ -79,11 +79,15 @@ def _current_degraded_message(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _parse(
-    body: Mapping[str, Any], **defaults: Any
+def parse_resource(
+    body: Mapping[str, Any], **spec_options: Any
 ) -> tuple[InferenceServiceSpec | None, Problem | None]:
+    """The resource's spec as the operator reads it, or (None, the problem) when it is
+    rejected: a bad spec, or a name the objects cannot carry. The reconciler reports the
+    problem as Degraded; the autoscaler parses through this too, with the same
+    `spec_options` (OperatorConfig.spec_options), and leaves a rejected service alone."""
     try:
-        spec = parse_spec(body.get("spec") or {}, **defaults)
+        spec = parse_spec(body.get("spec") or {}, **spec_options)
     except SpecError as exc:
         spec, problem = None, Problem("InvalidSpec", str(exc))
     else:
@@ -136,7 +140,7 @@ def reconcile(
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     the_plan, changes = Plan(), []
-    spec, problem = _parse(body, **spec_options)
+    spec, problem = parse_resource(body, **spec_options)
     if spec is not None:
         problem = find_missing_claims(kube, namespace, spec)
     desired = None

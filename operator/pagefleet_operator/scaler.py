@@ -12,8 +12,9 @@ from .kube import Kube
 from .metrics import scrape_held_requests, scrape_pods
 from .names import get_selector_labels
 from .plan import is_owned_by
+from .reconcile import parse_resource
 from .router import ROUTER_SUFFIX, get_router_selector_labels
-from .spec import SpecError, parse_spec
+from .spec import InferenceServiceSpec
 
 
 def _iso(seconds: float) -> str:
@@ -115,23 +116,29 @@ def compact_history(history: Iterable[Recommendation]) -> list[Recommendation]:
     return sorted(latest.values(), key=lambda h: h.time)
 
 
+def autoscaled_spec(body: Mapping[str, Any], **spec_options: Any) -> InferenceServiceSpec | None:
+    """The spec of a service the autoscaler scales, or None: autoscaling is off, or the
+    reconciler rejects the resource (Degraded), read by the reconciler's own parse with
+    the same operator options (OperatorConfig.spec_options)."""
+    spec, _ = parse_resource(body, **spec_options)
+    return spec if spec is not None and spec.autoscaling.enabled else None
+
+
 def autoscale_once(
     kube: Kube,
     body: Mapping[str, Any],
     *,
-    default_image: str,
     scrape: Callable[[Iterable[Mapping[str, Any]]], list[PodSample]] = scrape_pods,
     scrape_held: Callable[[Iterable[Mapping[str, Any]]], int] = scrape_held_requests,
     clock: Callable[[], float] = time.time,
+    **spec_options: Any,
 ) -> Decision | None:
-    """Returns the decision, or None when the spec is invalid (the reconciler reports that)."""
+    """Returns the decision, or None when autoscaling is off or the reconciler rejects the
+    resource (it reports why). `spec_options`: parse_spec's operator-wide settings."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
-    try:
-        spec = parse_spec(body.get("spec") or {}, default_image=default_image)
-    except SpecError:
-        return None
-    if not spec.autoscaling.enabled:
+    spec = autoscaled_spec(body, **spec_options)
+    if spec is None:
         return None
     pods = list_owned_pods(kube, body)
     # The router holds requests while no serving pod is ready: demand no pod reports.

@@ -14,7 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
+# The pod's own vocabulary and parsers (torch-free, in the operator's image too): the spec
+# is checked against exactly what the engine accepts; tests/operator ties the CRD to them.
+from pagefleet_serve.config import (
+    BYTE_SIZE_PATTERN,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    SpeculativeConfig,
+)
 from pagefleet_serve.model.uri import ModelURI, ModelURIError, parse_model_uri
 
 from .config import DEFAULT_ROUTER_IMAGE
@@ -23,13 +30,7 @@ from .config import DEFAULT_ROUTER_IMAGE
 # a cluster can serve: no local relative paths, only the built-in model in the image.
 URI_SCHEMES = ("hf://", "pvc://", "file://", "builtin://")
 BUILTIN_MODELS = ("builtin://smollm2-135m",)
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-# The byte-size grammar of the engine's --kv-cache-memory (pagefleet_serve.config
-# BYTE_SIZE_PATTERN) and of the CRD's kvCacheMemory pattern; the operator image has no
-# serving stack to import it from, so tests/operator checks the three are the same.
-BYTE_SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMGT]i?B)?$"
 _KV_CACHE_MEMORY = re.compile(BYTE_SIZE_PATTERN)
 
 

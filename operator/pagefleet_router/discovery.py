@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
+from pagefleet_serve import metric_names as names
 from prometheus_client.parser import text_string_to_metric_families
 
 from .policy import PodState
@@ -19,9 +20,9 @@ logger = logging.getLogger("pagefleet_router.discovery")
 
 # The pod's gauge names (vLLM's), read as PodMetrics fields.
 POD_GAUGES = {
-    "vllm:num_requests_waiting": "num_requests_waiting",
-    "vllm:num_requests_running": "num_requests_running",
-    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    names.NUM_REQUESTS_WAITING: "num_requests_waiting",
+    names.NUM_REQUESTS_RUNNING: "num_requests_running",
+    names.KV_CACHE_USAGE_PERC: "kv_cache_usage",
 }
 
 

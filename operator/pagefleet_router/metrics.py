@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagefleet_serve import metric_names as names
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .policy import REASONS
@@ -52,8 +53,9 @@ class RouterMetrics:
             registry=self.registry,
         )
 
+        # The operator's autoscaler reads it (a model scaled to zero with requests held).
         self.held = Gauge(
-            "pagefleet:router_held_requests",
+            names.ROUTER_HELD_REQUESTS,
             "Requests waiting for the first ready pod (the service scaled to zero or starting).",
             registry=self.registry,
         )

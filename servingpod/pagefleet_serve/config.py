@@ -1,13 +1,27 @@
-"""The engine's one configuration object, validated once at construction."""
+"""The serving pod's vocabulary and the engine's one configuration object, validated once
+at construction.
 
+Torch-free, and the one place that names what the engine accepts: dtypes, KV cache dtypes,
+the byte-size grammar, the architectures served, speculative decoding's settings. The CLI's
+`choices=`, the operator's spec checks, the CRD test and the kernels' tables (checked
+against these by tests) read them from here.
+"""
+
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
+from pagefleet_serve.model.uri import ModelURIError, parse_model_uri
 
 BUILTIN_MODEL = "builtin://smollm2-135m"
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype; fp8 is float8 e4m3
+# auto: bfloat16 on CUDA and on CPUs with native bf16, else float32.
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# auto: the model's dtype; fp8 is float8 e4m3 (pagefleet_kernels.kv_cache maps them to torch).
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+# The model_types of Hugging Face directories the loader reads (config.json), and the
+# llama.cpp architectures of the GGUF files it reads (Mistral's GGUFs are `llama` files).
+HF_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+GGUF_ARCHITECTURE_NAMES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
 # auto: triton on CUDA, the C++ kernel (cpu) on the CPU when it builds, else torch
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # Weights (vLLM's --quantization): auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks on the CPU,
@@ -22,8 +36,8 @@ QUANTIZATIONS = ("auto", "none", "int8")
 # none: 4-bit matmuls take the activations as they are; int8: rounded to int8 per 32 inputs
 # first (llama.cpp's arithmetic), multiplied with integer dot products on the CPU.
 ACTIVATION_QUANTIZATIONS = ("none", "int8")
-# The byte-size grammar of `--kv-cache-memory`, shared word for word with the CRD's
-# spec.engine.kvCacheMemory pattern and the operator's check (tests/operator ties the three
+# The byte-size grammar of `--kv-cache-memory`. The operator checks spec.engine.kvCacheMemory
+# with it too, and the CRD's pattern is the same word for word (tests/operator ties them
 # together), so that whatever the API server admits the pod can read.
 BYTE_SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMGT]i?B)?$"
 BYTE_UNITS = {
@@ -54,10 +68,96 @@ def parse_bytes(text: str | int) -> int:
     return int(float(text[: len(text) - len(unit)]) * BYTE_UNITS[unit])
 
 
+# --speculative-config: vLLM's JSON keys, validated once into a frozen dataclass.
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    # draft_model: the draft's URI (any form the loader reads); it must share the target's
+    # vocabulary, and runs in the target's dtype, quantization and KV cache dtype.
+    model: str | None = None
+    # n-gram prompt lookup: the longest and shortest suffix of the sequence looked up.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # No proposals in a step whose decoding batch is larger than this: verifying drafts
+    # turns each decode row into a query span, which costs more than it saves once the
+    # step is compute-bound rather than weight-reading-bound. None: always propose.
+    disable_by_batch_size: int | None = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}"
+            )
+        self._check_model()
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"speculative_config.{name} must be a positive integer, got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be at "
+                f"most prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size must be a positive integer or null, "
+                f"got {size!r}"
+            )
+
+    def _check_model(self) -> None:
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError(
+                    "speculative_config.model names a draft model, which method 'ngram' does "
+                    "not use; drop it or set method to 'draft_model'"
+                )
+            return
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(
+                "speculative_config.model is required by method 'draft_model': the draft "
+                f"model's URI, got {self.model!r}"
+            )
+        try:
+            parse_model_uri(self.model)
+        except ModelURIError as exc:
+            raise ValueError(f"speculative_config.model: {exc}") from exc
+
+    @classmethod
+    def from_json(cls, text: str | dict | None) -> "SpeculativeConfig | None":
+        """Parse the flag's JSON (a dict is taken as already parsed); None or {} is off."""
+        if text is None or isinstance(text, cls):
+            return text
+        if isinstance(text, str):
+            try:
+                text = json.loads(text) if text.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
+        if not isinstance(text, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
+        if not text:
+            return None
+        if "model" in text and "method" not in text:  # vLLM's short form of a draft model
+            text = {"method": "draft_model", **text}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(text) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; allowed: {sorted(known)}"
+            )
+        return cls(**text)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = BUILTIN_MODEL
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
+    dtype: str = "auto"  # one of DTYPES
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
     max_num_seqs: int = 128
@@ -75,6 +175,8 @@ class EngineConfig:
     # vLLM's --enforce-eager: True runs every op eagerly; False compiles each layer's work
     # around its attention with torch.compile (inductor), paid for by the first steps.
     enforce_eager: bool = True
+    # vLLM's --seed: the sampler's generator for requests without a seed of their own
+    # starts from it, so that a run repeats with the same requests in the same order.
     seed: int = 0
     # vLLM's --speculative-config: a SpeculativeConfig, its JSON text or dict; None: off.
     speculative_config: SpeculativeConfig | str | dict | None = None
@@ -101,8 +203,8 @@ class EngineConfig:
             positive(name)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

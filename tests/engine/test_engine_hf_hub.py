@@ -22,7 +22,7 @@ import torch
 from hub_server import LocalHub, Repo, save_tiny_llama
 from pagefleet_serve.model.hub import select_files
 from pagefleet_serve.model.loader import load_model
-from pagefleet_serve.model.uri import resolve_model_uri
+from pagefleet_serve.model.resolve import resolve_model_uri
 
 REPO_ID = "org/tiny"
 TOKEN = "hf_test_token"
@@ -186,7 +186,7 @@ def test_gated_repository_downloads_with_the_token(hub, tmp_path):
 
 # A fresh process per downloader: huggingface_hub reads HF_ENDPOINT and HF_HOME at import.
 RESOLVE = (
-    "import sys; from pagefleet_serve.model.uri import resolve_model_uri\n"
+    "import sys; from pagefleet_serve.model.resolve import resolve_model_uri\n"
     "for uri in sys.argv[1:]: print(resolve_model_uri(uri).path)"
 )
 
@@ -207,7 +207,7 @@ def test_concurrent_downloaders_share_one_cache(hub, tiny_repo_dir, tmp_path):
     go = tmp_path / "go"
     # Imports take a varying while: each says when it is ready, then both start together.
     code = (
-        "import sys, time, pathlib; from pagefleet_serve.model.uri import resolve_model_uri\n"
+        "import sys, time, pathlib; from pagefleet_serve.model.resolve import resolve_model_uri\n"
         "import huggingface_hub.file_download\n"
         "pathlib.Path(sys.argv[3]).touch()\n"
         "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.01)\n"

@@ -1,11 +1,10 @@
 """The scheduler on its own (no model): budgets, chunking, admission order, preemption."""
 
-from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.config import EngineConfig, SpeculativeConfig
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.scheduler import Scheduler
 from pagefleet_serve.engine.sequence import Sequence, SequenceStatus
-from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
 from pagefleet_serve.sampling_params import SamplingParams
 
 BS = 4

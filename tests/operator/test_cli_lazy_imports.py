@@ -17,13 +17,11 @@ except SystemExit as exit:
     assert exit.code == 0, exit.code
 heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'numpy'})
 print('HEAVY', ' '.join(heavy))
-# The operator validates model URIs and speculative configs with the pod's own torch-free
-# parsers (pagefleet_serve.model.uri, pagefleet_serve.engine.spec_decode.config); the rest
-# of the server, the engine and the bench client are the subcommands' own modules.
+# The operator validates specs with the pod's own torch-free vocabulary and parsers
+# (pagefleet_serve.config, pagefleet_serve.model.uri); the server, the engine and the bench
+# client are the subcommands' own modules.
 stack = ('pagefleet_serve.server', 'pagefleet_serve.engine', 'pagefleet_bench')
-shared = {'pagefleet_serve.engine', 'pagefleet_serve.engine.spec_decode',
-          'pagefleet_serve.engine.spec_decode.config'}
-print('STACK', ' '.join(sorted(m for m in sys.modules if m.startswith(stack) and m not in shared)))
+print('STACK', ' '.join(sorted(m for m in sys.modules if m.startswith(stack))))
 """
 
 

@@ -10,6 +10,7 @@ objects are checked against Kubernetes' own OpenAPI schemas with kubernetes-vali
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import celpy
 import jsonschema
@@ -17,7 +18,14 @@ import kubernetes_validate
 import pytest
 from operator_samples import CRD_PATH, DEFAULT_IMAGE, EXAMPLES, load_yaml, make_body
 from pagefleet_operator.desired import get_desired_objects
-from pagefleet_operator.spec import parse_spec
+from pagefleet_operator.spec import PULL_POLICIES, parse_spec
+from pagefleet_serve.config import (
+    BYTE_SIZE_PATTERN,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    SPEC_METHODS,
+    SpeculativeConfig,
+)
 
 K8S_VERSIONS = ["1.30", "1.33"]
 CRD = load_yaml(CRD_PATH)
@@ -88,6 +96,24 @@ def resource(spec: dict) -> dict:
 
 
 BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
+ENGINE = SCHEMA["properties"]["spec"]["properties"]["engine"]["properties"]
+
+
+def camel(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(word.title() for word in rest)
+
+
+def test_crd_enums_are_the_engines_vocabulary():
+    """What the API server admits is what the pod accepts: the CRD's enums and patterns
+    against pagefleet_serve.config, the one place that defines them."""
+    assert ENGINE["dtype"]["enum"] == list(DTYPES)
+    assert ENGINE["kvCacheDtype"]["enum"] == list(KV_CACHE_DTYPES)
+    assert ENGINE["kvCacheMemory"]["pattern"] == BYTE_SIZE_PATTERN
+    assert ENGINE["imagePullPolicy"]["enum"] == list(PULL_POLICIES)
+    speculative = ENGINE["speculative"]["properties"]
+    assert speculative["method"]["enum"] == list(SPEC_METHODS)
+    assert set(speculative) == {camel(f.name) for f in dataclasses.fields(SpeculativeConfig)}
 
 
 def test_crd_identity_and_subresources():

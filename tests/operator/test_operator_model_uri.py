@@ -4,12 +4,18 @@ models land on the model cache volume."""
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
 import jsonschema
 import pytest
 from operator_samples import CRD_PATH, DEFAULT_IMAGE, example_body, load_yaml, make_body
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.env import get_pod_model_uri
 from pagefleet_operator.spec import SpecError, parse_spec
+from pagefleet_serve.model import uri as uri_module
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURIError, parse_model_uri
 
 MODEL_SCHEMA = load_yaml(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
@@ -183,3 +189,32 @@ def test_default_served_name_is_the_models_own(uri, served):
     assert (
         parse_spec({"model": {"uri": uri}}, default_image=DEFAULT_IMAGE).model.served_name == served
     )
+
+
+def test_the_uri_parser_and_the_vocabulary_import_nothing_else():
+    """What the operator shares with the pod loads alone (a fresh interpreter): the URI
+    parser imports nothing of the package (no circle with the Hub downloader, which
+    imports it), and the config and metric names add only it, never torch."""
+    code = (
+        "import sys\n"
+        "import pagefleet_serve.model.uri\n"
+        "alone = sorted(m for m in sys.modules if m.startswith('pagefleet_serve'))\n"
+        "import pagefleet_serve.config, pagefleet_serve.metric_names\n"
+        "shared = sorted(m for m in sys.modules if m.startswith('pagefleet_serve'))\n"
+        "print(alone, shared, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    package = ["pagefleet_serve", "pagefleet_serve.model", "pagefleet_serve.model.uri"]
+    shared = sorted([*package, "pagefleet_serve.config", "pagefleet_serve.metric_names"])
+    assert out.strip() == f"{package} {shared} False"
+    # Not even inside a function (where the Hub downloader's import used to be).
+    tree = ast.parse(Path(uri_module.__file__).read_text())
+    imported = [
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert not [name for name in imported if name and name.startswith("pagefleet")], imported

@@ -6,6 +6,9 @@ import sys
 
 import pytest
 from pagefleet_router.cli import get_parser, main
+from pagefleet_router.discovery import POD_GAUGES
+from pagefleet_router.metrics import RouterMetrics
+from pagefleet_serve import metric_names
 
 
 def test_pagefleet_dispatches_router_to_its_own_parser(capsys):
@@ -39,12 +42,27 @@ def test_missing_endpoints_and_invalid_values_are_named(monkeypatch, capsys, cap
 
 
 def test_the_router_imports_neither_torch_nor_the_serving_package():
+    """Of the serving package the router loads the metric names alone (torch-free, and the
+    package's __init__ imports nothing until asked)."""
     code = (
         "import sys, pagefleet_router.cli\n"
+        "shared = {'pagefleet_serve', 'pagefleet_serve.metric_names'}\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pagefleet_serve')]\n"
-        "assert not bad, bad\n"
+        "assert set(bad) == shared, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_router_reads_and_writes_the_metric_names_the_pod_and_operator_use():
+    """The router reads and writes the names in pagefleet_serve.metric_names, which the pod
+    exports and the operator scrapes by."""
+    assert set(POD_GAUGES) == {
+        metric_names.NUM_REQUESTS_WAITING,
+        metric_names.NUM_REQUESTS_RUNNING,
+        metric_names.KV_CACHE_USAGE_PERC,
+    }
+    exported = RouterMetrics().render().decode()
+    assert f"\n{metric_names.ROUTER_HELD_REQUESTS} 0.0\n" in exported
 
 
 def test_scale_from_zero_needs_the_cluster_and_hold_settings_are_checked(capsys, caplog):

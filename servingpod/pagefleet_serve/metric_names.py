@@ -1,0 +1,53 @@
+"""The names of the Prometheus series that leave a process: the serving pod's (exported by
+`pagefleet_serve.server.metrics` and `server.state`, read by the operator's autoscaler, the
+router, dashboards and the benchmarks) and the router's that the operator reads.
+
+vLLM's names wherever vLLM measures the same thing, so that dashboards, KEDA/HPA rules and
+the Gateway API Inference Extension read a pod unchanged; ours alone carry the
+`pagefleet:` prefix. Torch-free and importing nothing: the operator's image loads it. The
+router, which imports nothing of `pagefleet_serve`, spells the four it reads and writes
+out, and tests/router checks they are these. A counter's samples carry prometheus_client's
+`_total` suffix after these names.
+"""
+
+# The load gauges every pod reports: the router balances on them, the autoscaler scales
+# on the KV cache usage (0-1) and the waiting requests.
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
+
+# The engine's counters.
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
+REQUEST_SUCCESS = "vllm:request_success"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+NUM_PREEMPTIONS = "vllm:num_preemptions"
+SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+# Per-request histograms (vLLM's buckets).
+TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"
+REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS = "vllm:request_time_per_output_token_seconds"
+E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME_SECONDS = "vllm:request_queue_time_seconds"
+REQUEST_PREFILL_TIME_SECONDS = "vllm:request_prefill_time_seconds"
+REQUEST_DECODE_TIME_SECONDS = "vllm:request_decode_time_seconds"
+REQUEST_INFERENCE_TIME_SECONDS = "vllm:request_inference_time_seconds"
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+
+# The pod's own series.
+REQUESTS_REJECTED = "pagefleet:requests_rejected"
+KV_CACHE_BLOCKS = "pagefleet:kv_cache_blocks"
+KV_CACHE_USED_BLOCKS = "pagefleet:kv_cache_used_blocks"
+NUM_REQUESTS_QUEUED = "pagefleet:num_requests_queued"
+ENGINE_HEALTHY = "pagefleet:engine_healthy"
+DRAINING = "pagefleet:draining"
+
+# The router's gauge of requests held while no pod is ready: the autoscaler's demand
+# signal at zero replicas.
+ROUTER_HELD_REQUESTS = "pagefleet:router_held_requests"
