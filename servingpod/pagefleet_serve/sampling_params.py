@@ -51,7 +51,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _int(self, "n", lo=1)
         _int(self, "max_tokens", lo=1)
-        _number(self, "temperature", lambda v: v >= 0, "must be >= 0")
+        _number(self, "temperature", lambda v: v >= 0, "must be >= 0", tiny_ok=True)
         _number(self, "top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
         _int(self, "top_k", lo=-1)
         _number(self, "min_p", lambda v: 0 <= v <= 1, "must be in [0, 1]")
@@ -109,12 +109,30 @@ def _int(params: SamplingParams, name: str, lo: int, hi: int = INT64_MAX) -> Non
         raise ValueError(f"{name} must be {allowed}, got {value}")
 
 
-def _number(params: SamplingParams, name: str, ok: Callable[[float], bool], rule: str) -> None:
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _number(
+    params: SamplingParams,
+    name: str,
+    ok: Callable[[float], bool],
+    rule: str,
+    tiny_ok: bool = False,
+) -> None:
     value = getattr(params, name)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
+    # The sampler works in float32: a finite value past its range would arrive as inf or 0
+    # (a NaN row, or a division by zero), so it is refused here, naming the field. `tiny_ok`:
+    # a value that rounds to 0 means what 0 means (a temperature below 1e-5 is greedy).
+    if abs(value) > FLOAT32_MAX or (value and not tiny_ok and abs(value) < FLOAT32_TINY):
+        raise ValueError(
+            f"{name} must be 0 or of magnitude in [{FLOAT32_TINY:g}, {FLOAT32_MAX:g}] "
+            f"(float32), got {value}"
+        )
     if not ok(value):
         raise ValueError(f"{name} {rule}, got {value}")
 

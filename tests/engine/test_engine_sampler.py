@@ -320,6 +320,48 @@ def test_the_engine_hands_the_repetition_penalty_the_prompt_and_the_output():
     assert len(set(penalized)) == len(penalized) and not set(penalized) & set(prompt)
 
 
+def test_unseeded_rows_draw_from_the_generator_passed_and_leave_torchs_alone():
+    """The engine's generator (its --seed) draws for the rows without one of their own, in
+    row order; torch's default generator is neither read nor advanced."""
+    batch = torch.tensor([LOGITS] * 65)
+    rows = [row(SamplingParams())] * 64
+
+    def tokens(seed):
+        drawn = sample(batch[:64], rows, torch.Generator().manual_seed(seed))
+        return [t.token_id for t in drawn]
+
+    before = torch.random.get_rng_state()
+    assert tokens(5) == tokens(5) != tokens(6)
+    # Beside a greedy row, which draws nothing, the others draw the same numbers in order.
+    greedy = row(SamplingParams(temperature=0.0))
+    beside = sample(batch, [greedy, *rows], torch.Generator().manual_seed(5))
+    assert [t.token_id for t in beside[1:]] == tokens(5)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_the_engine_seed_makes_unseeded_sampling_repeat():
+    """--seed (EngineConfig.seed), vLLM's meaning: two engines with the same seed sample
+    the same tokens for requests without a seed of their own, whatever torch's default
+    generator holds; another seed, other tokens."""
+    prompts = [list(range(100 + 7 * i, 120 + 7 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=2)
+
+    def run(seed: int, torch_seed: int) -> list[list[list[int]]]:
+        llm = LLM(
+            "builtin://tiny-random",
+            dtype="float32",
+            seed=seed,
+            max_model_len=64,
+            kv_cache_memory_bytes=1 << 22,
+        )
+        torch.manual_seed(torch_seed)  # not what the engine draws from
+        return [[s.token_ids for s in out.outputs] for out in llm.generate(prompts, params)]
+
+    first = run(1234, 0)
+    assert run(1234, 1) == first
+    assert run(4321, 0) != first
+
+
 # -- filter boundaries ----------------------------------------------------------------------
 EQUAL = [0.0, 0.0, 0.0, 0.0]  # probabilities exactly 0.25 each; masses before 0, .25, .5, .75
 
@@ -362,6 +404,15 @@ def test_a_failed_step_rewinds_every_generator_and_says_why():
     assert [t.token_id for t in sample(batch, rows)] == [t.token_id for t in sample(batch, fresh)]
 
 
+def test_a_failed_step_rewinds_the_unseeded_rows_generator_too():
+    generator = torch.Generator().manual_seed(3)
+    before = generator.get_state()
+    rows = [row(SamplingParams(logprobs=10)), row(SamplingParams())]
+    with pytest.raises(SamplingError):
+        sample(torch.tensor([LOGITS] * 2), rows, generator)
+    assert torch.equal(generator.get_state(), before)
+
+
 # -- structured output ----------------------------------------------------------------------
 def ab_matcher(accepted=()) -> GrammarMatcher:
     """The regex `ab` over the vocabulary a, b, c, </s>: `a` is the only first token."""
@@ -384,3 +435,18 @@ def test_a_grammar_masks_its_own_row_and_leaves_the_callers_logits_intact():
     assert rows[2].grammar.is_terminated
     assert [t.token_id for t in sample(logits, rows)] == [0, 2, 2]
     assert torch.equal(logits, original)  # a retry of the step starts from the same logits
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 1e300),
+        ("repetition_penalty", 1e300),
+        ("repetition_penalty", 1e-300),
+        ("top_p", 1e-300),
+        ("min_p", 1e-300),
+    ],
+)
+def test_a_value_float32_cannot_carry_is_refused_naming_its_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field} .*float32"):
+        SamplingParams(**{field: value})

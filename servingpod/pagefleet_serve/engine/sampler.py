@@ -3,7 +3,9 @@
 Each row is one sample to draw. Penalties, temperature, top-k, top-p and min-p are applied
 as batched tensor ops; the draw inverts each row's cumulative distribution at one uniform
 number, which a seeded row draws from its own generator (on the logits' device), so a seed
-gives the same tokens whatever else shares the batch. (vLLM's exponential race, argmax of
+gives the same tokens whatever else shares the batch; the other rows draw, in row order,
+from the generator the caller passes (the engine's, seeded by `--seed`, so that a run
+repeats), or torch's default one. (vLLM's exponential race, argmax of
 p / E with E ~ Exp(1) per token, costs a vocabulary of exponentials per row: 65 ms of a
 batch-64 step on a 2-core CPU, where this draw takes about 14.) A batch of greedy rows
 only takes an argmax. The rows' settings go to the device in one copy, and only the token ids (with
@@ -46,20 +48,27 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None  # most likely first
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-    """logits: (R, V) float32 on any device, one row per entry of `rows`. Raises
-    SamplingError, after rewinding every generator, so that a retry draws the same noise."""
-    states = [r.generator.get_state() if r.generator is not None else None for r in rows]
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None
+) -> list[SampledToken]:
+    """logits: (R, V) float32 on any device, one row per entry of `rows`; `generator` (on
+    the logits' device) draws for the rows without one of their own (None: torch's
+    default generator). Raises SamplingError, after rewinding every generator, so that a
+    retry draws the same noise."""
+    generators = [r.generator for r in rows] + ([generator] if generator is not None else [])
+    states = [g.get_state() if g is not None else None for g in generators]
     try:
-        return _sample(logits, rows)
+        return _sample(logits, rows, generator)
     except Exception as exc:  # noqa: BLE001 - any failure here is the rows' settings
-        for row, state in zip(rows, states, strict=True):
+        for g, state in zip(generators, states, strict=True):
             if state is not None:
-                row.generator.set_state(state)
+                g.set_state(state)
         raise SamplingError(f"sampling failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+def _sample(
+    logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None
+) -> list[SampledToken]:
     # Row-wise ops, and xgrammar's in-place mask, need rows that lie contiguous (a few CPU
     # rows of compute_logits come transposed).
     logits = logits.contiguous()
@@ -68,6 +77,12 @@ def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     if logprob_rows:  # the model's distribution: before masks, penalties and filters
         raw_logprobs = torch.log_softmax(logits[_on(logits, logprob_rows)], dim=-1)
 
+    penalized = any(r.params.needs_penalties for r in rows)
+    if penalized:
+        logits = _apply_penalties(logits.clone(), rows)
+
+    # The mask comes after every logit transform: a transform after it could turn a masked
+    # -inf back into a value (a penalty of 0 makes -inf * 0 = NaN, which argmax picks).
     # Only constrained rows are masked; a batch without any pays for this one scan.
     matchers = {
         i: r.grammar
@@ -75,21 +90,19 @@ def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
         if r.grammar is not None and not r.grammar.is_terminated
     }
     if matchers:
-        logits = logits.clone()  # a retry of the step must find the caller's logits intact
+        if not penalized:
+            logits = logits.clone()  # a retry of the step must find the caller's logits intact
         mask_logits(logits, matchers)
-
-    if any(r.params.needs_penalties for r in rows):
-        logits = _apply_penalties(logits.clone(), rows)
 
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
         token_ids = logits.argmax(dim=-1)
     elif any(greedy):
         token_ids = torch.where(
-            _on(logits, greedy), logits.argmax(dim=-1), _draw(logits, rows, greedy)
+            _on(logits, greedy), logits.argmax(dim=-1), _draw(logits, rows, greedy, generator)
         )
     else:
-        token_ids = _draw(logits, rows, greedy)
+        token_ids = _draw(logits, rows, greedy, generator)
     return _to_host(token_ids, raw_logprobs, logprob_rows, rows)
 
 
@@ -98,9 +111,14 @@ def _on(like: torch.Tensor, values: list, dtype: torch.dtype | None = None) -> t
     return torch.tensor(values, dtype=dtype, device=like.device)
 
 
-def _draw(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
+def _draw(
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    greedy: list[bool],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     """Each row's draw from its temperature-scaled, filtered distribution (greedy rows draw
-    nothing: their noise is never read)."""
+    nothing: their noise is never read); rows without a generator draw from `generator`."""
     vocab = logits.shape[1]
     # One copy for every row's settings: temperature, top_k, top_p, min_p.
     settings = _on(
@@ -126,9 +144,10 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> to
     uniform = torch.zeros(len(rows), 1, dtype=torch.float64, device=logits.device)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
     if len(unseeded) == len(rows):
-        uniform.uniform_()
+        uniform.uniform_(generator=generator)
     elif unseeded:
-        uniform[_on(logits, unseeded)] = torch.empty_like(uniform[: len(unseeded)]).uniform_()
+        drawn = torch.empty_like(uniform[: len(unseeded)]).uniform_(generator=generator)
+        uniform[_on(logits, unseeded)] = drawn
     for i, r in enumerate(rows):
         if r.generator is not None and not greedy[i]:
             draw_uniform(uniform[i], r.generator)

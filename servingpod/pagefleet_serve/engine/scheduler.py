@@ -259,6 +259,10 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
+        # A constrained sequence ends when its grammar does, whatever ignore_eos says: past
+        # that point nothing masks its rows, and free text would follow the constraint.
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            return "stop"
         if not params.ignore_eos and token == seq.eos_token_id:
             return "stop"
         if token in params.stop_token_ids:

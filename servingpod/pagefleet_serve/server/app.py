@@ -57,6 +57,15 @@ def build_app(state: ServerState) -> FastAPI:
     started = int(time.time())
 
     async def require_api_key(request: Request) -> None:
+        # Proxies disagree on which of several Authorization headers counts (first or
+        # last): a request that sends more than one is refused rather than guessed at.
+        if len(request.headers.getlist("authorization")) > 1:
+            raise APIError(
+                400,
+                "More than one Authorization header; send exactly one.",
+                param="authorization",
+                code="duplicate_header",
+            )
         key = state.settings.api_key
         if key is None:
             return
