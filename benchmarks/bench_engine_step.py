@@ -27,6 +27,11 @@ from pathlib import Path
 import torch
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import LLMEngine
+
+try:
+    from pagefleet_serve.messages import Request
+except ImportError:  # a --baseline-src from before the messages module: it lived here
+    from pagefleet_serve.engine.llm_engine import Request
 from pagefleet_serve.sampling_params import SamplingParams
 
 from benchmarks.side_by_side.common import cpu_info
@@ -62,7 +67,8 @@ def measure_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int) ->
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         start = rng.randrange(0, len(corpus) - prompt_len)
-        engine.add_request(f"step-{batch}-{i}", corpus[start : start + prompt_len], params)
+        prompt = corpus[start : start + prompt_len]
+        engine.add(Request(f"step-{batch}-{i}", prompt, params, time.time()))
     scheduler = engine.scheduler
     while scheduler.waiting or any(
         s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running

@@ -15,13 +15,14 @@ import time
 
 import torch
 from pagefleet_serve import LLM, SamplingParams
+from pagefleet_serve.config import KV_CACHE_DTYPES
+from pagefleet_serve.engine.device import RunnerConfig
 from pagefleet_serve.engine.model_runner import ModelRunner
 from pagefleet_serve.model.llama import AttentionMetadata
 from pagefleet_serve.model.loader import load_model
 
 MODEL = "builtin://smollm2-135m"
 TEXT = "/usr/share/common-licenses/GPL-3"
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 BLOCK_SIZE = 16
 PROMPTS = [
     "What is the capital of France?",
@@ -61,12 +62,14 @@ def perplexity(
     loaded = load_model(MODEL, torch.float32, quantization)
     runner = ModelRunner(
         loaded,
-        torch.device("cpu"),
-        torch.float32,
-        BLOCK_SIZE,
-        "auto",
-        kv_cache_dtype,
-        activation_quantization=activation_quantization,
+        RunnerConfig(
+            torch.device("cpu"),
+            torch.float32,
+            BLOCK_SIZE,
+            "auto",
+            kv_cache_dtype,
+            activation_quantization=activation_quantization,
+        ),
     )
     num_blocks = -(-window // BLOCK_SIZE)
     runner.allocate_kv_cache(num_blocks)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import LLMEngine
+from pagefleet_serve.messages import Request
 from pagefleet_serve.sampling_params import SamplingParams
 
 MODEL = "builtin://smollm2-135m"
@@ -39,7 +40,7 @@ def engine_alone(args: argparse.Namespace, batch: int) -> dict:
     started = time.perf_counter()
     for i in range(batch):
         prompt = [rng.randrange(1000, vocab) for _ in range(args.input_len)]
-        engine.add(engine.make_request(f"r{i}", prompt, params))
+        engine.add(Request(f"r{i}", prompt, params, time.time()))
     decode_steps, tokens, generating = [], 0, set()
     while engine.has_unfinished_requests():
         all_decoding = len(generating) == batch  # every prompt done: a pure decode step

@@ -32,7 +32,7 @@ def torch_dtype_name() -> str:
     """The dtype PageFleet's `auto` resolves to on this CPU; the transformers and vLLM peers
     and the HF generate baseline are given the same one."""
     import torch
-    from pagefleet_serve.engine.llm_engine import resolve_dtype
+    from pagefleet_serve.engine.device import resolve_dtype
 
     return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 

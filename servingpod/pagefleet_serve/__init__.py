@@ -7,7 +7,7 @@ model URI parser the operator validates specs with) load without torch.
 import importlib
 
 _EXPORTS = {
-    "LLM": "pagefleet_serve.engine.llm",
+    "LLM": "pagefleet_serve.llm",
     "CompletionOutput": "pagefleet_serve.outputs",
     "EngineConfig": "pagefleet_serve.config",
     "RequestOutput": "pagefleet_serve.outputs",

@@ -6,27 +6,32 @@ import asyncio
 import pytest
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.config import EngineConfig
-from pagefleet_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from pagefleet_serve.engine.core import EngineCore, ThreadLink
 from pagefleet_serve.engine.llm_engine import LLMEngine
+from pagefleet_serve.frontend.core_client import EngineCoreClient, EngineDeadError
+from pagefleet_serve.messages import Request
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
-def engine():
-    async_engine = AsyncEngine(
-        LLMEngine(
-            EngineConfig(
-                model="builtin://tiny-random",
-                dtype="float32",
-                max_model_len=256,
-                kv_cache_memory_bytes=4 << 20,
-                block_size=4,
-            )
+def core():
+    return LLMEngine(
+        EngineConfig(
+            model="builtin://tiny-random",
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=4 << 20,
+            block_size=4,
         )
     )
-    yield async_engine
-    async_engine.shutdown()
+
+
+@pytest.fixture
+def engine(core):
+    client = EngineCoreClient(core.config, ThreadLink(core), core.tokenizer, core.grammar_compiler)
+    yield client
+    client.shutdown()
 
 
 async def collect(engine, request_id, prompt, params=PARAMS, stop_after=None):
@@ -45,7 +50,7 @@ async def wait_until(predicate, timeout=10.0):
         await asyncio.sleep(0.01)
 
 
-def test_streams_one_token_per_step_and_matches_offline(engine):
+def test_streams_one_token_per_step_and_matches_offline(engine, core):
     async def main():
         results = await asyncio.gather(*[collect(engine, f"r{i}", [3, 4, 5 + i]) for i in range(4)])
         for outputs in results:
@@ -58,15 +63,15 @@ def test_streams_one_token_per_step_and_matches_offline(engine):
     # stepping one engine corrupt the scheduler (it failed once with a KeyError).
     engine.shutdown()
     assert not engine.is_healthy
-    offline = engine.engine
-    offline.add_request("again", [3, 4, 5], PARAMS)
+    offline = core
+    offline.add(Request("again", [3, 4, 5], PARAMS, 0.0))
     tokens = []
     while offline.has_unfinished_requests():
         tokens += [t for o in offline.step() for t in o.outputs[0].token_ids]
     assert tokens == [t for o in results[0] for t in o.outputs[0].token_ids]
 
 
-def test_leaving_the_iterator_aborts_and_frees_blocks(engine):
+def test_leaving_the_iterator_aborts_and_frees_blocks(engine, core):
     async def main():
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         outputs = await collect(engine, "quitter", list(range(10, 40)), long, stop_after=3)
@@ -76,7 +81,7 @@ def test_leaving_the_iterator_aborts_and_frees_blocks(engine):
         )
 
     asyncio.run(main())
-    engine.engine.block_manager.check_no_leaks()
+    core.block_manager.check_no_leaks()
 
 
 def test_bad_input_raises_before_queueing(engine):
@@ -88,8 +93,8 @@ def test_bad_input_raises_before_queueing(engine):
     asyncio.run(main())
 
 
-def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch):
-    runner = engine.engine.runner
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine, core, monkeypatch):
+    runner = core.runner
     real_execute = runner.execute
     failures = {"left": 1}
 
@@ -108,17 +113,17 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine, monkeyp
         assert len(await collect(engine, "survivor", [1, 2, 3])) == 20
 
     asyncio.run(main())
-    engine.engine.block_manager.check_no_leaks()
+    core.block_manager.check_no_leaks()
 
 
-def test_repeated_failures_mark_the_engine_dead(engine, monkeypatch):
+def test_repeated_failures_mark_the_engine_dead(engine, core, monkeypatch):
     def broken(step):
         raise RuntimeError("gone for good")
 
-    monkeypatch.setattr(engine.engine.runner, "execute", broken)
+    monkeypatch.setattr(core.runner, "execute", broken)
 
     async def main():
-        for i in range(AsyncEngine.MAX_CONSECUTIVE_FAILURES):
+        for i in range(EngineCore.MAX_CONSECUTIVE_FAILURES):
             out = await collect(engine, f"r{i}", [1, 2, 3])
             assert out[-1].error
         await wait_until(lambda: not engine.is_healthy)
@@ -128,7 +133,7 @@ def test_repeated_failures_mark_the_engine_dead(engine, monkeypatch):
     asyncio.run(main())
 
 
-def test_a_duplicate_request_id_is_refused_and_the_first_request_carries_on(engine):
+def test_a_duplicate_request_id_is_refused_and_the_first_request_carries_on(engine, core):
     async def main():
         first = engine.generate("dup", [3, 4, 5], PARAMS)
         outputs = [await anext(first)]
@@ -142,9 +147,8 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_carries_on(engi
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
     # The engine core refuses one too (the step thread is stopped first: see above).
     engine.shutdown()
-    core = engine.engine
-    core.add_request("twice", [3, 4], PARAMS)
+    core.add(Request("twice", [3, 4], PARAMS, 0.0))
     with pytest.raises(ValueError, match="request_id 'twice' is already running"):
-        core.add_request("twice", [5, 6], PARAMS)
+        core.add(Request("twice", [5, 6], PARAMS, 0.0))
     core.abort_request("twice")
     core.block_manager.check_no_leaks()

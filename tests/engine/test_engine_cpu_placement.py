@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from pagefleet_serve.engine.cpu_placement import (
+from pagefleet_serve.cpu_placement import (
     CpuPlacement,
     cpu_quota,
     omp_num_threads,
@@ -100,7 +100,7 @@ def test_core_process_runs_the_placements_threads_on_its_cpus():
     cpu = min(os.sched_getaffinity(0))
     code = (
         "import os, torch\n"
-        "from pagefleet_serve.engine.cpu_placement import CpuPlacement, place_core_threads\n"
+        "from pagefleet_serve.cpu_placement import CpuPlacement, place_core_threads\n"
         f"place_core_threads(CpuPlacement([{cpu}], None, 1))\n"
         "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())\n"
         "place_core_threads(CpuPlacement(None, None, 3))\n"

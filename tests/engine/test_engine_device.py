@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from pagefleet_serve.engine.llm_engine import make_current
+from pagefleet_serve.engine.device import make_current
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,7 @@ def test_prefix_cache_reuses_a_512_token_prefix(llm, make_llm):
 
 def test_chunked_prefill_never_starves_a_running_decode(make_llm):
     llm = make_llm(max_model_len=2048, kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=64)
-    engine = llm.engine
+    engine = llm  # the offline LLM: requests in, text out, one step at a time
     engine.add_request(
         "running",
         ask(llm, "Tell me a long story."),
@@ -122,7 +122,7 @@ def test_stop_strings_are_cut_and_never_streamed(llm):
     prompt = ask(llm, "What is the capital of France?")
     full = llm.generate(prompt, GREEDY)[0].outputs[0]
     assert "is Paris" in full.text
-    engine = llm.engine
+    engine = llm  # the offline LLM: requests in, text out, one step at a time
     engine.add_request(
         "stop",
         prompt,
@@ -160,7 +160,7 @@ def test_logprobs_of_sampled_tokens_and_alternatives(llm):
 
 
 def test_streamed_text_is_valid_utf8(llm):
-    engine = llm.engine
+    engine = llm  # the offline LLM: requests in, text out, one step at a time
     engine.add_request(
         "zh",
         ask(llm, "Translate to Chinese: I love my family."),
@@ -181,7 +181,7 @@ def test_streamed_text_is_valid_utf8(llm):
 
 def test_abort_running_and_waiting_frees_everything(make_llm):
     llm = make_llm(max_model_len=512, kv_cache_memory_bytes=64 << 20, max_num_seqs=2)
-    engine = llm.engine
+    engine = llm  # the offline LLM: requests in, text out, one step at a time
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for name in ("a", "b", "c"):
         engine.add_request(name, ask(llm, f"Story {name}"), params)
@@ -200,11 +200,11 @@ def test_abort_running_and_waiting_frees_everything(make_llm):
 @pytest.mark.parametrize(
     ("field", "make"),
     [
-        ("prompt", lambda llm: llm.engine.make_request("x", "", SamplingParams())),
-        ("prompt", lambda llm: llm.engine.make_request("x", [], SamplingParams())),
+        ("prompt", lambda llm: llm.make_request("x", "", SamplingParams())),
+        ("prompt", lambda llm: llm.make_request("x", [], SamplingParams())),
         (
             "prompt",
-            lambda llm: llm.engine.make_request("x", [1] * 2040, SamplingParams(max_tokens=16)),
+            lambda llm: llm.make_request("x", [1] * 2040, SamplingParams(max_tokens=16)),
         ),
         ("max_tokens", lambda llm: SamplingParams(max_tokens=0)),
         ("top_p", lambda llm: SamplingParams(top_p=0.0)),
@@ -214,7 +214,7 @@ def test_abort_running_and_waiting_frees_everything(make_llm):
     ],
 )
 def test_bad_input_names_the_field_and_others_keep_running(llm, field, make):
-    engine = llm.engine
+    engine = llm  # the offline LLM: requests in, text out, one step at a time
     prompt = ask(llm, "What is the capital of France?")
     engine.add_request("good", prompt, GREEDY)
     engine.step()
@@ -226,7 +226,7 @@ def test_bad_input_names_the_field_and_others_keep_running(llm, field, make):
 
 def test_context_length_error_names_both_numbers(llm):
     with pytest.raises(ValueError, match=r"2048 tokens.*2056"):
-        llm.engine.make_request("x", [1] * 2040, SamplingParams(max_tokens=16))
+        llm.make_request("x", [1] * 2040, SamplingParams(max_tokens=16))
 
 
 # bfloat16 keeps 8 bits of mantissa: measured on the built-in model, greedy logprobs differ

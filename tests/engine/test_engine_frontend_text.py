@@ -1,12 +1,14 @@
 """Text made on the frontend side of an engine core: the same text, tokens and finish
-reasons as the offline engine (which makes text itself), with a stop string found by the
+reasons as the offline engine (the same output processor, stepped in process), with a stop string found by the
 frontend ending just that sample in the core, whose blocks are then freed."""
 
 import asyncio
 import time
 
 from pagefleet_serve import LLM, SamplingParams
-from pagefleet_serve.engine.async_engine import AsyncEngine
+from pagefleet_serve.engine.core import ThreadLink
+from pagefleet_serve.frontend.core_client import EngineCoreClient
+from pagefleet_serve.frontend.output_processor import OutputProcessor
 from pagefleet_serve.outputs import CompletionOutput
 
 PROMPT = "Write a sentence about the sea:"
@@ -15,12 +17,17 @@ PROMPT = "Write a sentence about the sea:"
 PARAMS = SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=5, stop=("e",))
 
 
+def client_in_thread(llm: LLM) -> EngineCoreClient:
+    core = llm.engine
+    return EngineCoreClient(core.config, ThreadLink(core), core.tokenizer, core.grammar_compiler)
+
+
 def test_frontend_text_and_stop_strings_match_the_offline_engine():
     llm = LLM(
         "builtin://smollm2-135m", dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20
     )
     offline = llm.generate(PROMPT, PARAMS)[0].outputs
-    engine = AsyncEngine(llm.engine)
+    engine = client_in_thread(llm)
     try:
         samples = [CompletionOutput(i) for i in range(PARAMS.n)]
 
@@ -52,15 +59,15 @@ def test_an_output_the_frontend_cannot_handle_fails_only_its_request(monkeypatch
     )
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     [alone] = llm.generate(PROMPT, params)
-    engine = AsyncEngine(llm.engine)
-    add_text = AsyncEngine._add_text
+    engine = client_in_thread(llm)
+    add_text = OutputProcessor._add_text
 
-    def broken_for_one(self, mailbox, sample):
-        if mailbox.request.request_id == "broken" and sample.token_ids:
+    def broken_for_one(self, state, sample):
+        if state.request.request_id == "broken" and sample.token_ids:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return add_text(self, mailbox, sample)
+        return add_text(self, state, sample)
 
-    monkeypatch.setattr(AsyncEngine, "_add_text", broken_for_one)
+    monkeypatch.setattr(OutputProcessor, "_add_text", broken_for_one)
 
     async def collect(request_id: str):
         sample = CompletionOutput(0)

@@ -21,8 +21,9 @@ import gguf, safetensors.torch, transformers
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 from pagefleet_serve.model.gguf_file import GGUFFile
+from pagefleet_serve.engine.device import RunnerConfig
 from pagefleet_serve.engine.model_runner import ModelRunner
-from pagefleet_serve.model.llama import can_prepack
+from pagefleet_serve.model.linear import can_prepack
 from pagefleet_serve.model.loader import load_model, load_tokenizer
 
 SHARED_OBJECT = re.compile(r"\\.so(\\.[0-9.]+)?$")
@@ -64,7 +65,8 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 base, base_libraries = status("VmHWM"), library_pages()
 runner = ModelRunner(
-    load_model(sys.argv[1], torch.bfloat16), torch.device("cpu"), torch.bfloat16, 16, "torch", "auto"
+    load_model(sys.argv[1], torch.bfloat16),
+    RunnerConfig(torch.device("cpu"), torch.bfloat16, 16, "torch", "auto"),
 )
 # The load's own peak: code pages of libraries it touched first are not its memory.
 peak = status("VmHWM") - base - (library_pages() - base_libraries)

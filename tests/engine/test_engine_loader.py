@@ -136,28 +136,28 @@ def test_pool_too_small_for_max_model_len_names_both_numbers():
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():
-    from pagefleet_serve.engine import llm_engine
+    from pagefleet_serve.engine import device
 
     amx = "processor\t: 0\nflags\t\t: fpu sse avx512f amx_bf16 amx_tile\n"
     avx512 = "flags\t\t: fpu avx512f avx512_bf16\n"
     plain = "flags\t\t: fpu sse avx2 avx512f\n"
-    assert llm_engine.cpu_has_native_bf16(amx)
-    assert llm_engine.cpu_has_native_bf16(avx512)
-    assert not llm_engine.cpu_has_native_bf16(plain)
-    assert not llm_engine.cpu_has_native_bf16("")
+    assert device.cpu_has_native_bf16(amx)
+    assert device.cpu_has_native_bf16(avx512)
+    assert not device.cpu_has_native_bf16(plain)
+    assert not device.cpu_has_native_bf16("")
 
 
 @pytest.mark.parametrize(("native", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_dtype_is_bfloat16_only_on_cpus_with_native_bf16(monkeypatch, native, expected):
-    from pagefleet_serve.engine import llm_engine
+    from pagefleet_serve.engine import device
 
     # Both answers on any machine: the CPU's flags are replaced, not read.
-    monkeypatch.setattr(llm_engine, "cpu_has_native_bf16", lambda cpuinfo=None: native)
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda cpuinfo=None: native)
     cpu = torch.device("cpu")
-    assert llm_engine.resolve_dtype("auto", cpu) == expected
-    assert llm_engine.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert llm_engine.resolve_dtype("float32", cpu) == torch.float32
-    assert llm_engine.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert device.resolve_dtype("auto", cpu) == expected
+    assert device.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert device.resolve_dtype("float32", cpu) == torch.float32
+    assert device.resolve_dtype("bfloat16", cpu) == torch.bfloat16
     llm = LLM("builtin://tiny-random", max_model_len=64, kv_cache_memory_bytes=1 << 20)
     assert llm.engine.dtype == expected
     assert next(llm.engine.runner.model.parameters()).dtype == expected

@@ -1,14 +1,57 @@
-"""The output processor on its own (the real tokenizer, no model): incremental text, UTF-8
+"""The output pipeline on its own (the real tokenizer, no model): the core's output tracker
+(token ids, finish reasons, timestamps) and the frontend's output processor (the one
+detokenizer and stop-string pipeline) as a step drives them: incremental text, UTF-8
 characters split over tokens, stop strings held back and cut, finish reasons, n > 1,
 aborts, logprobs and timestamps, fed token by token as the engine would."""
 
 import pytest
+from pagefleet_serve.engine.output_tracker import OutputTracker
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.sequence import Sequence, SequenceStatus
+from pagefleet_serve.frontend.output_processor import OutputProcessor as FrontendOutputs
+from pagefleet_serve.messages import Request
 from pagefleet_serve.model.loader import load_tokenizer
-from pagefleet_serve.output_processor import OutputProcessor
 from pagefleet_serve.outputs import TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
+
+
+class OutputProcessor:
+    """The core's tracker and the frontend's processor joined as the engine and its
+    frontend join them: a stop string the frontend finds ends that sample in the core
+    (whose output for it the frontend then drops, as it would next step)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.core = OutputTracker()
+        self.frontend = FrontendOutputs(tokenizer)
+
+    @property
+    def requests(self):
+        return self.core.requests
+
+    def add_request(self, request_id, prompt, params, arrival):
+        self.core.add_request(request_id, prompt, params, arrival)
+        self.frontend.add_request(Request(request_id, prompt, params, arrival))
+
+    def mark_scheduled(self, seq, now):
+        self.core.mark_scheduled(seq, now)
+
+    def process(self, new_tokens, now):
+        """This step's outputs with their text, and the sequences a stop string ended."""
+        seqs = {(seq.request_id, seq.sample_index): seq for seq, _ in new_tokens}
+        outputs, stopped = [], []
+        for output in self.core.process(new_tokens, now):
+            output, stopped_samples = self.frontend.process(output)
+            for index in stopped_samples:
+                stopped.append(seqs[output.request_id, index])
+                self.core.finish(output.request_id, "stop", now, sample_index=index)
+            if output is not None:
+                outputs.append(output)
+        return outputs, stopped
+
+    def finish(self, request_id, reason, now, error=None, sample_index=None):
+        output = self.core.finish(request_id, reason, now, error, sample_index)
+        return None if output is None else self.frontend.process(output)[0]
+
 
 ANSWER = " The answer is 42. Done"
 

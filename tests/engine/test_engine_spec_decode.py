@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 from pagefleet_serve import LLM, EngineConfig, SamplingParams
+from pagefleet_serve.config import SpeculativeConfig
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.scheduler import Scheduler
 from pagefleet_serve.engine.sequence import Sequence
-from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
 from pagefleet_serve.engine.spec_decode.ngram import NgramProposer
 from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats, Speculator
 from pagefleet_serve.model.llama import LlamaForCausalLM, ModelConfig

@@ -150,12 +150,13 @@ def test_the_engine_copies_metadata_once_per_forward_pass(monkeypatch):
 def test_a_cuda_decode_step_does_not_synchronise_before_its_tokens_come_back():
     """Metadata built and copied, forward pass and logits: nothing waits for the device;
     the sampled ids' copy back is the step's one synchronisation."""
+    from pagefleet_serve.engine.device import RunnerConfig
     from pagefleet_serve.engine.model_runner import ModelRunner
     from pagefleet_serve.model.loader import load_model
 
     device = torch.device("cuda")
     loaded = load_model("builtin://smollm2-135m", torch.bfloat16)
-    runner = ModelRunner(loaded, device, torch.bfloat16, 16, "auto", "auto")
+    runner = ModelRunner(loaded, RunnerConfig(device, torch.bfloat16, 16, "auto", "auto"))
     runner.allocate_kv_cache(64)
     tables = [[2 * i, 2 * i + 1] for i in range(4)]
     runner.forward(list(range(100, 180)), [0] * 4, [20] * 4, tables)  # the prompts

@@ -16,7 +16,7 @@ import xgrammar as xgr
 from engine_prompts import SYSTEM_PROMPT
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import EngineConfig
-from pagefleet_serve.engine.llm_engine import validate_request
+from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.structured.constraint import StructuredOutputs, structural_tag_text
 from pagefleet_serve.structured.grammar import GrammarCompiler
 from slow_grammar import SlowCompiler
@@ -143,7 +143,7 @@ def test_choice_yields_one_of_the_choices(llm):
 )
 def test_a_constraint_that_cannot_compile_is_a_value_error(llm, constraint, words):
     with pytest.raises(ValueError, match=re.escape(words)):
-        llm.engine.make_request("bad", "Hi", SamplingParams(structured_outputs=constraint))
+        llm.make_request("bad", "Hi", SamplingParams(structured_outputs=constraint))
 
 
 def test_exactly_one_kind_of_constraint():
@@ -158,6 +158,9 @@ def test_a_schema_compiles_once(llm):
     first = StructuredOutputs(json=json.dumps(ANSWER), field="response_format")
     again = StructuredOutputs(json=json.dumps(ANSWER), field="guided_json")
     assert compiler.compile_async(first) is compiler.compile_async(again)
+    # One process, one compile: the frontend's validation and the core's masks share it.
+    request = llm.make_request("once", "Hi", SamplingParams(structured_outputs=first))
+    assert llm.inputs.grammar_future(request) is compiler.compile_async(again)
 
 
 def test_a_request_whose_grammar_the_engine_has_not_compiled_yet_runs(llm):
@@ -173,12 +176,23 @@ def test_a_request_whose_grammar_the_engine_has_not_compiled_yet_runs(llm):
         max_tokens=20, temperature=0, structured_outputs=StructuredOutputs(json=json.dumps(schema))
     )
     prompt = engine.tokenizer.encode(chat(llm, "Is water wet? Answer in JSON."))
-    engine.add(validate_request("uncompiled", prompt, params, engine.limits, frontend))
+    llm.add(validated(llm, frontend, "uncompiled", prompt, params))
     text, deadline = "", time.monotonic() + 60
-    while engine.has_unfinished_requests():
+    while llm.has_unfinished_requests():
         assert time.monotonic() < deadline, "the request never left the grammar queue"
-        text += "".join(o.outputs[0].text for o in engine.step() if o.outputs)
+        text += "".join(o.outputs[0].text for o in llm.step() if o.outputs)
     jsonschema.validate(json.loads(text), schema)
+
+
+def validated(llm, compiler, request_id, prompt, params):
+    """A request validated (its constraint compiled, waited for) by a frontend whose own
+    grammar compiler is `compiler`, not the engine's."""
+    engine = llm.engine
+    inputs = InputProcessor(engine.tokenizer, engine.model_name, engine.limits, compiler)
+    request = inputs.make_request(request_id, prompt, params)
+    if (compiling := inputs.grammar_future(request)) is not None:
+        compiling.result()
+    return request
 
 
 SLOW = StructuredOutputs(json=json.dumps({"title": "Slowpoke", **ANSWER}), field="response_format")
@@ -243,14 +257,12 @@ def test_a_grammar_the_core_cannot_compile_in_time_fails_only_its_request(llm, m
     prompt = engine.tokenizer.encode(chat(llm, "Is water wet? Answer in JSON."))
     try:
         slow = SamplingParams(max_tokens=20, temperature=0, structured_outputs=SLOW)
-        engine.add(validate_request("slow", prompt, slow, engine.limits, frontend))
-        engine.add(
-            validate_request("plain", prompt, SamplingParams(max_tokens=4), engine.limits, None)
-        )
+        llm.add(validated(llm, frontend, "slow", prompt, slow))
+        llm.add(validated(llm, None, "plain", prompt, SamplingParams(max_tokens=4)))
         finished, deadline = {}, time.monotonic() + 60
-        while engine.has_unfinished_requests():
+        while llm.has_unfinished_requests():
             assert time.monotonic() < deadline
-            finished |= {o.request_id: o for o in engine.step() if o.finished}
+            finished |= {o.request_id: o for o in llm.step() if o.finished}
     finally:
         core.release.set()
     assert finished["slow"].outputs[0].finish_reason == "error"
@@ -292,3 +304,34 @@ def test_the_older_structural_tag_form_is_free_text_with_triggered_tags(llm):
     assert accepts('Let me see. <f=add>{"answer": "yes", "count": 2}</f> Done.')
     assert accepts("No call at all.")
     assert not accepts('<f=add>{"answer": "maybe", "count": 2}</f>')
+
+
+def test_a_choice_holds_under_a_repetition_penalty_float32_rounds_to_zero(llm):
+    """The mask comes after the penalties: a penalty of 1e-300 is 0 in float32, and a
+    masked -inf times 0 would be a NaN that greedy argmax picks. SamplingParams refuses
+    such a value now; the sampler must hold the constraint even if one slips past."""
+    params = SamplingParams(
+        max_tokens=8,
+        temperature=0,
+        repetition_penalty=2.0,
+        structured_outputs=StructuredOutputs(choice=("yes", "no")),
+    )
+    object.__setattr__(params, "repetition_penalty", 1e-300)
+    [out] = llm.generate(chat(llm, "Is the sky blue?"), params)
+    assert out.outputs[0].text in ("yes", "no"), out.outputs[0].text
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [StructuredOutputs(choice=("yes", "no")), StructuredOutputs(json='{"type": "boolean"}')],
+)
+def test_a_constrained_sequence_ends_with_its_grammar_whatever_ignore_eos_says(llm, constraint):
+    [out] = llm.generate(
+        chat(llm, "Is the sky blue?"),
+        SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True, structured_outputs=constraint
+        ),
+    )
+    text = out.outputs[0].text
+    assert text in ("yes", "no", "true", "false"), text
+    assert out.outputs[0].finish_reason == "stop"

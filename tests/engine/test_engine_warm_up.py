@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from pagefleet_serve.engine.llm_engine import CudaMemory, kv_cache_budget
+from pagefleet_serve.engine.device import CudaMemory, RunnerConfig, kv_cache_budget
 from pagefleet_serve.engine.model_runner import ModelRunner
 from pagefleet_serve.model.loader import load_model
 
@@ -71,7 +71,9 @@ def test_the_budget_is_never_negative():
 
 def test_the_warm_up_runs_the_largest_prefill_and_decode_and_frees_its_cache():
     loaded = load_model("builtin://tiny-random", torch.float32)
-    runner = ModelRunner(loaded, torch.device("cpu"), torch.float32, 16, "auto", "auto")
+    runner = ModelRunner(
+        loaded, RunnerConfig(torch.device("cpu"), torch.float32, 16, "auto", "auto")
+    )
     # 100 tokens in sequences of at most 48: three of 33, 33 and 34 (3 blocks each).
     scratch = runner.warm_up(max_num_batched_tokens=100, max_model_len=48, max_num_seqs=8)
     assert scratch == 9 * runner.bytes_per_block
@@ -83,7 +85,7 @@ def test_the_warm_up_runs_the_largest_prefill_and_decode_and_frees_its_cache():
 def test_on_cuda_the_warm_up_peak_is_measured_and_reserved():
     device = torch.device("cuda")
     loaded = load_model("builtin://smollm2-135m", torch.bfloat16)
-    runner = ModelRunner(loaded, device, torch.bfloat16, 16, "auto", "auto")
+    runner = ModelRunner(loaded, RunnerConfig(device, torch.bfloat16, 16, "auto", "auto"))
     memory = CudaMemory(device)
     without = kv_cache_budget(memory, 0.9, lambda: 0)
     with_warm_up = kv_cache_budget(memory, 0.9, lambda: runner.warm_up(2048, 2048, 64))

@@ -115,17 +115,22 @@ class ServerProcess:
 
 
 class ThreadServer:
-    """The same app under uvicorn in a thread of this process; `.engine` is its AsyncEngine."""
+    """The same app under uvicorn in a thread of this process; `.engine` is its core client,
+    `.core` the LLMEngine the client's core thread steps."""
 
     def __init__(self, settings: dict, **engine_config) -> None:
         from pagefleet_serve.config import EngineConfig
-        from pagefleet_serve.engine.async_engine import AsyncEngine
+        from pagefleet_serve.engine.core import ThreadLink
         from pagefleet_serve.engine.llm_engine import LLMEngine
+        from pagefleet_serve.frontend.core_client import EngineCoreClient
         from pagefleet_serve.server.settings import ServerSettings
         from pagefleet_serve.server.uvicorn_server import create_server
 
         engine = LLMEngine(EngineConfig(model=MODEL, **{"dtype": "float32"} | engine_config))
-        self.engine = AsyncEngine(engine)
+        self.core = engine
+        self.engine = EngineCoreClient(
+            engine.config, ThreadLink(engine), engine.tokenizer, engine.grammar_compiler
+        )
         self.server = create_server(
             ServerSettings(served_model_names=(engine.model_name,), port=0, **settings),
             self.engine,

@@ -15,19 +15,21 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pagefleet_serve.engine.async_engine import AsyncEngine
-from pagefleet_serve.engine.core_messages import (
+from pagefleet_serve.frontend.core_client import EngineCoreClient
+from pagefleet_serve.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
     AddRequest,
     CoreFailed,
     CoreReady,
+    EngineStats,
     Heartbeat,
+    Request,
+    RequestLimits,
     RequestRejected,
     Shutdown,
     StepOutputs,
 )
-from pagefleet_serve.engine.llm_engine import EngineStats, Request
 from pagefleet_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.constraint import StructuredOutputs
@@ -89,7 +91,7 @@ def core_pid(server: ServerProcess) -> int:
                 1.5,
             )
         ),
-        CoreReady(PROTOCOL_VERSION, "smollm2", 512, 49152, 128, 64, STATS, [2]),
+        CoreReady(PROTOCOL_VERSION, "smollm2", RequestLimits(512, 49152, 128), 64, STATS, [2]),
         StepOutputs(
             [
                 RequestOutput(
@@ -135,7 +137,7 @@ def health_within(client: httpx.Client, status: int, seconds: float) -> httpx.Re
 
 
 def test_a_stalled_then_killed_core_fails_health_and_ends_the_stream(server):
-    stall_noticed_s = AsyncEngine.HEARTBEAT_TIMEOUT_S + 5
+    stall_noticed_s = EngineCoreClient.HEARTBEAT_TIMEOUT_S + 5
     pid = core_pid(server)
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         os.kill(pid, signal.SIGSTOP)  # hung: alive, but silent

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from httpx_sse import connect_sse
+from pagefleet_serve.engine.core import EngineCore
 from server_harness import ThreadServer, assert_error, read_metrics, sse_events, wait_until
 
 API_KEY = "test-secret"
@@ -65,7 +66,7 @@ def http(server):
 def idle(server):
     """After the test: nothing running or queued, every KV block free, no leaks."""
     yield
-    engine = server.engine.engine
+    engine = server.core
     wait_until(
         lambda: not engine.has_unfinished_requests() and server.state.num_queued == 0,
         30,
@@ -108,6 +109,16 @@ def test_api_key_is_required_on_v1_only(server):
         ).models.list()
     ok = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
     assert ok.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2).usage
+
+
+def test_more_than_one_authorization_header_is_refused(server):
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        for second in (AUTH["Authorization"], "Bearer nope"):
+            twice = client.get(
+                "/v1/models",
+                headers=[("Authorization", AUTH["Authorization"]), ("Authorization", second)],
+            )
+            assert_error(twice, 400, code="duplicate_header")
 
 
 # -- 400s ---------------------------------------------------------------------------------
@@ -356,7 +367,7 @@ def test_unexpected_error_is_a_500_in_openai_form(server, http, idle, monkeypatc
 # -- engine failures ----------------------------------------------------------------------
 def fail_next_steps(server, count: int, delay: float = 0.0):
     """Make the engine's next `count` model steps raise (after `delay` seconds)."""
-    runner = server.engine.engine.runner
+    runner = server.core.runner
     real = runner.execute
     left = [count]
 
@@ -394,7 +405,7 @@ def test_engine_failure_fails_only_that_request(server, http, idle):
 
 def test_health_is_503_while_a_step_hangs(server, http, idle, monkeypatch):
     monkeypatch.setattr(server.engine, "STEP_TIMEOUT_S", 0.5)
-    runner = server.engine.engine.runner
+    runner = server.core.runner
     real = runner.execute
     release = threading.Event()
 
@@ -432,7 +443,7 @@ def test_health_is_503_while_a_step_hangs(server, http, idle, monkeypatch):
 
 def test_dead_engine_turns_health_503(own_server):
     server = own_server  # it kills the engine: never the module's shared one
-    failures = server.engine.MAX_CONSECUTIVE_FAILURES
+    failures = EngineCore.MAX_CONSECUTIVE_FAILURES
     fail_next_steps(server, failures)
     with client_of(server) as http:
         for _ in range(failures):  # each request's first step fails; the last is fatal

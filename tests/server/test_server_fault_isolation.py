@@ -14,6 +14,7 @@ import httpx
 import pytest
 from inflight import StreamInFlight, run_normal
 from pagefleet_serve.engine import sampler
+from pagefleet_serve.engine.core import EngineCore
 from pagefleet_serve.structured.constraint import StructuredOutputs
 from server_harness import ThreadServer, assert_error, read_metrics, wait_until
 from slow_grammar import SlowCompiler
@@ -48,7 +49,7 @@ def healthy_after(server, http):
     """After the test: /health 200, the engine idle with every KV block free."""
     yield
     assert http.get("/health").status_code == 200
-    engine = server.engine.engine
+    engine = server.core
     wait_until(lambda: not engine.has_unfinished_requests(), 30, "the engine to go idle")
     wait_until(lambda: engine.block_manager.num_used_blocks == 0, 10, "all blocks to be free")
     engine.block_manager.check_no_leaks()
@@ -97,7 +98,7 @@ def test_a_request_the_sampler_cannot_serve_fails_alone(
     server, http, alone, healthy_after, monkeypatch
 ):
     poisoned_sampler(monkeypatch)
-    failures = server.engine.MAX_CONSECUTIVE_FAILURES + 2
+    failures = EngineCore.MAX_CONSECUTIVE_FAILURES + 2
     with StreamInFlight(server.base_url) as normal:
         for _ in range(failures):
             error = assert_error(poison_sampling_request(http), 500)
@@ -111,7 +112,7 @@ def test_a_request_the_sampler_cannot_serve_fails_alone(
 
 
 def test_a_request_the_model_fails_on_fails_alone(server, http, alone, healthy_after):
-    model = server.engine.engine.runner.model
+    model = server.core.runner.model
     real_forward = model.forward
 
     def forward(input_ids, *args, **kwargs):
@@ -124,7 +125,7 @@ def test_a_request_the_model_fails_on_fails_alone(server, http, alone, healthy_a
         with StreamInFlight(server.base_url) as normal:
             # More than MAX_CONSECUTIVE_FAILURES: each step also ran the normal stream's
             # row, which succeeded on its own, so the fault was the request's, not the engine's.
-            for _ in range(server.engine.MAX_CONSECUTIVE_FAILURES + 1):
+            for _ in range(EngineCore.MAX_CONSECUTIVE_FAILURES + 1):
                 response = http.post(
                     "/v1/completions", json={"prompt": [1, 2, POISON_TOKEN], "max_tokens": 4}
                 )
@@ -137,7 +138,7 @@ def test_a_request_the_model_fails_on_fails_alone(server, http, alone, healthy_a
 
 
 def test_step_thread_survives_errors_in_its_duties(server, http, alone, healthy_after, monkeypatch):
-    engine = server.engine.engine
+    engine = server.core
     real_stats, real_add = engine.stats, engine.add
     broken = {"stats": 3, "add": 1}
 
@@ -177,12 +178,12 @@ def test_a_grammar_that_compiles_too_long_is_a_400_and_holds_up_no_other_request
     engine = server.engine  # its frontend compiler validates every constraint
     compiler = SlowCompiler(
         engine.tokenizer,
-        engine.engine.model_config.vocab_size,
-        engine.engine.grammar_stop_token_ids,
+        server.core.model_config.vocab_size,
+        server.core.grammar_stop_token_ids,
         StructuredOutputs(json=json.dumps(slow_schema)),
         compile_timeout=4,
     )
-    monkeypatch.setattr(engine, "grammar_compiler", compiler)
+    monkeypatch.setattr(engine.inputs, "grammar_compiler", compiler)
     other_schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -247,7 +248,7 @@ def test_a_crashed_step_thread_is_reported_by_health(monkeypatch):
     """Its own server: the step loop is broken for good here."""
     broken = ThreadServer({}, kv_cache_memory_bytes=16 << 20, **ENGINE)
     try:
-        engine = broken.engine.engine
+        engine = broken.core
 
         def has_unfinished_requests():
             raise MemoryError("injected crash of the loop itself")

@@ -171,7 +171,7 @@ def test_a_body_over_the_limit_is_413(http):
 
 
 def test_queue_limit_defaults_to_the_kv_pool(server):
-    engine = server.engine.engine
+    engine = server.core
     expected = max(engine.config.max_num_seqs, engine.block_manager.num_blocks)
     assert server.state.max_num_queued == expected
 

@@ -30,7 +30,7 @@ def server():
     )
     yield running
     assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 200
-    engine = running.engine.engine
+    engine = running.core
     assert not engine.has_unfinished_requests()
     engine.block_manager.check_no_leaks()
     running.stop()

@@ -1,7 +1,7 @@
-"""The engine core: one loop that takes messages (`core_messages`), steps an `LLMEngine`
-and emits what happened, as token ids. The same class runs in a thread of the caller's
-process (`AsyncEngine(engine)`) and in a process of its own (`core_process`, what
-`pagefleet serve` uses); only how messages travel differs.
+"""The engine core: one loop that takes messages (`pagefleet_serve.messages`), steps an
+`LLMEngine` and emits what happened, as token ids. The same class runs in a thread of the
+caller's process (`ThreadLink`, a frontend's `CoreLink`) and in a process of its own
+(`core_process`, what `pagefleet serve` uses); only how messages travel differs.
 
 The loop never ends silently: each of its duties (taking requests, stepping, reading stats)
 is guarded on its own, and should the loop itself break, every request is failed and a
@@ -15,7 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from pagefleet_serve.engine.core_messages import (
+from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
+from pagefleet_serve.messages import (
     AbortRequest,
     AddRequest,
     CoreFailed,
@@ -23,7 +24,6 @@ from pagefleet_serve.engine.core_messages import (
     Shutdown,
     StepOutputs,
 )
-from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
 from pagefleet_serve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -150,3 +150,41 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - the frontend still hears why, below
             logger.exception("could not fail the requests of the failed engine one by one")
         self.emit(CoreFailed(reason))
+
+
+class ThreadLink:
+    """A core running in a thread of this process: a frontend's `CoreLink` to `engine`
+    (`EngineCoreClient(engine.config, ThreadLink(engine), engine.tokenizer,
+    engine.grammar_compiler)` shares the engine's tokenizer and grammar cache)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.ready = engine.ready()
+        self.core: EngineCore | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, on_message: Callable[[object], None], on_lost: Callable[[str], None]) -> None:
+        self.core = EngineCore(self.engine, on_message)
+        self.thread = threading.Thread(target=self.core.run, name="engine-step-loop", daemon=True)
+        self.thread.start()
+
+    def send(self, message: object) -> None:
+        self.core.submit(message)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def silent_for(self) -> float:
+        return 0.0  # the thread shares this process: it cannot stall apart from it
+
+    def step_running_s(self) -> float | None:
+        started = self.core.step_started
+        return None if started is None else time.monotonic() - started
+
+    def exit_reason(self) -> str:
+        return "the engine step thread has exited"
+
+    def close(self) -> None:
+        self.core.stop()
+        self.thread.join(timeout=10)

@@ -13,13 +13,15 @@ from pagefleet_kernels.kv_cache import (
     kv_cache_torch_dtype,
 )
 
-from pagefleet_serve.attention import get_attention_backend
+from pagefleet_serve.attention import get_kernel_backend
+from pagefleet_serve.engine.device import RunnerConfig
 from pagefleet_serve.engine.sampler import SampledToken, SampleRow, sample
 from pagefleet_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, rewind
 from pagefleet_serve.engine.step_buffers import StepBuffers, StepInputs
-from pagefleet_serve.model.llama import LlamaForCausalLM, can_prepack
+from pagefleet_serve.model.linear import can_prepack
+from pagefleet_serve.model.llama import LlamaForCausalLM
 from pagefleet_serve.model.loader import LoadedModel
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -30,31 +32,23 @@ _WARM_UP_PARAMS = SamplingParams(top_p=0.9)
 
 class ModelRunner:
     def __init__(
-        self,
-        loaded: LoadedModel,
-        device: torch.device,
-        dtype: torch.dtype,
-        block_size: int,
-        attention_backend: str,
-        kv_cache_dtype: str,
-        draft: "ModelRunner | None" = None,
-        enforce_eager: bool = True,
-        activation_quantization: str = "none",
+        self, loaded: LoadedModel, config: RunnerConfig, draft: "ModelRunner | None" = None
     ) -> None:
         """`draft`: a draft model's runner (speculative decoding). Its KV cache follows
         this one over the same block ids: a block holds both models' K/V, and every batch
         this runner runs, the draft runs too, so that every computed position (prefix-cache
         blocks, recompute, chunks) holds both."""
+        device, dtype = config.device, config.dtype
         self.device = device
         self.dtype = dtype
-        self.block_size = block_size
-        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+        self.block_size = config.block_size
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         self.config = loaded.config
         # Built without storage: the loaded tensors become the parameters (no second copy).
         with torch.device("meta"):
             self.model = LlamaForCausalLM(
                 loaded.config,
-                get_attention_backend(attention_backend, device),
+                get_kernel_backend(config.attention_backend, device),
             )
         # The model takes the weights over: with no reference left in `loaded`, a weight
         # that prepacking replaces is freed at once, not held until the caller drops it.
@@ -62,9 +56,9 @@ class ModelRunner:
         self.model.load_hf_state_dict(weights)
         del weights
         self.model.to(device=device, dtype=dtype).eval()
-        if activation_quantization == "int8":
+        if config.activation_quantization == "int8":
             self.model.use_int8_activations()
-        if not enforce_eager:
+        if not config.enforce_eager:
             self.model.compile_around_attention()
         elif device.type == "cpu" and can_prepack(dtype):
             # Inductor cannot lower a prepacked weight it did not pack itself.
@@ -77,7 +71,11 @@ class ModelRunner:
         )
         self.kv_caches: list[LayerKVCache] = []
         self.draft = draft
-        self.buffers = StepBuffers(device, block_size)
+        self.buffers = StepBuffers(device, config.block_size)
+        # Draws for the requests that set no seed, in the order of the steps' rows: the same
+        # --seed and the same requests give the same tokens (vLLM's seed). The warm-up
+        # draws from torch's default generator instead, leaving this one at its seed.
+        self.generator = torch.Generator(device=device).manual_seed(config.seed)
 
     @property
     def bytes_per_block(self) -> int:
@@ -201,7 +199,7 @@ class ModelRunner:
         }
         if plan.sample_rows:  # n > 1: a row per sample
             logits = logits.index_select(0, inputs.sample_rows)
-        tokens = sample(logits, plan.rows)
+        tokens = sample(logits, plan.rows, self.generator)
         result, k = {}, 0
         for item in plan.sampling:
             seq, drafts = item.seq, item.spec_token_ids

@@ -1,11 +1,12 @@
-"""Chat messages -> prompt text through the model's own chat template, as transformers'
-`apply_chat_template` renders it: tool definitions go in as `tools=`, assistant turns
+"""Chat messages (the API's models) -> the template's message dicts, rendered by the
+frontend's `InputProcessor.render_chat` as transformers' `apply_chat_template` renders them: tool definitions go in as `tools=`, assistant turns
 keep their `tool_calls` (arguments as objects, as templates expect them) and tool results
 keep their `tool_call_id`. A template that does not mention tools (SmolLM2's) leaves them
 out, as it does under transformers and vLLM."""
 
 import json
 
+from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.server.errors import bad_request
 from pagefleet_serve.server.protocol import ChatMessage
 
@@ -54,21 +55,14 @@ def _template_call(index: int, position: int, call) -> dict:
 
 
 def render_chat(
-    tokenizer,
+    inputs: InputProcessor,
     messages: list[dict],
     tools: list[dict] | None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> str:
+    """The frontend's chat template, its ValueError a 400 naming `messages`."""
     try:
-        return tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
-    except Exception as exc:  # noqa: BLE001 - a template raises whatever jinja raises
-        raise bad_request(
-            f"messages: the model's chat template rejected them: {exc}", param="messages"
-        ) from None
+        return inputs.render_chat(messages, tools, add_generation_prompt, continue_final_message)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None

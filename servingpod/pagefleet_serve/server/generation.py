@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagefleet_serve.engine.async_engine import AsyncEngine
-from pagefleet_serve.engine.llm_engine import Request
+from pagefleet_serve.frontend.core_client import EngineCoreClient
+from pagefleet_serve.messages import Request
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.server.metrics import RequestTracker
 
@@ -51,7 +51,7 @@ class Generation:
         """Takes queue slots from `state` for engine requests validated by `make_request`
         (APIError 429/503); they share one SamplingParams."""
         self.state = state
-        self.engine: AsyncEngine = state.engine
+        self.engine: EngineCoreClient = state.engine
         self.params = requests[0].params
         self.requests = [
             _EngineRequest(request, i, state.metrics.track()) for i, request in enumerate(requests)

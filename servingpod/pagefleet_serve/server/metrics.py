@@ -1,6 +1,7 @@
 """Prometheus series of one serving pod, under vLLM's names wherever vLLM measures the same
 thing (dashboards, KEDA/HPA rules and the Gateway API Inference Extension read them
-unchanged); ours alone carry the `pagefleet:` prefix.
+unchanged); ours alone carry the `pagefleet:` prefix. The names live in
+`pagefleet_serve.metric_names`, which the operator scrapes by too.
 
 Two sources: the engine's stats snapshot, read at scrape time (gauges and the engine's
 own counters), and each request's timestamped outputs, observed as they stream by
@@ -12,8 +13,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagefleet_serve.engine.llm_engine import EngineStats
-from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats
+from pagefleet_serve import metric_names as names
+from pagefleet_serve.messages import EngineStats, SpecDecodeStats
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.server.tracing import record_finished
 
@@ -108,26 +109,26 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.prompt_tokens = counter(names.PROMPT_TOKENS, "Prefilled prompt tokens.")
+        self.generation_tokens = counter(names.GENERATION_TOKENS, "Generated tokens.")
         self.request_success = counter(
-            "vllm:request_success", "Finished requests by finish reason.", ("finished_reason",)
+            names.REQUEST_SUCCESS, "Finished requests by finish reason.", ("finished_reason",)
         )
         self.rejected = counter(
-            "pagefleet:requests_rejected",
+            names.REQUESTS_REJECTED,
             "Requests turned away before reaching the engine.",
             ("reason",),
         )
         self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS
+            names.TIME_TO_FIRST_TOKEN_SECONDS, "Arrival to first generated token.", _TTFT_BUCKETS
         )
         self.itl = histogram(
-            "vllm:inter_token_latency_seconds",
+            names.INTER_TOKEN_LATENCY_SECONDS,
             "Time between a request's successive engine outputs.",
             _ITL_BUCKETS,
         )
         self.tpot = histogram(
-            "vllm:request_time_per_output_token_seconds",
+            names.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
             "Decode time of finished requests per output token after the first.",
             _ITL_BUCKETS,
         )
@@ -137,24 +138,24 @@ class ServerMetrics:
             _LATENCY_BUCKETS,
         )
         self.queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
+            names.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", _LATENCY_BUCKETS
         )
         self.prefill_time = histogram(
-            "vllm:request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS
+            names.REQUEST_PREFILL_TIME_SECONDS, "First scheduled to first token.", _LATENCY_BUCKETS
         )
         self.decode_time = histogram(
-            "vllm:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+            names.REQUEST_DECODE_TIME_SECONDS, "First token to last token.", _LATENCY_BUCKETS
         )
         self.inference_time = histogram(
-            "vllm:request_inference_time_seconds",
+            names.REQUEST_INFERENCE_TIME_SECONDS,
             "First scheduled to last token.",
             _LATENCY_BUCKETS,
         )
         self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Prompt length of finished requests.", _TOKEN_BUCKETS
+            names.REQUEST_PROMPT_TOKENS, "Prompt length of finished requests.", _TOKEN_BUCKETS
         )
         self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens",
+            names.REQUEST_GENERATION_TOKENS,
             "Generated tokens of finished requests.",
             _TOKEN_BUCKETS,
         )
@@ -267,34 +268,34 @@ class _EngineCollector:
             return family
 
         yield gauge(
-            "vllm:num_requests_running", "Sequences in the running batch.", stats.num_running
+            names.NUM_REQUESTS_RUNNING, "Sequences in the running batch.", stats.num_running
         )
         yield gauge(
-            "vllm:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting
+            names.NUM_REQUESTS_WAITING, "Sequences waiting to be scheduled.", stats.num_waiting
         )
         yield gauge(
-            "vllm:kv_cache_usage_perc",
+            names.KV_CACHE_USAGE_PERC,
             "Fraction of KV cache blocks in use (0-1).",
             stats.kv_cache_usage,
         )
         yield counter(
-            "vllm:prefix_cache_queries",
+            names.PREFIX_CACHE_QUERIES,
             "Prompt tokens looked up in the prefix cache.",
             stats.prefix_cache_queries,
         )
         yield counter(
-            "vllm:prefix_cache_hits",
+            names.PREFIX_CACHE_HITS,
             "Prompt tokens found in the prefix cache.",
             stats.prefix_cache_hits,
         )
         yield counter(
-            "vllm:num_preemptions",
+            names.NUM_PREEMPTIONS,
             "Sequences preempted for lack of KV blocks.",
             stats.num_preemptions,
         )
-        yield gauge("pagefleet:kv_cache_blocks", "KV cache blocks in the pool.", stats.num_blocks)
+        yield gauge(names.KV_CACHE_BLOCKS, "KV cache blocks in the pool.", stats.num_blocks)
         yield gauge(
-            "pagefleet:kv_cache_used_blocks",
+            names.KV_CACHE_USED_BLOCKS,
             "KV cache blocks held by live sequences.",
             stats.num_used_blocks,
         )
@@ -306,10 +307,10 @@ class _EngineCollector:
 def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
     """vLLM's speculative decoding counters (all zero when it is off)."""
     for name, doc, value in (
-        ("vllm:spec_decode_num_drafts", "Sequence-steps that verified drafts.", spec.num_drafts),
-        ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+        (names.SPEC_DECODE_NUM_DRAFTS, "Sequence-steps that verified drafts.", spec.num_drafts),
+        (names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Draft tokens verified.", spec.num_draft_tokens),
         (
-            "vllm:spec_decode_num_accepted_tokens",
+            names.SPEC_DECODE_NUM_ACCEPTED_TOKENS,
             "Draft tokens accepted.",
             spec.num_accepted_tokens,
         ),
@@ -318,7 +319,7 @@ def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
         family.add_metric(label, value)
         yield family
     per_position = CounterMetricFamily(
-        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
         "Accepted draft tokens by position in the draft.",
         labels=["model_name", "position"],
     )

@@ -13,7 +13,6 @@ frontend thread.
 
 import abc
 import asyncio
-import functools
 import json
 import time
 import uuid
@@ -24,8 +23,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from pagefleet_serve.engine.llm_engine import ContextLengthError
-from pagefleet_serve.engine.llm_engine import Request as EngineRequest
+from pagefleet_serve.frontend.input_processor import ContextLengthError
+from pagefleet_serve.messages import Request as EngineRequest
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.chat_template import render_chat, template_messages
@@ -101,9 +100,11 @@ class _Endpoint(abc.ABC):
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.tokenizer = state.engine.tokenizer
-        self.max_model_len = state.engine.max_model_len
-        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        self.inputs = state.engine.inputs
+        self.tokenizer = self.inputs.tokenizer
+        self.max_model_len = self.inputs.limits.max_model_len
+        self.max_prompt_chars = self.inputs.max_prompt_chars
+        self.token_text = state.engine.outputs.token_text
 
     async def __call__(self, raw: Request) -> Response:
         body = await read_json_body(raw, self.state.settings.max_request_body_bytes)
@@ -188,7 +189,7 @@ class _Endpoint(abc.ABC):
                 param=self.prompt_param,
             )
         self.check_prompt_chars(len(text))
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.inputs.tokenize(text)
 
     def check_prompt_chars(self, num_chars: int) -> None:
         """Refuse text that cannot fit the context whatever its tokens, before tokenizing."""
@@ -201,16 +202,6 @@ class _Endpoint(abc.ABC):
                 param=self.prompt_param,
                 code="context_length_exceeded",
             )
-
-    @functools.cached_property
-    def token_text(self):
-        @functools.lru_cache(maxsize=65536)
-        def token_text(token_id: int) -> str:
-            if self.tokenizer is None:
-                return f"<{token_id}>"
-            return self.tokenizer.decode([token_id])
-
-        return token_text
 
     def envelope(self, run: _Run, chunk: bool) -> dict:
         return {
@@ -370,7 +361,7 @@ class ChatCompletionsEndpoint(_Endpoint):
         tools = plan_tools(request, self.state.settings)
         messages = template_messages(request.messages)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages))
-        prompt = self.encode(render_chat(self.tokenizer, messages, tools.template_tools))
+        prompt = self.encode(render_chat(self.inputs, messages, tools.template_tools))
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -515,15 +506,6 @@ def _body_too_large(limit: int) -> APIError:
         code="request_too_large",
         headers={"Connection": "close"},
     )
-
-
-def max_prompt_chars(tokenizer, max_model_len: int) -> int:
-    """The most characters a prompt of max_model_len tokens can have: no token's text is
-    longer than its vocabulary entry (byte-level and SentencePiece pieces alike)."""
-    if tokenizer is None:
-        return 0
-    longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
-    return max_model_len * longest
 
 
 async def _unless_disconnected(raw: Request, work: Coroutine) -> bool:

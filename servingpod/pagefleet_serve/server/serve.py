@@ -14,12 +14,13 @@ from pagefleet_flags import EnvFlags
 from pagefleet_serve.config import (
     ACTIVATION_QUANTIZATIONS,
     ATTENTION_BACKENDS,
+    DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     EngineConfig,
     parse_bytes,
 )
-from pagefleet_serve.engine.cpu_placement import (
+from pagefleet_serve.cpu_placement import (
     available_cpus,
     cpu_quota,
     omp_num_threads,
@@ -102,7 +103,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     flag(
         "--attention-backend",
-        "attention implementation (auto: triton on CUDA, else torch)",
+        "kernel backend (vLLM's flag name): the attention and also the layer ops, matmul "
+        "kernels and fused layers around it; torch: PyTorch throughout, cpu: the C++ CPU "
+        "kernels, triton: the Triton ones (auto: triton on CUDA, cpu on the CPU where its "
+        "C++ extension builds, else torch)",
         default=engine("attention_backend"),
         choices=ATTENTION_BACKENDS,
     )
@@ -134,9 +138,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=engine("enforce_eager"),
     )
-    flag("--dtype", "model dtype: auto, float32, float16 or bfloat16", default=engine("dtype"))
+    flag(
+        "--dtype",
+        "model dtype (auto: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)",
+        default=engine("dtype"),
+        choices=DTYPES,
+    )
     flag("--device", "auto, cpu or cuda[:N]", default=engine("device"))
-    flag("--seed", "engine seed", type=int, default=engine("seed"))
+    flag(
+        "--seed",
+        "seed of the sampler's generator for requests that set no seed of their own: the "
+        "same seed and requests give the same outputs (a request's own seed wins)",
+        type=int,
+        default=engine("seed"),
+    )
     flag(
         "--cpu-threads-bind",
         "CPUs of the engine core process's intra-op threads: auto (4+ CPUs: all but the "
@@ -288,12 +303,12 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid configuration: %s", exc)
         return 2
 
-    from pagefleet_serve.engine.async_engine import AsyncEngine
+    from pagefleet_serve.frontend.core_client import start_core_process
     from pagefleet_serve.server.uvicorn_server import create_server
 
     try:
         with _progress(f"loading model {config.model} in the engine core process"):
-            engine = AsyncEngine.start_core_process(config, placement, args.log_level)
+            engine = start_core_process(config, placement, args.log_level)
     except (ValueError, OSError, RuntimeError) as exc:
         logger.error("cannot load model %s: %s", config.model, exc)
         return 1

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from pagefleet_serve.engine.async_engine import AsyncEngine
+from pagefleet_serve import metric_names as names
+from pagefleet_serve.frontend.core_client import EngineCoreClient
 from pagefleet_serve.server.errors import APIError, unavailable
 from pagefleet_serve.server.metrics import ServerMetrics
 from pagefleet_serve.server.settings import ServerSettings
@@ -44,7 +45,7 @@ class Admission:
 
 
 class ServerState:
-    def __init__(self, settings: ServerSettings, engine: AsyncEngine) -> None:
+    def __init__(self, settings: ServerSettings, engine: EngineCoreClient) -> None:
         self.settings = settings
         self.engine = engine
         self.draining = False
@@ -126,13 +127,13 @@ class ServerState:
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
         return {
-            "pagefleet:num_requests_queued": (
+            names.NUM_REQUESTS_QUEUED: (
                 "Requests accepted by the server that have not produced a token yet.",
                 self.num_queued,
             ),
-            "pagefleet:engine_healthy": (
+            names.ENGINE_HEALTHY: (
                 "1 while the engine loop is alive and stepping.",
                 float(self.engine.is_healthy),
             ),
-            "pagefleet:draining": ("1 once a graceful shutdown has begun.", float(self.draining)),
+            names.DRAINING: ("1 once a graceful shutdown has begun.", float(self.draining)),
         }

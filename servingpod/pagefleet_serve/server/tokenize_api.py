@@ -9,7 +9,6 @@ from pydantic import BaseModel
 
 from pagefleet_serve.server.chat_template import render_chat, template_messages
 from pagefleet_serve.server.errors import bad_request
-from pagefleet_serve.server.openai_api import max_prompt_chars
 from pagefleet_serve.server.protocol import _CONFIG, ChatMessage, Tool, parse
 from pagefleet_serve.server.state import ServerState
 
@@ -37,9 +36,11 @@ class TokenizeEndpoints:
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.tokenizer = state.engine.tokenizer
-        self.max_model_len = state.engine.max_model_len
-        self.max_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        self.inputs = state.engine.inputs
+        self.outputs = state.engine.outputs
+        self.tokenizer = self.inputs.tokenizer
+        self.max_model_len = self.inputs.limits.max_model_len
+        self.max_chars = self.inputs.max_prompt_chars
 
     def tokenize(self, body: bytes) -> dict:
         request = parse(TokenizeRequest, body)
@@ -65,10 +66,9 @@ class TokenizeEndpoints:
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"tokens: ids must be in [0, {vocab}), got {bad[0]}", param="tokens")
-        return {"prompt": self.tokenizer.decode(request.tokens)}
+        return {"prompt": self.outputs.decode(request.tokens)}
 
     def _tokens(self, request: TokenizeRequest) -> list[int]:
-        tokenizer = self.tokenizer
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
         if request.prompt is not None:
@@ -81,7 +81,7 @@ class TokenizeEndpoints:
                 )
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
             text = render_chat(
-                tokenizer,
+                self.inputs,
                 template_messages(request.messages),
                 tools,
                 request.add_generation_prompt,
@@ -93,4 +93,4 @@ class TokenizeEndpoints:
                 f"prompt: {len(text)} characters cannot fit in {self.max_model_len} tokens",
                 param="prompt",
             )
-        return tokenizer.encode(text, add_special_tokens=special)
+        return self.inputs.tokenize(text, add_special_tokens=special)

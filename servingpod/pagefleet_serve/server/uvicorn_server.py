@@ -20,7 +20,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagefleet_serve.engine.async_engine import AsyncEngine
+from pagefleet_serve.frontend.core_client import EngineCoreClient
 from pagefleet_serve.server.app import build_app
 from pagefleet_serve.server.errors import APIError
 from pagefleet_serve.server.settings import ServerSettings
@@ -147,7 +147,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def create_server(
-    settings: ServerSettings, engine: AsyncEngine, log_level: str = "info"
+    settings: ServerSettings, engine: EngineCoreClient, log_level: str = "info"
 ) -> DrainingServer:
     """A ready-to-run server for an engine (`.run()`; tests run it in a thread)."""
     state = ServerState(settings, engine)

@@ -9,22 +9,14 @@ steps, so text that does not repeat its input costs (almost) no verification.
 """
 
 import weakref
-from dataclasses import dataclass
 from typing import Protocol
 
+from pagefleet_serve.config import SpeculativeConfig
 from pagefleet_serve.engine.sequence import Sequence
-from pagefleet_serve.engine.spec_decode.config import SpeculativeConfig
 from pagefleet_serve.engine.spec_decode.ngram import NgramProposer
+from pagefleet_serve.messages import SpecDecodeStats
 
 MAX_BACKOFF_STEPS = 16
-
-
-@dataclass(frozen=True)
-class SpecDecodeStats:
-    num_drafts: int = 0  # sequence-steps that verified at least one draft token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose token i was accepted
 
 
 class Proposer(Protocol):

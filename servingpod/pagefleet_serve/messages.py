@@ -1,5 +1,7 @@
-"""What the frontend (the API process) and the engine core say to each other: plain
-dataclasses carrying token ids only, never text, pickled over a local pipe.
+"""What the frontend (the API side) and the engine core say to each other: plain
+dataclasses carrying token ids only, never text, pickled over a local pipe or handed over
+in one process. Torch-free, at the bottom of the layers: both sides import it, neither
+side's module defines it.
 
 Requests travel whole (`Request`, with its `SamplingParams` dataclass), so a field added to
 either reaches the core without a change here. `PROTOCOL_VERSION` is checked once, in the
@@ -8,16 +10,58 @@ core's `CoreReady`; bump it when a message changes shape.
 
 from dataclasses import dataclass
 
-from pagefleet_serve.engine.llm_engine import EngineStats, LLMEngine, Request
 from pagefleet_serve.outputs import RequestOutput
+from pagefleet_serve.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+
+
+# -- the data both sides share ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Request:
+    """A validated request (the frontend's `InputProcessor` made it; the core trusts it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against; the frontend gets them from the core."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    num_drafts: int = 0  # sequence-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose token i was accepted
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_used_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_kv_tokens: int  # tokens whose K/V the running sequences hold in their blocks
+    spec_decode: SpecDecodeStats = SpecDecodeStats()
 
 
 # -- frontend -> core ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AddRequest:
-    request: Request  # validated by the frontend (`validate_request`)
+    request: Request
 
 
 @dataclass(frozen=True)
@@ -35,29 +79,15 @@ class Shutdown:
 # -- core -> frontend ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CoreReady:
+    """What a frontend needs to know of the engine a core runs (the core builds it)."""
+
     version: int
     model_name: str
-    max_model_len: int
-    vocab_size: int
-    max_num_seqs: int
+    limits: RequestLimits
     num_blocks: int
     stats: EngineStats
     # What ends a structured output: the frontend compiles constraints to validate them.
     grammar_stop_token_ids: list[int]
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> "CoreReady":
-        """What a frontend needs to know of the engine a core runs."""
-        return cls(
-            PROTOCOL_VERSION,
-            engine.model_name,
-            engine.max_model_len,
-            engine.model_config.vocab_size,
-            engine.config.max_num_seqs,
-            engine.block_manager.num_blocks,
-            engine.stats(),
-            engine.grammar_stop_token_ids,
-        )
 
 
 @dataclass(frozen=True)

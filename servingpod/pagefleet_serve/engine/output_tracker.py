@@ -1,20 +1,13 @@
-"""Turns the engine core's new token ids into per-request outputs: incremental text, stop
-strings, logprobs, finish reasons, timestamps. The core never sees text; this is where
-text happens."""
+"""Turns the engine core's new token ids into per-request outputs: token ids, logprobs,
+finish reasons, timestamps, cached-token counts. Token ids only: the text (and the stop
+strings, which are matched on it) is made by the frontend's `OutputProcessor`."""
 
 from dataclasses import dataclass, field, replace
 
-from pagefleet_serve.detokenizer import SampleText
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
-
-
-@dataclass
-class _Sample:
-    text: SampleText | None  # None: no tokenizer here (a core whose frontend makes text)
-    finished: bool = False
 
 
 @dataclass
@@ -23,18 +16,16 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
-    samples: dict[int, _Sample] = field(default_factory=dict)
+    finished_samples: set[int] = field(default_factory=set)
     num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
-        done = sum(s.finished for s in self.samples.values())
-        return done == self.params.n
+        return len(self.finished_samples) == self.params.n
 
 
-class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+class OutputTracker:
+    def __init__(self) -> None:
         self.requests: dict[str, _Request] = {}
 
     def add_request(
@@ -56,18 +47,16 @@ class OutputProcessor:
 
     def process(
         self, new_tokens: list[tuple[Sequence, SampledToken]], now: float
-    ) -> tuple[list[RequestOutput], list[Sequence]]:
-        """Returns this step's outputs and the sequences a stop string has ended."""
+    ) -> list[RequestOutput]:
+        """This step's outputs, one per request that got tokens."""
         deltas: dict[str, dict[int, CompletionOutput]] = {}
-        stopped: list[Sequence] = []
         # A sequence may get several tokens in a step (accepted drafts): its finish reason
         # belongs to the last of them.
         last = {seq: i for i, (seq, _) in enumerate(new_tokens)}
         for i, (seq, token) in enumerate(new_tokens):
             request = self.requests[seq.request_id]
-            sample = request.samples.get(seq.sample_index) or self._new_sample(request, seq)
-            if sample.finished:
-                continue  # the rest of an accepted draft run after a stop string
+            if seq.sample_index in request.finished_samples:
+                continue  # ended since it was scheduled (a stop string the frontend found)
             delta = deltas.setdefault(seq.request_id, {}).setdefault(
                 seq.sample_index, CompletionOutput(seq.sample_index)
             )
@@ -76,23 +65,15 @@ class OutputProcessor:
                 entry = TokenLogprob(token.token_id, token.logprob, token.top_logprobs or [])
                 delta.logprobs = (delta.logprobs or []) + [entry]
             finish_reason = seq.finish_reason if i == last[seq] else None
-            if sample.text is not None and sample.text.add(token.token_id):
-                finish_reason = "stop"
-                if not seq.is_finished:
-                    stopped.append(seq)
-            sample.finished = finish_reason is not None
-            if sample.text is not None:
-                delta.text += sample.text.release(sample.finished)
+            if finish_reason is not None:
+                request.finished_samples.add(seq.sample_index)
             delta.finish_reason = finish_reason
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
             request.metrics.num_preemptions = max(
                 request.metrics.num_preemptions, seq.num_preemptions
             )
-        outputs = [
-            self._output(rid, list(samples.values()), now) for rid, samples in deltas.items()
-        ]
-        return outputs, stopped
+        return [self._output(rid, list(samples.values()), now) for rid, samples in deltas.items()]
 
     def finish(
         self,
@@ -110,13 +91,9 @@ class OutputProcessor:
         outputs = []
         indices = range(request.params.n) if sample_index is None else [sample_index]
         for index in indices:
-            sample = request.samples.get(index)
-            if sample is None or not sample.finished:
+            if index not in request.finished_samples:
                 outputs.append(CompletionOutput(index, finish_reason=reason))
-                if sample is not None:
-                    sample.finished = True
-                else:
-                    request.samples[index] = _Sample(None, finished=True)
+                request.finished_samples.add(index)
         output = self._output(request_id, outputs, now)
         output.error = error
         return output
@@ -138,11 +115,3 @@ class OutputProcessor:
             request.num_cached_tokens,
             replace(request.metrics),
         )
-
-    def _new_sample(self, request: _Request, seq: Sequence) -> _Sample:
-        text = None
-        if self.tokenizer is not None:
-            text = SampleText(self.tokenizer, request.prompt_token_ids, request.params)
-        sample = _Sample(text)
-        request.samples[seq.sample_index] = sample
-        return sample

@@ -1,0 +1,127 @@
+"""Text in, a validated `Request` out: the one place a prompt is templated, tokenized and
+checked before any engine core sees it.
+
+Chat messages go through the model's own chat template (`render_chat`), text through the
+one tokenization path (`tokenize`, no special tokens: the template wrote them), and the
+result is checked against the core's limits (context length, vocabulary, n) once; the core
+trusts what comes out. A structured output's constraint starts compiling here, so a bad
+one is the caller's 400, not an error the core reports after accepting the request; the
+caller waits on `grammar_future` before queueing it.
+"""
+
+import time
+from concurrent.futures import Future
+
+from pagefleet_serve.messages import Request, RequestLimits
+from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.grammar import GrammarCompiler
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus max_tokens does not fit the model's context; carries the numbers so
+    the API can word the error its own way."""
+
+    def __init__(self, max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> None:
+        self.max_model_len = max_model_len
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        super().__init__(
+            f"prompt: this model's maximum context length is {max_model_len} tokens, "
+            f"but {num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for max_tokens)"
+        )
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer,
+        model_name: str,
+        limits: RequestLimits,
+        grammar_compiler: GrammarCompiler | None,
+    ) -> None:
+        """`tokenizer` None: a model without one (token ids only, no constraints);
+        `grammar_compiler` the one this process compiles constraints with (None: none can
+        be compiled)."""
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.limits = limits
+        self.grammar_compiler = grammar_compiler
+        self.max_prompt_chars = _max_prompt_chars(tokenizer, limits.max_model_len)
+
+    # -- text -> token ids ---------------------------------------------------------------
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """Chat messages -> prompt text through the model's chat template. ValueError
+        naming `messages` when the model has none or the template rejects them."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer or chat template")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+        except Exception as exc:  # noqa: BLE001 - a template raises whatever jinja raises
+            raise ValueError(f"messages: the model's chat template rejected them: {exc}") from None
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+        """A prompt as token ids (token ids pass through). ValueError."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    # -- the one check -------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Tokenize and validate; starts compiling a structured output's constraint (wait on
+        `grammar_future` before queueing the request). Raises ValueError
+        (ContextLengthError when it does not fit the context)."""
+        prompt_token_ids = self.tokenize(prompt) if prompt else []
+        limits = self.limits
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(prompt_token_ids) + params.max_tokens > limits.max_model_len:  # cheap: first
+            raise ContextLengthError(limits.max_model_len, len(prompt_token_ids), params.max_tokens)
+        vocab = limits.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.n > limits.max_num_seqs:
+            raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
+        request = Request(request_id, prompt_token_ids, params, arrival_time or time.time())
+        self.grammar_future(request)
+        return request
+
+    def grammar_future(self, request: Request) -> Future | None:
+        """The compile of the request's constraint (None: it has none); cached, so the
+        same future for every request of one constraint. ValueError when this model
+        cannot compile one."""
+        constraint = request.params.structured_outputs
+        if constraint is None:
+            return None
+        if self.grammar_compiler is None:
+            raise ValueError(f"{constraint.field}: this model has no tokenizer to compile it with")
+        return self.grammar_compiler.compile_async(constraint)
+
+
+def _max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The most characters a prompt of max_model_len tokens can have: no token's text is
+    longer than its vocabulary entry (byte-level and SentencePiece pieces alike)."""
+    if tokenizer is None:
+        return 0
+    longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+    return max_model_len * longest

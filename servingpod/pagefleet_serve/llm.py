@@ -1,0 +1,114 @@
+"""Offline batch use: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+The same three parts as a serving pod, in one thread: the frontend's `InputProcessor`
+(template, tokenize, validate), an `LLMEngine` stepped in process, and the frontend's
+`OutputProcessor` (the one detokenizer and stop-string pipeline; a stop string it finds
+ends that sample in the engine before the next step).
+"""
+
+import itertools
+
+from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.engine.llm_engine import LLMEngine
+from pagefleet_serve.frontend.input_processor import InputProcessor
+from pagefleet_serve.frontend.output_processor import OutputProcessor
+from pagefleet_serve.messages import EngineStats, Request
+from pagefleet_serve.outputs import CompletionOutput, RequestOutput
+from pagefleet_serve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config) -> None:
+        if model is not None:
+            config["model"] = model
+        self.engine = LLMEngine(EngineConfig(**config))
+        engine = self.engine
+        self.inputs = InputProcessor(
+            engine.tokenizer, engine.model_name, engine.limits, engine.grammar_compiler
+        )
+        self.outputs = OutputProcessor(engine.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.inputs.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, continuously batched; results in prompt order.
+        A prompt is text or a list of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("sampling_params must be one per prompt")
+        requests = [
+            self.make_request(f"offline-{next(self._ids)}", prompt, params)
+            for prompt, params in zip(prompts, sampling_params, strict=True)
+        ]  # validate all before queueing any
+        results: dict[str, RequestOutput] = {}
+        for request in requests:
+            self.add(request)
+            results[request.request_id] = RequestOutput(
+                request.request_id,
+                request.prompt_token_ids,
+                [CompletionOutput(i) for i in range(request.params.n)],
+                finished=False,
+            )
+        while self.has_unfinished_requests():
+            for delta in self.step():
+                final = results[delta.request_id]
+                for sample in delta.outputs:
+                    final.outputs[sample.index].extend(sample)
+                final.finished = delta.finished
+                final.num_cached_tokens = delta.num_cached_tokens
+                final.metrics = delta.metrics
+        return [results[r.request_id] for r in requests]
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The model's chat template applied, ready for generation."""
+        return self.inputs.render_chat(messages)
+
+    # -- one request at a time, one step at a time -------------------------------------
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Request:
+        """Tokenize and validate (a structured output's constraint compiled, waited for).
+        Raises ValueError."""
+        request = self.inputs.make_request(request_id, prompt, params)
+        compiling = self.inputs.grammar_future(request)
+        if compiling is not None:
+            compiling.result()
+        return request
+
+    def add(self, request: Request) -> None:
+        self.engine.add(request)
+        self.outputs.add_request(request)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        self.add(self.make_request(request_id, prompt, params))
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request; its final output (finish reason "abort") comes with the next step."""
+        self.engine.abort_request(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step's outputs, with their text."""
+        outputs = []
+        for output in self.engine.step():
+            output, stopped = self.outputs.process(output)
+            for sample_index in stopped:
+                self.engine.abort_request(output.request_id, "stop", sample_index=sample_index)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
