@@ -60,10 +60,10 @@ def poisoned_sampler(monkeypatch):
     original top_k overflow did (a batched tensor built from every row's setting)."""
     real = sampler._sample
 
-    def sample(logits, rows):
+    def sample(logits, rows, *generator):
         if any(r.params.seed == POISON_SEED for r in rows):
             raise OverflowError("Overflow when unpacking long long")
-        return real(logits, rows)
+        return real(logits, rows, *generator)
 
     monkeypatch.setattr(sampler, "_sample", sample)
 
