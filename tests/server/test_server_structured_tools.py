@@ -240,6 +240,23 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_it(client):
     assert "cannot be compiled" in error["message"] and "nope" in error["message"], error
 
 
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "f0"}}]
+)
+def test_tools_too_large_to_constrain_are_a_400_naming_tools(client, tool_choice):
+    """Over the constraint size bound (2,000 tools, or one 256 KiB schema): the request's
+    fault, not a server error."""
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(12000)}}
+    tools = [{"type": "function", "function": {"name": "f0", "parameters": big}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=ASK, max_tokens=4, tools=tools, tool_choice=tool_choice
+        )
+    error = caught.value.body
+    assert error["param"] == "tools", error
+    assert "at most" in error["message"], error
+
+
 def test_a_structural_tag_response_format(client):
     """vLLM's `structural_tag` response format: here the answer between tags, as JSON;
     one that cannot compile is a 400 naming the field."""

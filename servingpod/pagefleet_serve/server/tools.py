@@ -98,8 +98,7 @@ def plan_tools(request, settings: ServerSettings) -> ToolPlan:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not parallel:
             schema["maxItems"] = 1
-        constraint = StructuredOutputs(json=json.dumps(schema), field="tools")
-        return ToolPlan(RequiredToolCalls(), constraint, template_tools, parallel)
+        return ToolPlan(RequiredToolCalls(), _tools_constraint(schema), template_tools, parallel)
     name = choice.function.name
     if name not in names:
         raise bad_request(
@@ -107,8 +106,16 @@ def plan_tools(request, settings: ServerSettings) -> ToolPlan:
             param="tool_choice",
         )
     parameters = tools[names.index(name)].function.parameters or _NO_PARAMETERS
-    constraint = StructuredOutputs(json=json.dumps(parameters), field="tools")
+    constraint = _tools_constraint(parameters)
     return ToolPlan(NamedToolCall(name), constraint, template_tools, False, "stop")
+
+
+def _tools_constraint(schema: dict) -> StructuredOutputs:
+    """The tools' schema as a constraint; one that is too large is the client's 400."""
+    try:
+        return StructuredOutputs(json=json.dumps(schema), field="tools")
+    except ValueError as exc:
+        raise bad_request(str(exc), param="tools") from None
 
 
 def _call_schema(name: str, parameters: dict | None) -> dict:
