@@ -31,6 +31,7 @@ from pagefleet_serve.messages import (
     CoreReady,
     EngineStats,
     Request,
+    RequestLimits,
     RequestRejected,
     StepOutputs,
 )
@@ -128,7 +129,7 @@ class EngineCoreClient:
         return self.inputs.tokenizer
 
     @property
-    def limits(self):
+    def limits(self) -> RequestLimits:
         return self.inputs.limits
 
     @property
