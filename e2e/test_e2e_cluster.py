@@ -172,6 +172,39 @@ def test_helm_test_passes(release):
     assert "InferenceService API answers" in json.dumps(result)
 
 
+def test_one_operator_holds_the_cluster_lease_and_a_second_release_is_refused(release):
+    """Issue 43, item 8: the cluster-wide operator holds kube-system's Lease, and the chart
+    refuses a second cluster-wide release (its uninstall hook would delete every
+    InferenceService, and its operator would only stand by)."""
+    lease = json.loads(
+        kubectl("-n", "kube-system", "get", "lease", "pagefleet-operator", "-o", "json").stdout
+    )
+    pods = json.loads(
+        kubectl(
+            "-n",
+            NAMESPACE,
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/component=operator",
+            "-o",
+            "json",
+        ).stdout
+    )["items"]
+    holder = lease["spec"]["holderIdentity"]
+    assert any(holder.startswith(pod["metadata"]["name"] + "_") for pod in pods), holder
+    second = f"{NAMESPACE}-second"
+    with helm.Config(namespace=second) as config:
+        try:
+            with pytest.raises(Exception, match="one PageFleet operator per scope"):
+                config.install(
+                    str(CHART), "second", {}, namespace=second, create_namespace=True, timeout=60
+                )
+        finally:
+            config.uninstall("second", timeout=120, ignore_not_found=True)
+            kubectl("delete", "namespace", second, "--wait=false", check=False)
+
+
 def kubectl_apply(resource: dict, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(
         ["kubectl", "apply", "-f", "-"],
@@ -204,6 +237,7 @@ def idle_isvc(name: str, **spec) -> dict:
 def test_names_that_would_break_the_service_are_refused(release, name, complaint):
     result = kubectl_apply(idle_isvc(name), check=False)
     assert result.returncode != 0
+    assert "metadata.name: Invalid value: metadata.name must" in result.stderr, result.stderr
     assert complaint in result.stderr, result.stderr
 
 

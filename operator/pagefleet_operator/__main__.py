@@ -1,14 +1,17 @@
 """Run the operator: `python -m pagefleet_operator [--namespace NS] ...`.
 
-kopf has no leader election: run exactly one replica (Deployment strategy Recreate).
-`python -m pagefleet_operator rbac` prints the ClusterRole it needs.
+One operator acts per scope: it holds a coordination.k8s.io Lease for it first
+(leader.py); a second one stands by. `python -m pagefleet_operator rbac` prints the
+ClusterRole it needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
+import uuid
 
 import kopf
 import yaml
@@ -23,6 +26,7 @@ from .config import (
     OperatorConfig,
 )
 from .kube import Kube, load_api_client
+from .leader import CLUSTER_LEASE_NAMESPACE, LeaderElection, Lease, LeaseTiming, lease_namespaces
 from .rbac import get_cluster_role
 from .spec import PULL_POLICIES
 from .telemetry import OperatorMetrics
@@ -79,8 +83,15 @@ def get_parser() -> argparse.ArgumentParser:
         target.add_argument(
             "--metrics-bind-address",
             default=default("0.0.0.0"),
-            help="the address --metrics-port listens on (127.0.0.1: this host only); "
-            "kopf's health endpoint takes its address from --liveness",
+            help="the address --metrics-port listens on (127.0.0.1: this host only)",
+        )
+        target.add_argument(
+            "--health-probe-bind-address",
+            default=default(None),
+            metavar="[HOST]:PORT",
+            help="where kopf's health endpoint (/healthz) listens, as controller-runtime "
+            "operators spell it (':8080' every address, '127.0.0.1:8080' this host only); "
+            "replaces --liveness",
         )
         target.add_argument(
             "--pod-monitor-by-default",
@@ -127,6 +138,12 @@ def get_parser() -> argparse.ArgumentParser:
             help="send a span per reconcile and autoscaler round to this OTLP/HTTP endpoint "
             "(e.g. http://collector:4318/v1/traces); unset: no tracing",
         )
+        target.add_argument(
+            "--leader-election-namespace",
+            default=default(CLUSTER_LEASE_NAMESPACE),
+            help="where a cluster-wide operator keeps its Lease (every cluster-wide operator "
+            "must use the same one); with --namespace, each watched namespace holds one",
+        )
         target.add_argument("-v", "--verbose", action="store_true", default=default(False))
     return parser
 
@@ -140,17 +157,52 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
         uninstall(Kube(load_api_client()), args.namespace, args.timeout)
         return 0
+    liveness_endpoint(args)  # a malformed address fails here, before anything starts
     from . import handlers  # noqa: F401  (registers the handlers with kopf)
 
     kopf.configure(verbose=args.verbose)
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_bind_address)
+    timing = LeaseTiming()
+    identity = f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    kube = Kube(load_api_client())
+    election = LeaderElection(
+        [
+            Lease(kube, namespace, identity, timing)
+            for namespace in lease_namespaces(args.namespace, args.leader_election_namespace)
+        ],
+        timing,
+    )
+    election.wait_until_leader()
+    try:
+        _run_kopf(args, metrics, stop_flag=election.lost)
+    finally:
+        election.stop()
+    return 1 if election.lost.is_set() else 0
+
+
+def liveness_endpoint(args: argparse.Namespace) -> str | None:
+    """kopf's liveness URL: from --health-probe-bind-address when given, else --liveness
+    (None: no health endpoint)."""
+    address = args.health_probe_bind_address
+    if address is None:
+        return args.liveness or None
+    host, separator, port = address.rpartition(":")
+    if not separator or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SystemExit(
+            f"--health-probe-bind-address {address!r}: expected [HOST]:PORT, e.g. ':8080'"
+        )
+    return f"http://{host or '0.0.0.0'}:{port}/healthz"
+
+
+def _run_kopf(args: argparse.Namespace, metrics: OperatorMetrics, stop_flag) -> None:
     kopf.run(
-        standalone=True,  # one replica, no peering objects
+        standalone=True,  # the Lease, not kopf's peering, keeps a second operator idle
+        stop_flag=stop_flag,
         clusterwide=not args.namespace,
         namespaces=args.namespace,
-        liveness_endpoint=args.liveness or None,
+        liveness_endpoint=liveness_endpoint(args),
         memo=kopf.Memo(
             config=OperatorConfig(
                 default_image=args.default_image,
@@ -164,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
             tracer=get_tracer(args.otlp_traces_endpoint, "pagefleet-operator"),
         ),
     )
-    return 0
 
 
 if __name__ == "__main__":

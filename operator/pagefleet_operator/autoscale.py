@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .spec import AutoscalingSpec
 
@@ -143,15 +144,16 @@ def decide(
     ready = [s for s in samples if s.ready]
     scraped = [s for s in ready if s.scraped]
     unscraped = len(ready) - len(scraped)
-    observed = {
+    observed: dict[str, Any] = {
         "scraped_pods": len(scraped),
         "unscraped_pods": unscraped,
         "held_requests": held_requests,
     }
 
     if scraped:
-        mean_kv = sum(s.kv_cache_usage for s in scraped) / len(scraped)
-        waiting = round(sum(s.num_requests_waiting for s in scraped)) + held_requests
+        # Scraped samples carry both values (`PodSample.scraped`), which mypy cannot see.
+        mean_kv = sum(s.kv_cache_usage for s in scraped) / len(scraped)  # type: ignore[misc]
+        waiting = round(sum(s.num_requests_waiting for s in scraped)) + held_requests  # type: ignore[misc]
         by_kv = _ceil(len(scraped) * mean_kv / policy.target_kv_cache_utilization)
         by_queue = _ceil(waiting / policy.target_queue_depth)
         raw = max(by_kv, by_queue)

@@ -49,6 +49,10 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         "shutdown-timeout": spec.engine.shutdown_timeout_seconds,
         **spec.engine.settings,
     }
+    if spec.adapters:
+        # Served from start-up: changing them changes the pod template, and the pods roll.
+        flags["enable-lora"] = True
+        flags["lora-modules"] = " ".join(f"{a.name}={a.uri}" for a in spec.adapters)
     env = [
         {"name": get_flag_env_name(flag), "value": _format(value)} for flag, value in flags.items()
     ]

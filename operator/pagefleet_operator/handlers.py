@@ -55,7 +55,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 
 @kopf.on.startup()
-async def wait_for_crd(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def wait_for_crd(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Hold the start until the API serves InferenceServices.
 
     With scanning off, kopf looks its resources up once, after the startup handlers: an
@@ -79,7 +79,7 @@ def _resource_attributes(body: Any) -> dict[str, str]:
     return {"k8s.namespace.name": meta["namespace"], "pagefleet.inferenceservice": meta["name"]}
 
 
-def _reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, retry: int = 0) -> None:
+def _reconcile(body: Any, memo: kopf.Memo, logger: kopf.Logger, retry: int = 0) -> None:
     # A span per reconcile (with --otlp-traces-endpoint): a failure ends it as an error.
     with maybe_span(memo.get("tracer"), "reconcile", _resource_attributes(body)) as span:
         outcome = _reconcile_once(body, memo, retry)
@@ -118,14 +118,14 @@ def _reconcile_once(body: Any, memo: kopf.Memo, retry: int) -> Outcome:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile_service(
-    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int = 0, **_: Any
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, retry: int = 0, **_: Any
 ) -> None:
     _reconcile(body, memo, logger, retry)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def resync_service(
-    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int = 0, **_: Any
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, retry: int = 0, **_: Any
 ) -> None:
     _reconcile(body, memo, logger, retry)
 
@@ -137,7 +137,7 @@ def forget_service(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.event("apps", "v1", "deployments")
-def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """A Deployment's rollout progressed, or someone edited or deleted it: reconcile its owner."""
     refs = body.get("metadata", {}).get("ownerReferences") or []
     owner = next((r for r in refs if r.get("kind") == KIND and r.get("controller")), None)
@@ -180,7 +180,7 @@ def _autoscale_round(body: Any, memo: kopf.Memo) -> Decision | None:
 
 @kopf.daemon(GROUP, VERSION, PLURAL, when=_autoscaling_enabled, cancellation_timeout=5)
 async def autoscaler(
-    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     last_failure = None
     while not stopped:

@@ -42,7 +42,7 @@ def get_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
         {"name": "model-cache", **cache},
         {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
     ]
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": "model-cache", "mountPath": CACHE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
     ]

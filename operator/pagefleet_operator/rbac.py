@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import GROUP, PLURAL
+from .leader import LEASE_NAME
 
 RULES: list[dict[str, Any]] = [
     {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
@@ -72,6 +73,14 @@ RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    # Leader election (leader.py): the Lease of each watched namespace, or the cluster's.
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "resourceNames": [LEASE_NAME],
+        "verbs": ["get", "patch"],
+    },
 ]
 
 

@@ -86,6 +86,7 @@ def parse_resource(
     rejected: a bad spec, or a name the objects cannot carry. The reconciler reports the
     problem as Degraded; the autoscaler parses through this too, with the same
     `spec_options` (OperatorConfig.spec_options), and leaves a rejected service alone."""
+    problem: Problem | None
     try:
         spec = parse_spec(body.get("spec") or {}, **spec_options)
     except SpecError as exc:

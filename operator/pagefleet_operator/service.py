@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .names import HTTP_PORT, HTTP_PORT_NAME, get_object_meta, get_selector_labels
@@ -38,7 +39,7 @@ def get_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, A
     }
 
 
-def get_url(body: dict[str, Any], spec: InferenceServiceSpec) -> str:
+def get_url(body: Mapping[str, Any], spec: InferenceServiceSpec) -> str:
     """Where clients reach the service: the Ingress host if any, else the cluster DNS name."""
     if spec.ingress is not None:
         scheme = "https" if spec.ingress.tls_secret_name else "http"

@@ -22,7 +22,7 @@ from pagefleet_serve.config import (
     KV_CACHE_DTYPES,
     SpeculativeConfig,
 )
-from pagefleet_serve.model.uri import ModelURI, ModelURIError, parse_model_uri
+from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURI, ModelURIError, parse_model_uri
 
 from .config import DEFAULT_ROUTER_IMAGE
 
@@ -32,6 +32,8 @@ URI_SCHEMES = ("hf://", "pvc://", "file://", "builtin://")
 BUILTIN_MODELS = ("builtin://smollm2-135m",)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 _KV_CACHE_MEMORY = re.compile(BYTE_SIZE_PATTERN)
+# An adapter's name is what requests send as their model: a DNS-1123 label, as the CRD says.
+_ADAPTER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 class SpecError(ValueError):
@@ -61,6 +63,14 @@ class EngineSpec:
     api_key_secret_ref: Mapping[str, str] | None
     extra_args: tuple[str, ...]
     env: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter the pods serve (spec.adapters); requests name it as their model."""
+
+    name: str
+    uri: str  # as the pod reads it: a pvc:// on the model's claim becomes its mounted path
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,7 @@ class InferenceServiceSpec:
     router: RouterSpec = field(default_factory=RouterSpec)
     # Pods run as uid/gid/fsGroup 1000; False leaves them to the platform (OpenShift).
     fixed_user_ids: bool = True
+    adapters: tuple[AdapterSpec, ...] = ()
 
     @property
     def pvc_claim(self) -> str | None:
@@ -228,6 +239,8 @@ def _parse_engine(
         "kv-cache-memory": kv_memory,
         "enable-prefix-caching": prefix_caching,
         "speculative-config": _speculative_config(engine),
+        "max-loras": _get_int(engine, "maxLoras", path, minimum=1),
+        "max-lora-rank": _get_int(engine, "maxLoraRank", path, minimum=1),
     }
     secret_ref = _get(engine, "apiKeySecretRef", path, dict)
     if secret_ref is not None and not (secret_ref.get("name") and secret_ref.get("key")):
@@ -267,6 +280,40 @@ def _speculative_config(engine: Mapping[str, Any]) -> str | None:
             "file:/// or builtin://",
         )
     return json.dumps(snake, sort_keys=True)
+
+
+def _parse_adapters(spec: Mapping[str, Any], model: ModelSpec) -> tuple[AdapterSpec, ...]:
+    """spec.adapters: names unique DNS-1123 labels other than the model's served name,
+    URIs the engine's (a pvc:// one on the model's claim, the only one mounted)."""
+    adapters: list[AdapterSpec] = []
+    for index, item in enumerate(_get(spec, "adapters", "", list, [])):
+        path = f"adapters[{index}]"
+        if not isinstance(item, dict):
+            raise SpecError(path, f"must be an object with name and uri, got {item!r}")
+        name, uri = _get(item, "name", path, str), _get(item, "uri", path, str)
+        if not name or len(name) > 63 or not _ADAPTER_NAME.match(name):
+            raise SpecError(
+                f"{path}.name", f"{name!r} must be a DNS-1123 label (a-z, 0-9, '-'; <= 63)"
+            )
+        if name == model.served_name or name in {a.name for a in adapters}:
+            raise SpecError(f"{path}.name", f"{name!r} is already the name of a model")
+        if not uri:
+            raise SpecError(f"{path}.uri", "is required")
+        try:
+            parsed = parse_model_uri(uri)
+        except ModelURIError as exc:
+            raise SpecError(f"{path}.uri", str(exc)) from exc
+        if parsed.scheme == "builtin":
+            raise SpecError(f"{path}.uri", f"{uri!r} is a model, not an adapter")
+        if parsed.scheme == "pvc":
+            if parsed.claim != model.parsed.claim:
+                raise SpecError(
+                    f"{path}.uri",
+                    "a pvc:// adapter must be on spec.model's claim (the only one mounted)",
+                )
+            uri = f"file://{PVC_MOUNT_DIR}/{parsed.path}".rstrip("/")
+        adapters.append(AdapterSpec(name, uri))
+    return tuple(adapters)
 
 
 def _parse_autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
@@ -401,8 +448,9 @@ def parse_spec(
         _parse_router(spec, router_image, allowed_image_prefixes),
     )
     _check_scale_to_zero(autoscaling, router)
+    model = _parse_model(spec)
     return InferenceServiceSpec(
-        model=_parse_model(spec),
+        model=model,
         engine=_parse_engine(
             spec, default_image, default_image_pull_policy, allowed_image_prefixes
         ),
@@ -417,4 +465,5 @@ def parse_spec(
         monitoring=_parse_monitoring(spec, pod_monitor_default),
         router=router,
         fixed_user_ids=fixed_user_ids,
+        adapters=_parse_adapters(spec, model),
     )

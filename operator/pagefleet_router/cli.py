@@ -110,6 +110,30 @@ def get_parser() -> argparse.ArgumentParser:
         default=router.connect_timeout_s,
     )
     flag(
+        "--max-request-body-bytes",
+        "request bodies larger than this many bytes get 413 (the pod's cap)",
+        type=int,
+        default=router.max_request_body_bytes,
+    )
+    flag(
+        "--header-read-timeout",
+        "seconds a connection has to send a request's headers before it is closed",
+        type=float,
+        default=router.header_read_timeout_s,
+    )
+    flag(
+        "--body-read-timeout",
+        "seconds a request has to send its body after its headers (then 408 and close)",
+        type=float,
+        default=router.body_read_timeout_s,
+    )
+    flag(
+        "--prefix-scan-bytes",
+        "leading bytes of a body parsed for its prompt prefix",
+        type=int,
+        default=router.prefix_scan_bytes,
+    )
+    flag(
         "--scale-from-zero",
         "this InferenceService (in --namespace) is raised from 0 to 1 replica through its "
         "scale subresource when a request arrives and no pod is ready; the request is held",
@@ -165,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             connect_timeout_s=args.connect_timeout,
             max_held_requests=args.max_held_requests,
             hold_timeout_s=args.hold_timeout,
+            max_request_body_bytes=args.max_request_body_bytes,
+            header_read_timeout_s=args.header_read_timeout,
+            body_read_timeout_s=args.body_read_timeout,
+            prefix_scan_bytes=args.prefix_scan_bytes,
         )
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)
@@ -178,14 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tracing = None if tracer is None else RequestTracing(tracer)
     router = Router(settings, *_discovery_and_waker(args, parser), tracing=tracing)
-    # handler_cancellation: a client that leaves cancels its handler, which closes the
-    # upstream request even while the pod has sent nothing yet (queued, prefilling).
     web.run_app(
         router.create_app(),
         host=settings.host,
         port=settings.port,
-        access_log=None,
-        handler_cancellation=True,
+        **router.server_options(),
         # aiohttp's banner, first line only: it names the port bound (with --port 0 too).
         print=lambda banner: logger.info("%s", banner.splitlines()[0].strip("= ")),
     )

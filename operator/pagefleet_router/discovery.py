@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,10 @@ def parse_pod_metrics(text: str) -> PodMetrics:
     return PodMetrics(**values)
 
 
+# How long a pod that answered with a server error is routed around.
+FAILING_FOR_S = 10.0
+
+
 class PodRegistry:
     """The pods discovery lists, each with its last scraped metrics, when they were
     scraped, and this router's in-flight requests to it."""
@@ -78,6 +83,7 @@ class PodRegistry:
         self._clock = clock
         self._metrics: dict[str, tuple[PodMetrics, float] | None] = {}
         self._in_flight: dict[str, int] = {}
+        self._errors: dict[str, float] = {}  # when each pod last answered with a 5xx
 
     def set_endpoints(self, urls: list[str]) -> list[str]:
         """Replace the pod list; returns the pods that vanished."""
@@ -98,6 +104,14 @@ class PodRegistry:
         next successful scrape, so the policy prefers other pods."""
         self.update(url, None)
 
+    def record_answer(self, url: str, status: int) -> None:
+        """A pod answered a request: a server error marks it failing for FAILING_FOR_S
+        (then one request tries it again); any other answer clears the mark."""
+        if status >= 500:
+            self._errors[url] = self._clock()
+        else:
+            self._errors.pop(url, None)
+
     def acquire(self, url: str) -> None:
         self._in_flight[url] = self._in_flight.get(url, 0) + 1
 
@@ -109,8 +123,9 @@ class PodRegistry:
         states = []
         for url, scraped in self._metrics.items():
             in_flight = self._in_flight.get(url, 0)
+            failing = now - self._errors.get(url, -math.inf) < FAILING_FOR_S
             if scraped is None:
-                states.append(PodState(url=url, in_flight=in_flight))
+                states.append(PodState(url=url, in_flight=in_flight, failing=failing))
                 continue
             metrics, at = scraped
             states.append(
@@ -121,6 +136,7 @@ class PodRegistry:
                     kv_cache_usage=metrics.kv_cache_usage,
                     metrics_age_s=now - at,
                     in_flight=in_flight,
+                    failing=failing,
                 )
             )
         return states

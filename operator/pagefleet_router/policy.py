@@ -33,6 +33,8 @@ class PodState:
     kv_cache_usage: float = 0.0
     metrics_age_s: float | None = None
     in_flight: int = 0  # this router's requests to the pod right now
+    # It answered a recent request with a server error: its prefixes go elsewhere.
+    failing: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ def choose_pod(
     `last_served(block_hash)` names the pod that most recently served that block."""
     if not pods:
         return None
+    # A pod that answers with errors while its /metrics looks fine would keep every prompt
+    # whose prefix it served; it takes traffic again only when every pod is failing.
+    pods = [p for p in pods if not p.failing] or list(pods)
     fresh = [p for p in pods if is_fresh(p, config)]
     # With no fresh metrics anywhere (scrapes failing), route on this router's own
     # in-flight counts rather than refuse: the pods' own limits still apply.

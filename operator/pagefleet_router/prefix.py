@@ -42,11 +42,13 @@ def _message_text(message: dict) -> str:
 
 def block_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
     """sha256 of each full leading block chained over its parent's hash, like the pods'
-    prefix cache: equal hash at block i means equal text up to the end of block i."""
+    prefix cache: equal hash at block i means equal text up to the end of block i. JSON
+    may carry a lone surrogate (`"\\ud800"`), which strict UTF-8 cannot encode."""
     hashes: list[bytes] = []
     parent = b""
     for start in range(0, min(len(text) // block_chars, max_blocks) * block_chars, block_chars):
-        parent = hashlib.sha256(parent + text[start : start + block_chars].encode()).digest()
+        block = text[start : start + block_chars].encode("utf-8", "surrogatepass")
+        parent = hashlib.sha256(parent + block).digest()
         hashes.append(parent)
     return hashes
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from .bounded_json import parse_prefix
 from .discovery import Discovery, PodRegistry, ScrapeSettings, refresh
 from .metrics import RouterMetrics
 from .policy import Decision, PolicyConfig, choose_pod, is_fresh
@@ -43,8 +44,9 @@ PROXIED_ROUTES = (
     ("GET", "/v1/models"),
 )
 _ATTEMPTS = 2  # the first pod, then one other when the first fails before any byte
-# aiohttp's default (1 MiB) would refuse long-context prompts the pods accept.
-_MAX_REQUEST_BYTES = 64 << 20
+# Prompt parts nest a few levels (messages, content parts); the prefix code serializes
+# nested parts again, so deeper bodies get no prefix rather than a deep recursion.
+_MAX_PREFIX_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -61,14 +63,34 @@ class RouterSettings:
     # for the first pod, and for how long.
     max_held_requests: int = 256
     hold_timeout_s: float = 300.0
+    # The pod's limits (`pagefleet serve`'s flags of the same names): a body over the cap
+    # is a 413 before it is read whole; a client has this long to send its headers (also
+    # between requests on a kept-alive connection), then its body.
+    max_request_body_bytes: int = 4 << 20
+    header_read_timeout_s: float = 10.0
+    body_read_timeout_s: float = 30.0
+    # Only this much of a body is parsed for its prompt prefix: enough for the hashed
+    # blocks, and a bounded cost on the event loop whatever the body's size.
+    prefix_scan_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
-        for name in ("block_chars", "max_prefix_blocks", "prefix_table_size"):
+        for name in (
+            "block_chars",
+            "max_prefix_blocks",
+            "prefix_table_size",
+            "max_request_body_bytes",
+            "prefix_scan_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_held_requests < 0:
             raise ValueError(f"max_held_requests must be >= 0, got {self.max_held_requests}")
-        for name in ("connect_timeout_s", "hold_timeout_s"):
+        for name in (
+            "connect_timeout_s",
+            "hold_timeout_s",
+            "header_read_timeout_s",
+            "body_read_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -82,6 +104,14 @@ class Waker(Protocol):
     pod is ready (the router learns that from discovery and the pod's /metrics)."""
 
     async def wake(self) -> None: ...
+
+
+class _Refused(Exception):
+    """A request the router answers itself (its body too large or too slow): the
+    response to send."""
+
+    def __init__(self, response: web.Response) -> None:
+        self.response = response
 
 
 class _NotHeld(Exception):
@@ -117,7 +147,7 @@ class Router:
         self._held = 0
 
     def create_app(self) -> web.Application:
-        app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
+        app = web.Application(client_max_size=self.settings.max_request_body_bytes)
         for method, path in PROXIED_ROUTES:
             app.router.add_route(method, path, self.forward)
         app.router.add_get("/health", self.health)
@@ -126,6 +156,19 @@ class Router:
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
+
+    def server_options(self) -> dict[str, Any]:
+        """aiohttp's server options for the app (web.run_app, web.AppRunner).
+
+        handler_cancellation: a client that leaves cancels its handler, which closes the
+        upstream request even while the pod has sent nothing yet (queued, prefilling).
+        aiohttp closes a connection that has not sent a whole request's headers within
+        its keep-alive timeout of opening or of its last response: the header timeout."""
+        return {
+            "handler_cancellation": True,
+            "keepalive_timeout": self.settings.header_read_timeout_s,
+            "access_log": None,
+        }
 
     async def _start(self, _app: web.Application) -> None:
         # No total timeout: a stream lasts as long as its generation.
@@ -189,7 +232,10 @@ class Router:
 
     async def _forward(self, request: web.Request, span: Any | None) -> web.StreamResponse:
         arrived = time.monotonic()
-        body = await request.read()
+        try:
+            body = await self._read_body(request)
+        except _Refused as refused:
+            return refused.response
         if self.waker is not None and not self._pod_ready.is_set():
             try:
                 await self._hold()
@@ -219,6 +265,7 @@ class Router:
             self.registry.acquire(decision.url)
             try:
                 upstream = await self._open_upstream(request, decision.url, body, attempt)
+                self.registry.record_answer(decision.url, upstream.status)
                 try:
                     if upstream.status == 200:
                         self.prefix_table.record(hashes, decision.url)
@@ -269,11 +316,46 @@ class Router:
             self.metrics.held.set(self._held)
             self.metrics.hold_time.observe(time.monotonic() - started)
 
-    def _prefix_hashes(self, path: str, body: bytes) -> list[bytes]:
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body (it is sent again on a retry), refused with the pod's 413
+        before it is read past the cap, and with a 408 when it is slower than the body
+        timeout. Either answer closes the connection (aiohttp reads and drops what the
+        client still sends for a few seconds first, so that it sees the answer and not a
+        reset)."""
+        limit = self.settings.max_request_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _body_too_large(limit)
+        body = bytearray()
+
+        async def read() -> None:
+            async for chunk in request.content.iter_any():
+                body.extend(chunk)
+                if len(body) > limit:
+                    raise _body_too_large(limit)
+
         try:
-            payload = json.loads(body) if body else None
-        except ValueError:
-            return []  # the pod answers the malformed body with its own error
+            await asyncio.wait_for(read(), self.settings.body_read_timeout_s)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            timeout = self.settings.body_read_timeout_s
+            message = f"the request body did not arrive within {timeout:g}s"
+            response = _error(408, message, "request_timeout", kind="invalid_request_error")
+            raise _Refused(_closing(response)) from None
+        return bytes(body)
+
+    def _prefix_hashes(self, path: str, body: bytes) -> list[bytes]:
+        """The prompt prefix's block hashes from the body's first prefix_scan_bytes; a
+        body that is not JSON, too deep or not an object has no prefix (the pod answers
+        it with its own error)."""
+        scanned = body[: self.settings.prefix_scan_bytes]
+        cut = len(scanned) < len(body)
+        try:
+            payload = parse_prefix(
+                scanned.decode(errors="ignore" if cut else "strict"),
+                cut=cut,
+                max_depth=_MAX_PREFIX_DEPTH,
+            )
+        except ValueError:  # UnicodeDecodeError included
+            return []
         if not isinstance(payload, dict):
             return []
         text = prompt_text(path, payload)
@@ -363,9 +445,24 @@ class Router:
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+def _error(status: int, message: str, code: str, kind: str = "server_error") -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return web.json_response(body, status=status)
+
+
+def _body_too_large(limit: int) -> _Refused:
+    message = (
+        f"the request body is larger than this server accepts ({limit} bytes; "
+        f"router --max-request-body-bytes)"
+    )
+    response = _error(413, message, "request_too_large", kind="invalid_request_error")
+    return _Refused(_closing(response))
+
+
+def _closing(response: web.Response) -> web.Response:
+    response.headers["Connection"] = "close"
+    response.force_close()
+    return response
 
 
 def _error_event(message: str) -> bytes:

@@ -52,3 +52,24 @@ def test_the_metrics_listener_binds_the_address_given():
     assert parse(["run", "--metrics-bind-address", "127.0.0.1"]).metrics_bind_address == (
         "127.0.0.1"
     )
+
+
+def test_the_health_probe_binds_the_address_given():
+    """--health-probe-bind-address (controller-runtime's flag) puts kopf's /healthz on
+    that address; a malformed one is a readable error before anything starts."""
+    from pagefleet_operator.__main__ import get_parser, liveness_endpoint
+
+    parse = get_parser().parse_args
+    assert liveness_endpoint(parse([])) == "http://0.0.0.0:8080/healthz"  # --liveness's default
+    assert liveness_endpoint(parse(["--liveness", ""])) is None
+    flag = ["run", "--health-probe-bind-address"]
+    assert liveness_endpoint(parse([*flag, "127.0.0.1:9440"])) == "http://127.0.0.1:9440/healthz"
+    assert liveness_endpoint(parse([*flag, ":8081"])) == "http://0.0.0.0:8081/healthz"
+    result = subprocess.run(
+        [sys.executable, "-m", "pagefleet_operator", *flag, "8081"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "--health-probe-bind-address '8081': expected [HOST]:PORT" in result.stderr

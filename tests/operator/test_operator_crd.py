@@ -1,19 +1,18 @@
-"""The CRD: structurally valid, defaults applied, bad input rejected, objects valid.
+"""The CRD: structurally valid, defaults applied, bad input rejected with the messages
+kube-apiserver gives, objects valid.
 
-The API server is not available here, so its checks are reproduced: the
-openAPIV3Schema through jsonschema (draft 4, like OpenAPI 3.0's boolean
-exclusiveMinimum), CEL rules through cel-python, unknown fields as kubectl's strict
-field validation rejects them, and defaulting as structural schemas do. Built-in
-objects are checked against Kubernetes' own OpenAPI schemas with kubernetes-validate.
+The API server is not available here, so its admission is reproduced in
+apiserver_validation.py: strict field validation, structural defaulting, the schema's
+checks in kube-openapi's and apiextensions-apiserver's words, and the CEL rules through
+cel-python, reported at their fieldPath. Built-in objects are checked against
+Kubernetes' own OpenAPI schemas with kubernetes-validate.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
-import celpy
-import jsonschema
+import apiserver_validation
 import kubernetes_validate
 import pytest
 from operator_samples import CRD_PATH, DEFAULT_IMAGE, EXAMPLES, load_yaml, make_body
@@ -33,57 +32,9 @@ VERSION = CRD["spec"]["versions"][0]
 SCHEMA = VERSION["schema"]["openAPIV3Schema"]
 
 
-def apply_defaults(schema: dict, value):
-    """Structural defaulting: fill missing properties that declare a default, recursively."""
-    if isinstance(value, dict):
-        for key, sub in schema.get("properties", {}).items():
-            if key not in value and "default" in sub:
-                value[key] = copy.deepcopy(sub["default"])
-            if key in value:
-                value[key] = apply_defaults(sub, value[key])
-    elif isinstance(value, list) and "items" in schema:
-        value = [apply_defaults(schema["items"], item) for item in value]
-    return value
-
-
-def unknown_fields(schema: dict, value, path: str = "") -> list[str]:
-    if schema.get("x-kubernetes-preserve-unknown-fields"):
-        return []
-    found = []
-    if isinstance(value, dict) and "properties" in schema:
-        for key, item in value.items():
-            if key not in schema["properties"]:
-                found.append(f"{path}.{key}")
-            else:
-                found += unknown_fields(schema["properties"][key], item, f"{path}.{key}")
-    elif isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            found += unknown_fields(schema["items"], item, f"{path}[{i}]")
-    return found
-
-
-def cel_failures(schema: dict, value) -> list[str]:
-    failures = []
-    for rule in schema.get("x-kubernetes-validations", []):
-        env = celpy.Environment()
-        program = env.program(env.compile(rule["rule"]))
-        if not program.evaluate({"self": celpy.json_to_cel(value)}):
-            failures.append(rule["message"])
-    if isinstance(value, dict):
-        for key, sub in schema.get("properties", {}).items():
-            if key in value:
-                failures += cel_failures(sub, value[key])
-    return failures
-
-
 def admit(obj: dict) -> tuple[dict, list[str]]:
     """What the API server would store, and why it would refuse it (empty when admitted)."""
-    obj = apply_defaults(SCHEMA, copy.deepcopy(obj))
-    errors = [e.message for e in jsonschema.Draft4Validator(SCHEMA).iter_errors(obj)]
-    errors += [f"unknown field {f}" for f in unknown_fields(SCHEMA, obj)]
-    if not errors:
-        errors += cel_failures(SCHEMA, obj)
-    return obj, errors
+    return apiserver_validation.admit(SCHEMA, obj)
 
 
 def resource(spec: dict) -> dict:
@@ -167,40 +118,230 @@ def test_defaults_are_filled():
     }
 
 
+SPEC = SCHEMA["properties"]["spec"]["properties"]
+URI_PATTERN = SPEC["model"]["properties"]["uri"]["pattern"]
+DRAFT_PATTERN = ENGINE["speculative"]["properties"]["model"]["pattern"]
+QUANTITY_PATTERN = SPEC["resources"]["properties"]["limits"]["additionalProperties"]["pattern"]
+BLOCKED = apiserver_validation.BLOCKED_NOTE
+
+
+def too_small(path: str, value, bound, exclusive: bool = False) -> str:
+    relation = "greater than" if exclusive else "greater than or equal to"
+    return f"{path}: Invalid value: {value}: {path} in body should be {relation} {bound}"
+
+
+def mismatch(path: str, value: str, pattern: str) -> str:
+    return f"{path}: Invalid value: \"{value}\": {path} in body should match '{pattern}'"
+
+
 @pytest.mark.parametrize(
-    ("spec", "complaint"),
+    ("spec", "expected"),
     [
-        ({"model": {}}, "'uri' is a required property"),
-        ({}, "'model' is a required property"),
-        ({"model": {"uri": "s3://bucket/model"}}, "does not match"),
-        ({"model": {"uri": "builtin://gpt-5"}}, "does not match"),
-        ({**BUILTIN, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "must not exceed"),
-        ({**BUILTIN, "autoscaling": {"minReplicas": 5}}, "must not exceed"),  # default max 4
-        ({**BUILTIN, "autoscaling": {"targetKVCacheUtilization": -0.2}}, "minimum"),
-        ({**BUILTIN, "autoscaling": {"targetKVCacheUtilization": 0}}, "minimum"),
-        ({**BUILTIN, "autoscaling": {"targetQueueDepth": -4}}, "less than the minimum"),
+        ({"model": {}}, ["spec.model.uri: Required value", BLOCKED]),
+        ({}, ["spec.model: Required value", BLOCKED]),
+        (
+            {"model": {"uri": "s3://bucket/model"}},
+            [mismatch("spec.model.uri", "s3://bucket/model", URI_PATTERN)],
+        ),
+        (
+            {"model": {"uri": "builtin://gpt-5"}},
+            [mismatch("spec.model.uri", "builtin://gpt-5", URI_PATTERN)],
+        ),
+        (
+            {"model": {"uri": "hf://org/" + "m" * 1020}},
+            [
+                "spec.model.uri: Too long: may not be more than 1024 bytes",
+                BLOCKED,
+            ],
+        ),
+        (
+            {**BUILTIN, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+            [
+                "spec.autoscaling.minReplicas: Invalid value: autoscaling.minReplicas must not "
+                "exceed autoscaling.maxReplicas"
+            ],
+        ),
+        (  # the default maxReplicas is 4
+            {**BUILTIN, "autoscaling": {"minReplicas": 5}},
+            [
+                "spec.autoscaling.minReplicas: Invalid value: autoscaling.minReplicas must not "
+                "exceed autoscaling.maxReplicas"
+            ],
+        ),
+        (
+            {**BUILTIN, "autoscaling": {"targetKVCacheUtilization": -0.2}},
+            [too_small("spec.autoscaling.targetKVCacheUtilization", -0.2, 0, exclusive=True)],
+        ),
+        (
+            {**BUILTIN, "autoscaling": {"targetKVCacheUtilization": 0}},
+            [too_small("spec.autoscaling.targetKVCacheUtilization", 0, 0, exclusive=True)],
+        ),
+        (
+            {**BUILTIN, "autoscaling": {"targetQueueDepth": -4}},
+            [too_small("spec.autoscaling.targetQueueDepth", -4, 1)],
+        ),
         (
             {**BUILTIN, "autoscaling": {"scaleDownStabilizationSeconds": -1}},
-            "less than the minimum",
+            [too_small("spec.autoscaling.scaleDownStabilizationSeconds", -1, 0)],
         ),
-        ({**BUILTIN, "replicas": -1}, "less than the minimum"),
-        ({**BUILTIN, "autoscaling": {"minReplicas": -1}}, "less than the minimum"),
-        ({**BUILTIN, "router": {"replicas": 0}}, "less than the minimum"),
-        ({**BUILTIN, "router": {"holdTimeoutSeconds": 0}}, "less than the minimum"),
-        ({**BUILTIN, "router": {"maxHeld": 3}}, "unknown field .spec.router.maxHeld"),
-        ({**BUILTIN, "engine": {"kvCacheDtype": "fp4"}}, "is not one of"),
-        ({**BUILTIN, "engine": {"speculative": {"model": "pvc://claim/draft"}}}, "does not match"),
-        ({**BUILTIN, "engine": {"speculative": {"method": "eagle"}}}, "is not one of"),
-        ({**BUILTIN, "engine": {"gpuMemoryUtilization": 1.2}}, "maximum"),
-        ({**BUILTIN, "engine": {"maxNumSeq": 8}}, "unknown field .spec.engine.maxNumSeq"),
-        ({**BUILTIN, "replica": 2}, "unknown field .spec.replica"),
-        ({**BUILTIN, "modelCache": {"pvcName": "a", "sizeLimit": "1Gi"}}, "not both"),
-        ({**BUILTIN, "resources": {"limits": {"memory": "lots"}}}, "does not match"),
+        ({**BUILTIN, "replicas": -1}, [too_small("spec.replicas", -1, 0)]),
+        (
+            {**BUILTIN, "autoscaling": {"minReplicas": -1}},
+            [too_small("spec.autoscaling.minReplicas", -1, 0)],
+        ),
+        ({**BUILTIN, "router": {"replicas": 0}}, [too_small("spec.router.replicas", 0, 1)]),
+        (
+            {**BUILTIN, "router": {"holdTimeoutSeconds": 0}},
+            [too_small("spec.router.holdTimeoutSeconds", 0, 1)],
+        ),
+        (
+            {**BUILTIN, "router": {"maxHeld": 3}},
+            ['strict decoding error: unknown field "spec.router.maxHeld"'],
+        ),
+        (
+            {**BUILTIN, "engine": {"kvCacheDtype": "fp4"}},
+            [
+                'spec.engine.kvCacheDtype: Unsupported value: "fp4": supported values: '
+                '"auto", "fp8", "int8"',
+                BLOCKED,
+            ],
+        ),
+        (
+            {**BUILTIN, "engine": {"speculative": {"model": "pvc://claim/draft"}}},
+            [mismatch("spec.engine.speculative.model", "pvc://claim/draft", DRAFT_PATTERN)],
+        ),
+        (
+            {**BUILTIN, "engine": {"speculative": {"method": "eagle"}}},
+            [
+                'spec.engine.speculative.method: Unsupported value: "eagle": supported '
+                'values: "ngram", "draft_model"',
+                BLOCKED,
+            ],
+        ),
+        (
+            {**BUILTIN, "engine": {"gpuMemoryUtilization": 1.2}},
+            [
+                "spec.engine.gpuMemoryUtilization: Invalid value: 1.2: "
+                "spec.engine.gpuMemoryUtilization in body should be less than or equal to 1"
+            ],
+        ),
+        (
+            {**BUILTIN, "engine": {"maxNumSeq": 8}},
+            ['strict decoding error: unknown field "spec.engine.maxNumSeq"'],
+        ),
+        ({**BUILTIN, "replica": 2}, ['strict decoding error: unknown field "spec.replica"']),
+        (
+            {**BUILTIN, "replicas": "two"},
+            [
+                'spec.replicas: Invalid value: "string": spec.replicas in body must be of '
+                'type integer: "string"',
+                BLOCKED,
+            ],
+        ),
+        (
+            {**BUILTIN, "modelCache": {"pvcName": "a", "sizeLimit": "1Gi"}},
+            [
+                "spec.modelCache.sizeLimit: Forbidden: set either modelCache.pvcName or "
+                "modelCache.sizeLimit, not both"
+            ],
+        ),
+        (
+            {**BUILTIN, "resources": {"limits": {"memory": "lots"}}},
+            [mismatch("spec.resources.limits.memory", "lots", QUANTITY_PATTERN)],
+        ),
+        (  # a CEL rule on a string shows the value, at the string's own path
+            {"model": {"uri": "pvc://claim/../etc"}},
+            [
+                'spec.model.uri: Invalid value: "pvc://claim/../etc": model.uri: a pvc:// '
+                "path must not contain '..' segments"
+            ],
+        ),
+        (  # a bound still lets the CEL rules run; an unsupported value does not
+            {**BUILTIN, "replicas": -1, "modelCache": {"pvcName": "a", "sizeLimit": "1Gi"}},
+            [
+                too_small("spec.replicas", -1, 0),
+                "spec.modelCache.sizeLimit: Forbidden: set either modelCache.pvcName or "
+                "modelCache.sizeLimit, not both",
+            ],
+        ),
+        (
+            {
+                **BUILTIN,
+                "engine": {"dtype": "fp64"},
+                "modelCache": {"pvcName": "a", "sizeLimit": "1Gi"},
+            },
+            [
+                'spec.engine.dtype: Unsupported value: "fp64": supported values: "auto", '
+                '"float32", "float16", "bfloat16"',
+                BLOCKED,
+            ],
+        ),
     ],
 )
-def test_bad_input_is_rejected_by_the_schema(spec, complaint):
+def test_bad_input_is_refused_in_the_api_servers_words(spec, expected):
+    """The messages kube-apiserver gives (kube-openapi's wording as apiextensions-apiserver
+    reports it, CEL rules at their fieldPath), not jsonschema's."""
     _, errors = admit(resource(spec))
-    assert any(complaint in e for e in errors), errors
+    assert errors == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (
+            "a" * 64,
+            [
+                "metadata.name: Invalid value: metadata.name must be at most 63 characters: "
+                "it becomes the Service name and a label value"
+            ],
+        ),
+        (
+            "llama-3.1-8b",
+            [
+                "metadata.name: Invalid value: metadata.name must be a DNS-1035 label "
+                "(lowercase letters, digits and '-', starting with a letter, no dots, e.g. "
+                "llama-3-1-8b): it becomes the Service name"
+            ],
+        ),
+    ],
+)
+def test_a_bad_name_is_refused_naming_metadata_name(name, expected):
+    """Issue 43: without a fieldPath the API server printed `<nil>: Invalid value: ...`."""
+    obj = resource(BUILTIN)
+    obj["metadata"]["name"] = name
+    assert admit(obj)[1] == expected
+
+
+def rules(schema: dict, path: str = ""):
+    """(path, schema, rule) for every x-kubernetes-validations rule in a schema."""
+    for rule in schema.get("x-kubernetes-validations", []):
+        yield path or ".", schema, rule
+    for key, sub in schema.get("properties", {}).items():
+        yield from rules(sub, f"{path}.{key}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            yield from rules(schema[key], f"{path}[*]")
+
+
+def test_every_rule_on_an_object_names_its_field_with_a_valid_path():
+    """kube-apiserver refuses a CRD whose fieldPath leads to no declared property ("must
+    be a valid path"), and reports a rule without one at the rule's scope: an object's
+    rule without a fieldPath names no field (at the root: `<nil>`)."""
+    checked = []
+    for path, schema, rule in rules(SCHEMA):
+        if schema.get("type") != "object":
+            continue
+        assert rule.get("fieldPath"), f"{path}: {rule['rule']} has no fieldPath"
+        checked.append(apiserver_validation.resolve_field_path(schema, rule["fieldPath"]))
+        assert rule.get("reason", "FieldValueInvalid") in {
+            "FieldValueInvalid",
+            "FieldValueForbidden",
+            "FieldValueRequired",
+            "FieldValueDuplicate",
+        }
+    assert checked == ["metadata.name", "metadata.name", "sizeLimit", "minReplicas"]
+    with pytest.raises(ValueError, match="does not refer to a valid field"):
+        apiserver_validation.resolve_field_path({"properties": {"metadata": {}}}, ".metadata.name")
 
 
 BODIES = [

@@ -15,7 +15,10 @@ its watch streams until the client leaves, from any resourceVersion, and misses 
 made between its snapshot and its subscription, where a real server ends a watch after
 its timeoutSeconds, loses nothing, and answers a version older than its history with a
 410 Gone ERROR event (ApiServerEmulator._serve_watch; `oldest_watch_version` plays the
-history's compaction).
+history's compaction). It does not validate objects: InferenceServices created are
+checked against the CRD here as kube-apiserver checks them (apiserver_validation.py, its
+400 and 422 messages). A merge patch carrying a stale resourceVersion is a 409 Conflict,
+as on kube-apiserver (the operators' Lease writes rely on it).
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ import uuid
 
 import aiohttp
 import aiohttp.web as aiohttp_web
+import apiserver_validation
 import kmock
 import pytest
 import pytest_asyncio
 import server_side_apply
-from operator_samples import REPO
+from operator_samples import CRD_PATH, REPO, load_yaml
 from test_operator_metrics import BODY, MetricsServer
 
 ISVC = "pagefleet.dev/v1alpha1/inferenceservices"
+_ISVC_SCHEMA = load_yaml(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 _versions = itertools.count(1)
 
 
@@ -84,6 +89,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.applied: dict = {}
         # Watches from a resourceVersion below this are answered 410 Gone (compacted).
         self.oldest_watch_version = 0
+        # InferenceServices created are checked against the CRD as kube-apiserver checks
+        # them (apiserver_validation.py); off plays an object that predates a rule.
+        self.validate_inference_services = True
 
     async def _serve_watch(self, request):
         """kmock's watch (the objects now as ADDED, then every event), except that the
@@ -147,9 +155,29 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         data.update(patch)
         return None
 
+    @staticmethod
+    def _refuse_if_invalid(data) -> None:
+        """kube-apiserver's answer to an InferenceService the CRD refuses: 400 for unknown
+        fields (strict field validation), else 422 Invalid listing the field errors."""
+        _, errors = apiserver_validation.admit(_ISVC_SCHEMA, data)
+        if not errors:
+            return
+        name = (data.get("metadata") or {}).get("name", "")
+        if errors[0].startswith("strict decoding error"):
+            message = 'InferenceService in version "v1alpha1" cannot be handled as a '
+            raise kmock.KubernetesError(
+                400, "BadRequest", message + f"InferenceService: {errors[0]}"
+            )
+        message = apiserver_validation.refusal_message(
+            "InferenceService.pagefleet.dev", name, errors
+        )
+        raise kmock.KubernetesError(422, "Invalid", message)
+
     async def _handle(self, request):
         data = request.data
         if request.resource is not None and request.action == kmock.action.CREATE:
+            if request.resource.plural == "inferenceservices" and self.validate_inference_services:
+                self._refuse_if_invalid(data)
             if isinstance(data, dict):
                 meta = data.setdefault("metadata", {})
                 if not meta.get("name") and meta.get("generateName"):  # e.g. Events
@@ -191,6 +219,17 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                         )
             elif exists and isinstance(data, dict):
                 meta = data.setdefault("metadata", {})
+                expected = meta.get("resourceVersion")
+                live_version = self.objects[key]["metadata"].get("resourceVersion")
+                if expected is not None and expected != live_version and not request.subresource:
+                    # A patch carrying a resourceVersion is conditional on kube-apiserver
+                    # (optimistic concurrency), e.g. the operators' Lease writes.
+                    raise kmock.KubernetesError(
+                        409,
+                        "Conflict",
+                        "the object has been modified; please apply your changes to the "
+                        "latest version and try again",
+                    )
                 meta["resourceVersion"] = str(next(_versions))
                 if "spec" in data and not request.subresource:
                     meta["generation"] = self.objects[key]["metadata"].get("generation", 1) + 1
@@ -221,6 +260,7 @@ def declare_resources(server) -> None:
         ("rbac.authorization.k8s.io/v1/roles", "Role"),
         ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding"),
         ("discovery.k8s.io/v1/endpointslices", "EndpointSlice"),
+        ("coordination.k8s.io/v1/leases", "Lease"),
     ]:
         server.resources[key] = info(
             kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}
@@ -337,9 +377,12 @@ async def run_operator(server, tmp_path, *args: str):
     )
     try:
         async with aiohttp.ClientSession(base_url=str(server.url)) as session:
-            yield Client(session)
+            client = Client(session)
+            client.process = process  # for a test that stops this operator itself
+            yield client
     finally:
-        process.terminate()
+        if process.returncode is None:
+            process.terminate()
         try:
             await asyncio.wait_for(process.wait(), 10)
         except asyncio.TimeoutError:
@@ -414,11 +457,13 @@ async def test_lifecycle_against_the_api_emulator(kmock, operator):
     )
     assert stored(kmock, "v1/services", "chat")["metadata"]["resourceVersion"] == service_version
 
-    # An invalid spec that slipped past the schema: Degraded and an Event, no crash.
+    # An invalid spec that slipped past the schema (created before the CRD had the rule):
+    # Degraded and an Event, no crash.
     bad = {
         "model": {"uri": "builtin://smollm2-135m"},
         "autoscaling": {"minReplicas": 3, "maxReplicas": 1},
     }
+    kmock.validate_inference_services = False
     await operator.call("POST", isvc_path(), make_isvc("broken", bad))
     degraded = await eventually(
         lambda: condition(stored(kmock, ISVC, "broken"), "Degraded"), what="Degraded"
@@ -835,3 +880,36 @@ async def test_the_autoscaler_counts_the_routers_held_requests(kmock, operator):
         assert (status["heldRequests"], status["queueDepth"]) == (13, 13)
     finally:
         router_metrics.close()
+
+
+async def test_the_emulator_refuses_bad_objects_in_the_api_servers_words(kmock):
+    """What `kubectl apply` shows for a refused InferenceService (issue 43): the field
+    errors as kube-apiserver words them, a name error at metadata.name."""
+    declare_resources(kmock)
+    bad_name = make_isvc("llama-3.1-8b", {"model": {"uri": "builtin://smollm2-135m"}})
+    negative = make_isvc("neg", {"model": {"uri": "builtin://smollm2-135m"}, "replicas": -1})
+    unknown = make_isvc("typo", {"model": {"uri": "builtin://smollm2-135m"}, "replica": 2})
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
+        answers = []
+        for body in (bad_name, negative, unknown):
+            async with session.post(isvc_path(), json=body) as response:
+                answers.append((response.status, (await response.json())["message"]))
+    assert answers == [
+        (
+            422,
+            'InferenceService.pagefleet.dev "llama-3.1-8b" is invalid: metadata.name: Invalid '
+            "value: metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', "
+            "starting with a letter, no dots, e.g. llama-3-1-8b): it becomes the Service name",
+        ),
+        (
+            422,
+            'InferenceService.pagefleet.dev "neg" is invalid: spec.replicas: Invalid value: -1: '
+            "spec.replicas in body should be greater than or equal to 0",
+        ),
+        (
+            400,
+            'InferenceService in version "v1alpha1" cannot be handled as a InferenceService: '
+            'strict decoding error: unknown field "spec.replica"',
+        ),
+    ]
+    assert stored(kmock, ISVC, "neg") is None and stored(kmock, ISVC, "typo") is None

@@ -82,8 +82,10 @@ async def _healthz(url: str) -> bool:
 async def test_not_ready_until_the_crd_is_served_then_reconciles(kmock, tmp_path):
     declare_resources(kmock)
     crd = kmock.resources.pop(ISVC)  # the CRD is not installed yet
-    url = f"http://127.0.0.1:{_free_port()}/healthz"
-    async with run_operator(kmock, tmp_path, "--liveness", url) as client:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/healthz"
+    bind = ("--health-probe-bind-address", f"127.0.0.1:{port}")
+    async with run_operator(kmock, tmp_path, *bind) as client:
         await asyncio.sleep(3)
         assert not await _healthz(url)
         kmock.resources[ISVC] = crd  # installed later, e.g. by GitOps
@@ -91,6 +93,8 @@ async def test_not_ready_until_the_crd_is_served_then_reconciles(kmock, tmp_path
         while not await _healthz(url):
             assert asyncio.get_running_loop().time() < deadline, "never became ready"
             await asyncio.sleep(0.5)
+        # Bound to 127.0.0.1 only: another loopback address reaches no listener.
+        assert not await _healthz(f"http://127.0.0.2:{port}/healthz")
         await client.call("POST", isvc_path(), make_isvc("late", BUILTIN))
         await eventually(lambda: stored(kmock, "apps/v1/deployments", "late"), what="deployment")
 

@@ -1,0 +1,126 @@
+"""A pod that answers with server errors while its /metrics still looks healthy (an
+engine that fails every request, a broken model) must stop receiving its prefixes'
+traffic: the policy routes around a failing pod, and takes it back when every pod is
+failing or once the mark has expired. The router runs in process on loopback in front of
+two loopback HTTP servers in pods' places, one of which starts answering 500."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from pagefleet_router import discovery
+from pagefleet_router.discovery import PodRegistry, ScrapeSettings, StaticEndpoints
+from pagefleet_router.policy import PodState, PolicyConfig, choose_pod
+from pagefleet_router.proxy import Router, RouterSettings
+from pagefleet_serve import metric_names as names
+
+PROMPT = "You are a careful assistant. " * 20  # several blocks of the router's prefix hash
+
+
+class Pod:
+    """A loopback HTTP server in a pod's place: healthy load gauges always, and answers
+    that turn into 500s when `failing` is set. Counts the completions it is sent."""
+
+    def __init__(self) -> None:
+        self.url = ""
+        self.failing = False
+        self.requests = 0
+
+    async def start(self) -> web.AppRunner:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_get("/metrics", self.metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        return runner
+
+    async def complete(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.requests += 1
+        if self.failing:
+            error = {"message": "the engine failed", "type": "server_error", "code": None}
+            return web.json_response({"error": error}, status=500)
+        return web.json_response({"object": "text_completion", "choices": []})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        gauges = (names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING, names.KV_CACHE_USAGE_PERC)
+        text = "".join(f"# TYPE {g} gauge\n{g} 0\n" for g in gauges)
+        return web.Response(text=text, content_type="text/plain")
+
+
+@contextlib.asynccontextmanager
+async def running_router(pods: list[Pod]):
+    runners = [await pod.start() for pod in pods]
+    router = Router(
+        RouterSettings(scrape=ScrapeSettings(interval_s=0.2, timeout_s=2.0)),
+        StaticEndpoints(tuple(pod.url for pod in pods)),
+    )
+    runner = web.AppRunner(router.create_app(), **router.server_options())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    runners.append(runner)
+    try:
+        for _ in range(100):
+            states = router.registry.states()
+            if len(states) == len(pods) and all(s.metrics_age_s is not None for s in states):
+                break
+            await asyncio.sleep(0.05)
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        for each in reversed(runners):
+            await each.cleanup()
+
+
+async def complete(url: str) -> int:
+    body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 1})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", data=body) as response:
+            await response.read()
+            return response.status
+
+
+@pytest.mark.asyncio
+async def test_a_prefix_moves_off_a_pod_that_answers_with_errors():
+    pods = [Pod(), Pod()]
+    async with running_router(pods) as url:
+        assert await complete(url) == 200
+        [home] = [pod for pod in pods if pod.requests == 1]
+        [other] = [pod for pod in pods if pod is not home]
+        assert [await complete(url) for _ in range(3)] == [200] * 3
+        assert (home.requests, other.requests) == (4, 0)  # the prefix stays on its pod
+        home.failing = True
+        assert await complete(url) == 500  # the first error reaches the client...
+        assert [await complete(url) for _ in range(5)] == [200] * 5  # ...then the other pod
+        assert (home.requests, other.requests) == (5, 5)
+
+
+def test_the_policy_prefers_a_pod_that_is_not_failing_and_falls_back_when_all_are():
+    config = PolicyConfig()
+    hashes = [b"h1", b"h2"]
+    healthy = PodState("http://b", metrics_age_s=0.1)
+    failing = PodState("http://a", metrics_age_s=0.1, failing=True)
+    decision = choose_pod(hashes, [failing, healthy], lambda h: "http://a", config)
+    assert decision.url == "http://b" and decision.reason != "prefix"
+    only_failing = choose_pod(hashes, [failing], lambda h: "http://a", config)
+    assert only_failing.url == "http://a"
+
+
+def test_a_failing_mark_expires_and_a_good_answer_clears_it():
+    now = [100.0]
+    registry = PodRegistry(clock=lambda: now[0])
+    registry.set_endpoints(["http://a"])
+    registry.record_answer("http://a", 500)
+    assert registry.states()[0].failing
+    now[0] += discovery.FAILING_FOR_S
+    assert not registry.states()[0].failing  # one request may try it again
+    registry.record_answer("http://a", 503)
+    assert registry.states()[0].failing
+    registry.record_answer("http://a", 200)
+    assert not registry.states()[0].failing
