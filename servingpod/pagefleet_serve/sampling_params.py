@@ -6,6 +6,7 @@ capped. Limits that depend on the model (top_k above the vocabulary, n above max
 the context length) are the engine's to check or clamp.
 """
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +97,28 @@ class SamplingParams:
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed` (both signed 64-bit): the
+    seed itself for the first sample, so that sample i is what a single request seeded with
+    `sample_seed(seed, i)` draws, and a hash of (seed, index) for the others, so that no
+    two (seed, index) pairs share a stream by construction (with `seed + index`, sample 1 of
+    seed s was sample 0 of seed s + 1)."""
+    return seed if index == 0 else _hash64(f"{seed}:{index}")
+
+
+def generator_seed(seed: int) -> int:
+    """What `torch.Generator.manual_seed` is given for a signed 64-bit seed: a hash of it,
+    since the CPU generator keeps only a seed's low 32 bits (seeds s and s + 2**32, or -2**63
+    and 0, were one stream). Two seeds then share a stream only by chance: 1 in 2**32 on the
+    CPU, 1 in 2**64 on CUDA."""
+    return _hash64(str(seed)) % 2**64
+
+
+def _hash64(text: str) -> int:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def _int(params: SamplingParams, name: str, lo: int, hi: int = INT64_MAX) -> None:

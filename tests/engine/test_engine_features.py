@@ -4,6 +4,7 @@ stop strings, logprobs, UTF-8 streaming, aborts and bad input."""
 import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
+from pagefleet_serve.sampling_params import sample_seed
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -106,12 +107,14 @@ def test_n_samples_share_the_prompt_and_copy_its_last_block_on_write(llm):
     greedy = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
     three = llm.generate(prompt, SamplingParams(n=3, max_tokens=24, temperature=0.0))[0]
     assert [o.token_ids for o in three.outputs] == [greedy] * 3
-    # Sample i of a seeded n-request draws like a single request seeded with seed + i: so
-    # every sample saw the right KV after the copy-on-write.
+    # Sample i of a seeded n-request draws like a single request seeded with
+    # sample_seed(seed, i): so every sample saw the right KV after the copy-on-write.
     sampled = SamplingParams(n=3, max_tokens=24, temperature=1.0, seed=7)
     many = llm.generate(prompt, sampled)[0].outputs
     singles = [
-        llm.generate(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=7 + i))[0]
+        llm.generate(
+            prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=sample_seed(7, i))
+        )[0]
         for i in range(3)
     ]
     assert [o.token_ids for o in many] == [s.outputs[0].token_ids for s in singles]

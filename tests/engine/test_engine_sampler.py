@@ -3,6 +3,7 @@ drawable, the exact logits the repetition, presence and frequency penalties prod
 exact logprobs."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -11,7 +12,6 @@ from pagefleet_serve import LLM
 from pagefleet_serve.engine.sampler import (
     CDF_BLOCK,
     SampleRow,
-    SamplingError,
     _apply_penalties,
     _apply_top_k_top_p_min_p,
     sample,
@@ -389,28 +389,27 @@ def test_a_penalty_that_overflows_is_clamped_to_the_finite_range():
 
 
 # -- failures -------------------------------------------------------------------------------
-def test_a_failed_step_rewinds_every_generator_and_says_why():
-    # 10 alternatives asked of a 4-token vocabulary: the step fails after the draw, which
-    # advanced both generators.
+def test_a_row_that_fails_fails_alone_and_says_why():
+    # 10 alternatives asked of a 4-token vocabulary: the batch fails after the draw, which
+    # advanced both generators; the rows are then sampled apart, on the same logits.
     rows = [row(SamplingParams(logprobs=10), 1), row(SamplingParams(), 2)]
-    before = [r.generator.get_state() for r in rows]
     batch = torch.tensor([LOGITS] * 2)
-    with pytest.raises(SamplingError, match=r"^sampling failed: RuntimeError: .*out of range"):
-        sample(batch, rows)
-    assert all(torch.equal(r.generator.get_state(), s) for r, s in zip(rows, before, strict=True))
-    # So a retry of the rows apart draws what a first try would have.
-    rows[0].params = SamplingParams()
-    fresh = [row(SamplingParams(), seed) for seed in (1, 2)]
-    assert [t.token_id for t in sample(batch, rows)] == [t.token_id for t in sample(batch, fresh)]
+    failed, drawn = sample(batch, rows)
+    assert failed.token_id == -1
+    assert re.match(r"^sampling failed: RuntimeError: .*out of range", failed.error)
+    # The generators were rewound: the other row draws what a first try would have.
+    assert drawn.error is None
+    assert drawn.token_id == sample(batch[:1], [row(SamplingParams(), 2)])[0].token_id
 
 
-def test_a_failed_step_rewinds_the_unseeded_rows_generator_too():
-    generator = torch.Generator().manual_seed(3)
-    before = generator.get_state()
+def test_a_failed_batch_rewinds_the_unseeded_rows_generator_too():
     rows = [row(SamplingParams(logprobs=10)), row(SamplingParams())]
-    with pytest.raises(SamplingError):
-        sample(torch.tensor([LOGITS] * 2), rows, generator)
-    assert torch.equal(generator.get_state(), before)
+    failed, drawn = sample(torch.tensor([LOGITS] * 2), rows, torch.Generator().manual_seed(3))
+    assert failed.error is not None
+    alone = sample(
+        torch.tensor([LOGITS]), [row(SamplingParams())], torch.Generator().manual_seed(3)
+    )
+    assert drawn.token_id == alone[0].token_id
 
 
 # -- structured output ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.model.loader import TINY_CONFIG
+from pagefleet_serve.sampling_params import sample_seed
 from test_engine_architectures import ARCHITECTURES, build, load, reference_tokens
 from test_engine_architectures import PROMPTS as LONG_PROMPTS
 
@@ -62,13 +63,15 @@ def test_quantized_cache_end_to_end(kv_cache_dtype, unquantized):
 def test_block_copy_on_write_copies_the_scales():
     """The samples of an n=2 request share the prompt's partial last block; the first to
     write gets a copy (scales included). Each must continue exactly like a lone request
-    with its seed."""
+    with its seed (`sample_seed(seed, index)`)."""
     llm = make(kv_cache_dtype="int8")
     prompt = list(range(3, 27))  # 24 tokens: the last block is partial, so it is copied
     params = dict(max_tokens=10, temperature=1.0, ignore_eos=True, logprobs=0)
     pair = generate(llm, [prompt], SamplingParams(n=2, seed=7, **params))[0]
     for index in range(2):
-        alone = generate(llm, [prompt], SamplingParams(n=1, seed=7 + index, **params))[0][0]
+        alone = generate(llm, [prompt], SamplingParams(n=1, seed=sample_seed(7, index), **params))[
+            0
+        ][0]
         assert pair[index].token_ids == alone.token_ids
         # The tiny model's tokens barely depend on attention; its logprobs do.
         for got, want in zip(pair[index].logprobs, alone.logprobs, strict=True):

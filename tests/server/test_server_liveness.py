@@ -1,8 +1,8 @@
 """Event-loop liveness against a `pagefleet serve` process: /health keeps answering within
 100 ms while 8 MB prompts arrive (they are refused by length before any tokenizer runs),
 bodies over the limit get 413 while they are still arriving, and clients that send their
-headers or body too slowly are cut off within the read timeouts, and connections beyond the
-limit are turned away."""
+headers or body too slowly are cut off within the read timeouts, and requests beyond the
+limit are turned away while the probes still answer."""
 
 import gc
 import json
@@ -63,12 +63,12 @@ def test_health_answers_within_100ms_while_8mb_prompts_arrive(server, alone):
                     client.post(path, content=body, headers={"content-type": "application/json"})
                 )
 
-    def probe() -> None:
+    def probe(into: list[float], until: threading.Event) -> None:
         with httpx.Client(base_url=server.base_url, timeout=10) as client:
-            while not stop.is_set():
+            while not until.is_set():
                 started = time.perf_counter()
                 assert client.get("/health").status_code == 200
-                latencies.append(time.perf_counter() - started)
+                into.append(time.perf_counter() - started)
                 time.sleep(0.02)
 
     # The probe times this process too: after a thousand tests its heap is large, and a full
@@ -77,11 +77,16 @@ def test_health_answers_within_100ms_while_8mb_prompts_arrive(server, alone):
     gc.collect()
     gc.disable()
     try:
+        # The same probe on the idle server first: how fast this machine answers now.
+        idle: list[float] = []
+        idle_done = threading.Event()
+        threading.Timer(1.0, idle_done.set).start()
+        probe(idle, idle_done)
         with StreamInFlight(server.base_url) as normal:
             threads = [
                 threading.Thread(target=send, args=("/v1/completions",)),
                 threading.Thread(target=send, args=("/v1/chat/completions",)),
-                threading.Thread(target=probe),
+                threading.Thread(target=probe, args=(latencies, stop)),
             ]
             for thread in threads:
                 thread.start()
@@ -97,12 +102,17 @@ def test_health_answers_within_100ms_while_8mb_prompts_arrive(server, alone):
         error = assert_error(answer, 400, code="context_length_exceeded")
         assert error["param"] in ("prompt", "messages")
         assert f"maximum context length of {MAX_MODEL_LEN} tokens" in error["message"]
-    # Tokenizing one such prompt on the event loop stalled it for 7.5 s. The bound is on
-    # the 90th percentile so that a busy shared test machine does not decide the outcome;
-    # no probe may take a second.
+    # Tokenizing one such prompt on the event loop stalled it for 7.5 s. The bounds (the
+    # 90th percentile under 100 ms, no probe over a second) hold on an idle machine, where
+    # an idle probe takes under 10 ms; a busy shared machine stretches them by as much as
+    # it slows the idle probe (at most 5 times: a stall like that one still fails), so
+    # that its load does not decide the outcome.
+    idle.sort()
     latencies.sort()
-    assert latencies[int(0.9 * len(latencies))] < 0.1, latencies[-5:]
-    assert latencies[-1] < 1.0, latencies[-5:]
+    slowdown = min(5.0, max(1.0, idle[int(0.9 * len(idle))] / 0.01))
+    assert len(idle) >= 10, idle
+    assert latencies[int(0.9 * len(latencies))] < 0.1 * slowdown, (slowdown, latencies[-5:])
+    assert latencies[-1] < 1.0 * slowdown, (slowdown, latencies[-5:])
 
 
 def raw_request(server, head: bytes, body_parts=(), pause_s: float = 0.0) -> bytes:
@@ -180,16 +190,32 @@ def test_a_body_that_stops_half_way_is_408_then_closed(server, alone):
     assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
 
 
-def test_connections_beyond_the_limit_get_503(server):
-    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(LIMIT_CONCURRENCY)]
+def test_requests_beyond_the_limit_get_503_while_probes_answer(server):
+    """--limit-concurrency counts requests whose headers arrived (here: bodies still owed),
+    not sockets; the next request is turned away at once with OpenAI's JSON, the probes are
+    never behind the gate, and the held requests' slots come back when they time out."""
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(LIMIT_CONCURRENCY)]
     try:
-        time.sleep(0.2)  # well within the header timeout that would close them
-        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 503
+        for sock in held:
+            sock.sendall(post_head(1000) + b'{"prompt": "')
+        time.sleep(0.3)  # well within the body timeout that would end them
+        busy = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi"}, timeout=5)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["code"] == "server_busy"
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 200
     finally:
-        for sock in idle:
+        for sock in held:
             sock.close()
     wait_until(
-        lambda: httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200,
+        lambda: (
+            httpx.post(
+                f"{server.base_url}/v1/completions",
+                json={"prompt": "hi", "max_tokens": 1},
+                timeout=5,
+            ).status_code
+            == 200
+        ),
         10,
-        "the server to take connections again",
+        "the server to take requests again",
     )

@@ -10,29 +10,19 @@ import httpx
 import openai
 import pytest
 from pagefleet_serve.model.loader import load_tokenizer
-from server_harness import ServerProcess, read_metrics, sse_events, wait_until
+from server_harness import read_metrics, sse_events, wait_until
 
 MODEL_NAME = "smol"
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def server():
-    # Engine settings come from the environment, as the operator sets them.
-    env = {
-        "PAGEFLEET_MAX_MODEL_LEN": "1024",
-        "PAGEFLEET_KV_CACHE_MEMORY": "256MiB",
-        "PAGEFLEET_MAX_NUM_SEQS": "8",
-        "PAGEFLEET_SERVED_MODEL_NAME": MODEL_NAME,
-        # Some tests compare two greedy runs of one prompt token for token; the second
-        # reuses the first's cached prefix, which in bfloat16 may round differently.
-        "PAGEFLEET_DTYPE": "float32",
-    }
-    process = ServerProcess("--host", "127.0.0.1", env=env)
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
+def server(default_pod):
+    """The session's default pod: its engine settings come from the environment, as the
+    operator sets them (served name "smol", 1,024 tokens, 256 MiB, 8 sequences, float32:
+    some tests compare two greedy runs of one prompt token for token, and the second reuses
+    the first's cached prefix, which in bfloat16 may round differently)."""
+    return default_pod
 
 
 @pytest.fixture(scope="module")

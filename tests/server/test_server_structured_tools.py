@@ -21,7 +21,6 @@ from pagefleet_serve.server.errors import APIError
 from pagefleet_serve.server.protocol import ChatCompletionRequest, parse
 from pagefleet_serve.structured.constraint import structural_tag_text
 from pydantic import BaseModel, Field
-from server_harness import ServerProcess
 
 MODEL_NAME = "smol"
 MAX_MODEL_LEN = 1024
@@ -109,18 +108,10 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    env = {
-        "PAGEFLEET_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-        "PAGEFLEET_KV_CACHE_MEMORY": "256MiB",
-        "PAGEFLEET_MAX_NUM_SEQS": "20",
-        "PAGEFLEET_SERVED_MODEL_NAME": MODEL_NAME,
-    }
-    process = ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes", env=env)
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
+def server(tools_pod):
+    """The session's tool-calling pod: served name "smol", MAX_MODEL_LEN tokens, 20
+    sequences, auto tool choice with the hermes parser."""
+    return tools_pod
 
 
 @pytest.fixture(scope="module")

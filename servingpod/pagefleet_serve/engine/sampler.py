@@ -11,9 +11,11 @@ batch-64 step on a 2-core CPU, where this draw takes about 14.) A batch of greed
 only takes an argmax. The rows' settings go to the device in one copy, and only the token ids (with
 the logprobs asked for) come back, in one copy.
 
-Whatever goes wrong here depends on the rows' settings, that is on what clients sent, so it
-is raised as `SamplingError` (with every generator rewound): the engine then retries the
-step's rows apart and fails only the request that cannot be sampled.
+Whatever goes wrong here depends on the rows' settings or logits, that is on one request,
+so it fails that row alone and never the model's step: a row whose logits hold no
+distribution (a NaN, an infinity, nothing finite) is found in the batch and gets an error
+instead of a token while the others sample; should the batch fail for another reason,
+every generator is rewound and the rows are sampled one by one, on the same logits.
 """
 
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagefleet_serve.engine.penalties import TokenCounts
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.grammar import GrammarMatcher, mask_logits
 
@@ -30,11 +33,16 @@ CDF_BLOCK = 256
 
 @dataclass
 class SampleRow:
+    """One draw. The penalties read `counts` (the sequence's, on the device) plus
+    `output_token_ids` on top (the drafts before a verified position); a row without
+    `counts` carries its whole output and prompt as lists instead."""
+
     params: SamplingParams
     generator: torch.Generator | None  # on the logits' device
     output_token_ids: list[int]  # for the penalties
-    prompt_token_ids: list[int]  # repetition penalty covers the prompt too
+    prompt_token_ids: list[int]  # repetition penalty covers the prompt too; unread with counts
     grammar: GrammarMatcher | None = None  # the sequence's structured-output constraint
+    counts: TokenCounts | None = None
 
 
 class SamplingError(RuntimeError):
@@ -43,9 +51,10 @@ class SamplingError(RuntimeError):
 
 @dataclass
 class SampledToken:
-    token_id: int
+    token_id: int  # -1 when `error` says why the row could not be sampled
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # most likely first
+    error: str | None = None
 
 
 def sample(
@@ -53,17 +62,43 @@ def sample(
 ) -> list[SampledToken]:
     """logits: (R, V) float32 on any device, one row per entry of `rows`; `generator` (on
     the logits' device) draws for the rows without one of their own (None: torch's
-    default generator). Raises SamplingError, after rewinding every generator, so that a
-    retry draws the same noise."""
-    generators = [r.generator for r in rows] + ([generator] if generator is not None else [])
-    states = [g.get_state() if g is not None else None for g in generators]
+    default generator). A row that cannot be sampled gets a token whose `error` says why;
+    the others their tokens."""
+    if len(rows) == 1:
+        return [_sample_alone(logits, rows[0], generator)]
     try:
-        return _sample(logits, rows, generator)
-    except Exception as exc:  # noqa: BLE001 - any failure here is the rows' settings
-        for g, state in zip(generators, states, strict=True):
-            if state is not None:
+        with _rewound_on_error(rows, generator):
+            return _sample(logits, rows, generator)
+    except Exception:  # noqa: BLE001 - one row's settings: find it by sampling them apart
+        return [_sample_alone(logits[i : i + 1], row, generator) for i, row in enumerate(rows)]
+
+
+def _sample_alone(
+    logits: torch.Tensor, row: SampleRow, generator: torch.Generator | None
+) -> SampledToken:
+    try:
+        with _rewound_on_error([row], generator):
+            return _sample(logits, [row], generator)[0]
+    except Exception as exc:  # noqa: BLE001 - this row's settings, and nobody else's
+        return SampledToken(-1, error=f"sampling failed: {type(exc).__name__}: {exc}")
+
+
+class _rewound_on_error:
+    """Restores the rows' generators (and the shared one) when the block raises, so that
+    sampling the rows again draws what a first try would have."""
+
+    def __init__(self, rows: list[SampleRow], generator: torch.Generator | None) -> None:
+        self.generators = [g for g in [*(r.generator for r in rows), generator] if g is not None]
+        self.states = [g.get_state() for g in self.generators]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if exc_type is not None:
+            for g, state in zip(self.generators, self.states, strict=True):
                 g.set_state(state)
-        raise SamplingError(f"sampling failed: {type(exc).__name__}: {exc}") from exc
+        return False
 
 
 def _sample(
@@ -94,6 +129,10 @@ def _sample(
             logits = logits.clone()  # a retry of the step must find the caller's logits intact
         mask_logits(logits, matchers)
 
+    # A row without a finite maximum (a NaN anywhere, +inf, or nothing but -inf) holds no
+    # distribution: it is marked, zeroed so that the batched ops run, and fails alone.
+    samplable = torch.isfinite(logits.amax(dim=-1))
+    logits = torch.where(samplable[:, None], logits, 0.0)
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
         token_ids = logits.argmax(dim=-1)
@@ -103,6 +142,7 @@ def _sample(
         )
     else:
         token_ids = _draw(logits, rows, greedy, generator)
+    token_ids = torch.where(samplable, token_ids, -1)
     return _to_host(token_ids, raw_logprobs, logprob_rows, rows)
 
 
@@ -136,7 +176,10 @@ def _draw(
     )
     scaled = logits
     if any(not g and r.params.temperature != 1.0 for r, g in zip(rows, greedy, strict=True)):
-        scaled = logits / settings[:, :1]  # (temperature 1, the default, divides nothing)
+        # (Temperature 1, the default, divides nothing.) A logit a small temperature sends
+        # past float32 stays at its largest value: the row draws among its top tokens, where
+        # +inf would make its softmax NaN.
+        scaled = (logits / settings[:, :1]).clamp_(max=torch.finfo(logits.dtype).max)
     if any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 or r.params.min_p for r in rows):
         scaled = _apply_top_k_top_p_min_p(scaled, settings[:, 1], settings[:, 2], settings[:, 3])
     # Zeros, not empty: greedy rows draw nothing, but the inverse CDF runs over every row,
@@ -192,12 +235,14 @@ def _to_host(
     logprob_rows: list[int],
     rows: list[SampleRow],
 ) -> list[SampledToken]:
-    """The sampled tokens, and the logprobs asked for, in one device-to-host copy."""
+    """The sampled tokens, and the logprobs asked for, in one device-to-host copy (a row
+    that could not be sampled comes back as token -1, an error)."""
     if not logprob_rows:
-        return [SampledToken(t) for t in token_ids.tolist()]
+        return [_token(t) for t in token_ids.tolist()]
     num_rows, num_logprob_rows = len(rows), len(logprob_rows)
     k = max(rows[i].params.logprobs for i in logprob_rows)
-    chosen = raw_logprobs.gather(1, token_ids[_on(token_ids, logprob_rows)][:, None])
+    chosen_ids = token_ids[_on(token_ids, logprob_rows)].clamp(min=0)
+    chosen = raw_logprobs.gather(1, chosen_ids[:, None])
     values, indices = raw_logprobs.topk(k, dim=-1)
     # float64 holds every token id and float32 logprob exactly: one copy brings all back.
     packed = torch.cat(
@@ -208,8 +253,10 @@ def _to_host(
     top_start = num_rows + num_logprob_rows
     top_values = packed[top_start : top_start + num_logprob_rows * k]
     top_ids = packed[top_start + num_logprob_rows * k :]
-    results = [SampledToken(t) for t in ids]
+    results = [_token(t) for t in ids]
     for j, i in enumerate(logprob_rows):
+        if results[i].error is not None:
+            continue
         want = rows[i].params.logprobs
         row = slice(j * k, j * k + want)
         top = [(int(t), v) for t, v in zip(top_ids[row], top_values[row], strict=True)]
@@ -217,30 +264,34 @@ def _to_host(
     return results
 
 
-def _token_counts(
-    token_lists: list[list[int]], vocab: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """(R, V) how many times each row's list holds each token: one scatter over the lists
-    padded with an extra column's id, which is then dropped."""
-    width = max(map(len, token_lists))
-    counts = torch.zeros(len(token_lists), vocab + 1, dtype=dtype, device=device)
-    if width:
-        padded = [ids + [vocab] * (width - len(ids)) for ids in token_lists]
-        ids = torch.tensor(padded, dtype=torch.int64, device=device)
-        counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=dtype, device=device))
-    return counts[:, :vocab]
+def _token(token_id: int) -> SampledToken:
+    if token_id >= 0:
+        return SampledToken(token_id)
+    return SampledToken(
+        -1,
+        error="sampling failed: the row's logits hold no distribution (NaN, infinite, or "
+        "nothing finite once its penalties and constraint were applied)",
+    )
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab, dtype, device = logits.shape[1], logits.dtype, logits.device
-    penalized = [r.params.needs_penalties for r in rows]
-    outputs = [r.output_token_ids if p else [] for r, p in zip(rows, penalized, strict=True)]
-    prompts = [
-        r.prompt_token_ids if p and r.params.repetition_penalty != 1.0 else []
-        for r, p in zip(rows, penalized, strict=True)
-    ]
-    output_counts = _token_counts(outputs, vocab, dtype, device)
-    in_prompt = _token_counts(prompts, vocab, dtype, device) > 0
+    nothing_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+    no_output = torch.zeros(vocab, dtype=torch.float32, device=device)
+    prompt_rows, output_rows = [], []
+    for r in rows:
+        if not r.params.needs_penalties:
+            prompt_rows.append(nothing_seen)
+            output_rows.append(no_output)
+            continue
+        counts = r.counts
+        if counts is None:  # lists: counted here, for this step only
+            repetition = r.params.repetition_penalty != 1.0
+            counts = TokenCounts.build(r.prompt_token_ids, vocab, device, repetition)
+        prompt_rows.append(nothing_seen if counts.prompt_seen is None else counts.prompt_seen)
+        output_rows.append(counts.plus(r.output_token_ids))
+    in_prompt = torch.stack(prompt_rows)
+    output_counts = torch.stack(output_rows).to(dtype)
     penalties = _on(
         logits,
         [

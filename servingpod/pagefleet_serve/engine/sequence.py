@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagefleet_serve.engine.penalties import TokenCounts
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.grammar import GrammarMatcher
 
@@ -54,6 +55,12 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     # Advances with output tokens only, so recompute, prefix hits and chunks leave it be.
     grammar: GrammarMatcher | None = None
+    # The penalties' counts on the device, from the first sampling on (`penalty_counts`).
+    token_counts: TokenCounts | None = None
+    # The LoRA adapter the sequence runs with (its id, unique in the process; None: the
+    # base model), and the device slot holding it while the sequence runs.
+    lora_id: int | None = None
+    lora_slot: int | None = None
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -76,10 +83,24 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    def penalty_counts(self, vocab: int, device: torch.device) -> TokenCounts | None:
+        """The token counts the sampler's penalties read, built when the sequence first
+        samples and brought up to date with the tokens appended since; None when the
+        request sets no penalty."""
+        params = self.params
+        if not params.needs_penalties:
+            return None
+        if self.token_counts is None:
+            prompt = self.token_ids[: self.num_prompt_tokens]
+            repetition = params.repetition_penalty != 1.0  # the only one reading the prompt
+            self.token_counts = TokenCounts.build(prompt, vocab, device, repetition)
+        self.token_counts.catch_up(self.token_ids, self.num_prompt_tokens)
+        return self.token_counts
+
     def penalty_token_ids(self) -> tuple[list[int], list[int]]:
-        """(output, prompt) token ids as the sampler's penalties read them, copied only when
-        the request sets a penalty (the prompt only for the repetition penalty): not a
-        copy of every prompt per sampled row and step."""
+        """(output, prompt) token ids as the penalties read them, for the rows that carry
+        them as lists (the verification of drafts), copied only when the request sets a
+        penalty (the prompt only for the repetition penalty)."""
         params = self.params
         if not params.needs_penalties:
             return [], []
@@ -116,4 +137,6 @@ class Sequence:
             num_prefix_hit_tokens=self.num_prefix_hit_tokens,
             generator=generator,
             grammar=None if self.grammar is None else self.grammar.fork(self.output_token_ids),
+            token_counts=None if self.token_counts is None else self.token_counts.fork(),
+            lora_id=self.lora_id,
         )

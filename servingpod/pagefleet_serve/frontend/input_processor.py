@@ -4,17 +4,27 @@ checked before any engine core sees it.
 Chat messages go through the model's own chat template (`render_chat`), text through the
 one tokenization path (`tokenize`, no special tokens: the template wrote them), and the
 result is checked against the core's limits (context length, vocabulary, n) once; the core
-trusts what comes out. A structured output's constraint starts compiling here, so a bad
-one is the caller's 400, not an error the core reports after accepting the request; the
-caller waits on `grammar_future` before queueing it.
+trusts what comes out. A structured output's constraint is compiled through
+`grammar_future`, which the caller waits on before queueing the request, so a bad one is
+the caller's 400, not an error the core reports after accepting the request.
+
+Text is refused by its length before any tokenizer sees it: a prompt of more than
+`max_prompt_chars` characters (`MAX_CHARS_PER_TOKEN` per token of the context) is refused
+unread, so that tokenizing what cannot be served costs nothing.
 """
 
 import time
 from concurrent.futures import Future
 
+from pagefleet_serve.frontend.tokenizer import Tokenizer
 from pagefleet_serve.messages import Request, RequestLimits
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.grammar import GrammarCompiler
+
+# Characters a token of the context may stand for, on average, in a prompt the server
+# reads: text averages 3 to 5, code and whitespace runs a few more. A prompt past this is
+# refused by its length, unread (capped by the vocabulary's longest piece, the true bound).
+MAX_CHARS_PER_TOKEN = 32
 
 
 class ContextLengthError(ValueError):
@@ -35,7 +45,7 @@ class ContextLengthError(ValueError):
 class InputProcessor:
     def __init__(
         self,
-        tokenizer,
+        tokenizer: Tokenizer | None,
         model_name: str,
         limits: RequestLimits,
         grammar_compiler: GrammarCompiler | None,
@@ -87,41 +97,47 @@ class InputProcessor:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> Request:
-        """Tokenize and validate; starts compiling a structured output's constraint (wait on
-        `grammar_future` before queueing the request). Raises ValueError
-        (ContextLengthError when it does not fit the context)."""
+        """Tokenize and validate (wait on `grammar_future` before queueing the request);
+        `lora_name`: the LoRA adapter it runs with (None: the base model). Raises
+        ValueError (ContextLengthError when it does not fit the context)."""
         prompt_token_ids = self.tokenize(prompt) if prompt else []
         limits = self.limits
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        if len(prompt_token_ids) + params.max_tokens > limits.max_model_len:  # cheap: first
-            raise ContextLengthError(limits.max_model_len, len(prompt_token_ids), params.max_tokens)
+        self.check_fits(len(prompt_token_ids), params.max_tokens)  # cheap: first
         vocab = limits.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if params.n > limits.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
-        request = Request(request_id, prompt_token_ids, params, arrival_time or time.time())
-        self.grammar_future(request)
-        return request
+        return Request(request_id, prompt_token_ids, params, arrival_time or time.time(), lora_name)
 
-    def grammar_future(self, request: Request) -> Future | None:
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ContextLengthError when a prompt this long plus max_tokens exceeds the context
+        (a batch's prompts are checked one by one, as each is tokenized)."""
+        if num_prompt_tokens + max_tokens > self.limits.max_model_len:
+            raise ContextLengthError(self.limits.max_model_len, num_prompt_tokens, max_tokens)
+
+    def grammar_future(self, request: Request, client: str | None = None) -> Future | None:
         """The compile of the request's constraint (None: it has none); cached, so the
         same future for every request of one constraint. ValueError when this model
-        cannot compile one."""
+        cannot compile one. With a `client` (see `GrammarCompiler.compile_async`): bounded
+        (CompileQueueFull), and the caller calls `stop_waiting` when it stops waiting."""
         constraint = request.params.structured_outputs
         if constraint is None:
             return None
         if self.grammar_compiler is None:
             raise ValueError(f"{constraint.field}: this model has no tokenizer to compile it with")
-        return self.grammar_compiler.compile_async(constraint)
+        return self.grammar_compiler.compile_async(constraint, client)
 
 
 def _max_prompt_chars(tokenizer, max_model_len: int) -> int:
-    """The most characters a prompt of max_model_len tokens can have: no token's text is
-    longer than its vocabulary entry (byte-level and SentencePiece pieces alike)."""
+    """The most characters a prompt of max_model_len tokens is read with: no token's text
+    is longer than its vocabulary entry (byte-level and SentencePiece pieces alike), and
+    none is taken to stand for more than MAX_CHARS_PER_TOKEN."""
     if tokenizer is None:
         return 0
     longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
-    return max_model_len * longest
+    return max_model_len * min(longest, MAX_CHARS_PER_TOKEN)

@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass, field
 
 from pagefleet_serve.frontend.detokenizer import SampleText
+from pagefleet_serve.frontend.tokenizer import Tokenizer
 from pagefleet_serve.messages import Request
 from pagefleet_serve.outputs import CompletionOutput, RequestOutput
 
@@ -26,7 +27,7 @@ class RequestText:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         """`tokenizer` None: a model without one; outputs then carry token ids only."""
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestText] = {}

@@ -6,9 +6,13 @@ model's chat template), admit, then either stream SSE chunks or collect a JSON r
 They differ only in how a prompt is read and how a choice is written.
 
 Nothing that grows with a request's size runs on the event loop: the body is read in
-chunks against a byte limit, prompt text longer than the context could possibly hold is
-refused by its length in characters before any tokenizer sees it, and the rest runs in the
-frontend thread.
+chunks against a byte limit, and the rest runs in the frontend thread, cheapest checks
+first: prompt text longer than the context could hold is refused by its length in
+characters before any tokenizer sees it (a batch of prompts by their total too, chat by
+its number of messages), and a batch stops at its first prompt over the context. A
+structured output's grammar compiles on the event loop's time, not a thread's: the request
+waits for it (in the compile queue, bounded per client) until the client leaves, and a
+compile nobody waits for any more is dropped.
 """
 
 import abc
@@ -45,11 +49,15 @@ from pagefleet_serve.server.protocol import (
 )
 from pagefleet_serve.server.state import ServerState
 from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, plan_tools, split_output
+from pagefleet_serve.structured.grammar import CompileQueueFull
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
+# A batch of text prompts is read whole only if it holds no more characters than this many
+# full-length prompts (each is read with `max_prompt_chars` at most).
+MAX_BATCH_CONTEXTS = 4
 
 
 def sse_event(payload: dict) -> str:
@@ -112,11 +120,8 @@ class _Endpoint(abc.ABC):
         request, engine_requests, tools = await self.state.off_loop(
             lambda: self._validate(body, request_id)
         )
-        try:  # the grammar compiles while the frontend thread serves other requests
-            for engine_request in engine_requests:
-                await self.state.engine.grammar_compiled(engine_request)
-        except ValueError as exc:
-            raise value_error(exc, self.request_model) from None
+        if not await self._grammar_compiled(raw, engine_requests[0]):
+            return Response(status_code=499)  # the client has gone; nobody reads this
         generation = Generation(self.state, engine_requests)
         run = _Run(
             request_id,
@@ -130,12 +135,40 @@ class _Endpoint(abc.ABC):
             return SSEResponse(generation, self._stream(run))
         return await self._respond(run, raw)
 
+    async def _grammar_compiled(self, raw: Request, engine_request: EngineRequest) -> bool:
+        """Wait for the constraint the request's prompts share to compile (at once without
+        one or when cached): False if the client left first. 400 when it cannot compile,
+        429 when the compile queue or this client's share of it is full."""
+        client = raw.client.host if raw.client else ""
+        try:
+            future = self.inputs.grammar_future(engine_request, client)
+        except CompileQueueFull as exc:
+            field = engine_request.params.structured_outputs.field
+            raise APIError(
+                429,
+                f"{field}: {exc}",
+                type="rate_limit_error",
+                param=field,
+                code="compile_queue_full",
+                headers={"Retry-After": "1"},
+            ) from None
+        except ValueError as exc:
+            raise value_error(exc, self.request_model) from None
+        if future is None:
+            return True
+        try:
+            return await _unless_disconnected(raw, asyncio.wrap_future(future))
+        except ValueError as exc:
+            raise value_error(exc, self.request_model) from None
+        finally:
+            self.inputs.grammar_compiler.stop_waiting(future)
+
     def _validate(
         self, body: bytes, request_id: str
     ) -> tuple[_GenerationRequest, list[EngineRequest], ToolPlan | None]:
         """Body -> validated engine requests, one per prompt (frontend thread)."""
         request = parse(self.request_model, body)
-        self.state.check_model(request.model)
+        lora_name = self.state.check_model(request.model)
         request.check_supported()
         if request.priority and self.state.settings.scheduling_policy != "priority":
             raise bad_request(
@@ -143,12 +176,12 @@ class _Endpoint(abc.ABC):
                 "priority only when started with --scheduling-policy priority",
                 param="priority",
             )
-        prompts, params, tools = self.prepare(request)
         try:
+            prompts, params, tools = self.prepare(request)
             return (
                 request,
                 [
-                    self.state.engine.make_request(f"{request_id}-{i}", prompt, params)
+                    self.state.engine.make_request(f"{request_id}-{i}", prompt, params, lora_name)
                     for i, prompt in enumerate(prompts)
                 ],
                 tools,
@@ -200,6 +233,19 @@ class _Endpoint(abc.ABC):
                 f"{self.max_prompt_chars} characters can). Please reduce the length of the "
                 f"{self.prompt_param}.",
                 param=self.prompt_param,
+                code="context_length_exceeded",
+            )
+
+    def check_batch_chars(self, num_chars: int) -> None:
+        """Refuse a batch of prompts longer in all than MAX_BATCH_CONTEXTS contexts could
+        hold, before tokenizing any of them."""
+        limit = MAX_BATCH_CONTEXTS * self.max_prompt_chars
+        if num_chars > limit:
+            raise bad_request(
+                f"prompt: the batch's prompts have {num_chars} characters in all; at most "
+                f"{limit} are read in one request ({MAX_BATCH_CONTEXTS} times the "
+                f"{self.max_prompt_chars} one prompt may have). Send fewer or shorter prompts.",
+                param="prompt",
                 code="context_length_exceeded",
             )
 
@@ -291,6 +337,7 @@ class CompletionsEndpoint(_Endpoint):
         self, request: CompletionRequest
     ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
         prompt = request.prompt
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
         if isinstance(prompt, str):
             prompts = [self.encode(prompt)]
         elif not prompt:
@@ -300,10 +347,13 @@ class CompletionsEndpoint(_Endpoint):
         elif len(prompt) > MAX_PROMPTS_PER_REQUEST:
             raise too_many_prompts(len(prompt))
         elif isinstance(prompt[0], str):
-            prompts = [self.encode(p) for p in prompt]
+            self.check_batch_chars(sum(map(len, prompt)))
+            prompts = []
+            for text in prompt:  # a batch stops at its first prompt over the context
+                prompts.append(self.encode(text))
+                self.inputs.check_fits(len(prompts[-1]), max_tokens)
         else:
             prompts = [list(p) for p in prompt]
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
         return prompts, request.sampling_params(max_tokens, request.logprobs), None
 
     def choice_chunk(self, run: _Run, delta: CompletionOutput) -> dict:
@@ -357,6 +407,15 @@ class ChatCompletionsEndpoint(_Endpoint):
         if self.tokenizer is None:
             raise bad_request(
                 "messages: this model has no tokenizer or chat template", param="messages"
+            )
+        # Every message costs a token of the context at least (its role): counted before
+        # any is read, templated or tokenized.
+        if len(request.messages) > self.max_model_len:
+            raise bad_request(
+                f"messages: {len(request.messages)} messages cannot fit in this model's "
+                f"maximum context length of {self.max_model_len} tokens",
+                param="messages",
+                code="context_length_exceeded",
             )
         tools = plan_tools(request, self.state.settings)
         messages = template_messages(request.messages)
@@ -455,22 +514,25 @@ def _finish_reason(tools: ToolPlan, reason: str | None, calls: list) -> str | No
 
 
 def list_models(state: ServerState, created: int) -> dict:
+    """The served names of the base model, then its LoRA adapters (`parent`: the base)."""
     engine = state.engine
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "pagefleet",
-                "root": engine.config.model,
-                "parent": None,
-                "max_model_len": engine.max_model_len,
-            }
-            for name in state.settings.served_model_names
-        ],
-    }
+
+    def card(name: str, root: str, parent: str | None) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pagefleet",
+            "root": root,
+            "parent": parent,
+            "max_model_len": engine.max_model_len,
+        }
+
+    base = [card(name, engine.config.model, None) for name in state.settings.served_model_names]
+    adapters = [
+        card(a.name, a.path, state.settings.model_name) for a in engine.lora_adapters.values()
+    ]
+    return {"object": "list", "data": base + adapters}
 
 
 async def read_json_body(raw: Request, limit: int) -> bytes:

@@ -32,8 +32,12 @@ class ServerSettings:
     # of being ready for them, or it is closed (a slow or stalled client holds no slot).
     header_read_timeout: float = 10.0
     body_read_timeout: float = 30.0
-    # Open connections plus running requests beyond which new requests get 503 (uvicorn).
+    # Requests in flight (headers received, response not finished) beyond which new ones
+    # get 503; idle connections and the probes (/health, /ready, /metrics) do not count.
     limit_concurrency: int = 1024
+    # Connections one client address may hold open; more are closed at once. None: no cap
+    # (the default: behind the router or a load balancer every client shares one address).
+    max_connections_per_client: int | None = None
     # fcfs: requests run in arrival order and `priority` is refused; priority: lower
     # `priority` values run first (vLLM's --scheduling-policy).
     scheduling_policy: str = "fcfs"
@@ -45,6 +49,9 @@ class ServerSettings:
     # --enable-auto-tool-choice and --tool-call-parser).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, the adapters are those of --lora-modules.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -66,6 +73,10 @@ class ServerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections_per_client is not None and self.max_connections_per_client <= 0:
+            raise ValueError(
+                f"max_connections_per_client must be > 0, got {self.max_connections_per_client}"
+            )
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {tuple(TOOL_CALL_PARSERS)}, "

@@ -7,11 +7,18 @@ only then let uvicorn shut down. The process then exits 0. A second signal exits
 
 uvicorn closes idle keep-alive connections but puts no deadline on a request that is being
 sent: `GuardedH11Protocol` adds one for the headers and one for the body, so a client that
-sends slowly or stops half-way cannot hold a connection (or a slot of `limit_concurrency`)
-for ever.
+sends slowly or stops half-way cannot hold a connection for ever, and it can cap the
+connections one client address holds open.
+
+Admission counts requests, not sockets: uvicorn's own `limit_concurrency` counts open
+connections, so a crowd of connections that send nothing turned every request, and the
+probes, into 503s (and the liveness probe restarted the pod). `ConcurrencyGate` counts
+requests whose headers have arrived, and the probes (`PROBE_PATHS`) pass it always: a busy
+pod is told apart from a dead one.
 """
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -22,28 +29,84 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagefleet_serve.frontend.core_client import EngineCoreClient
 from pagefleet_serve.server.app import build_app
-from pagefleet_serve.server.errors import APIError
+from pagefleet_serve.server.errors import APIError, unavailable
 from pagefleet_serve.server.settings import ServerSettings
 from pagefleet_serve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
+
+# What the kubelet and Prometheus ask: never behind the public admission gate.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class ConcurrencyGate:
+    """ASGI middleware: at most `limit` requests in flight (streams until they end), probes
+    aside; the next one gets 503 at once. A connection counts only once it has sent a
+    request's headers."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            logger.warning("%d requests in flight (--limit-concurrency): 503", self.in_flight)
+            busy = unavailable(
+                f"the server has {self.in_flight} requests in flight (its limit); retry later",
+                code="server_busy",
+            )
+            busy.headers = {"Retry-After": "1"}
+            await busy.response()(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with read deadlines: a request's headers must arrive within
     `header_timeout` seconds of the connection being ready for them, and its body within
     `body_timeout` seconds of its headers. Past a deadline the connection is closed, after
-    a 408 when the request is known and nothing has been answered yet."""
+    a 408 when the request is known and nothing has been answered yet. With
+    `max_connections_per_client`, a connection beyond that many open from one address is
+    closed at once (`per_client` is the server's count, shared by its connections)."""
 
-    def __init__(self, *args, header_timeout: float, body_timeout: float, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        header_timeout: float,
+        body_timeout: float,
+        max_connections_per_client: int | None = None,
+        per_client: collections.Counter | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
+        self.max_connections_per_client = max_connections_per_client
+        self._per_client = per_client if per_client is not None else collections.Counter()
+        self._counted_as: str | None = None  # the client address this connection counts for
         self._deadline: asyncio.TimerHandle | None = None
         self._awaiting: object = None  # the h11 state the deadline is for
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        if self.max_connections_per_client is not None and self.client:
+            host = self.client[0]
+            if self._per_client[host] >= self.max_connections_per_client:
+                logger.warning(
+                    "%s holds %d connections already: closing", host, self._per_client[host]
+                )
+                transport.close()
+                return
+            self._per_client[host] += 1
+            self._counted_as = host
         self._watch()
 
     def data_received(self, data: bytes) -> None:
@@ -56,6 +119,11 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        if self._counted_as is not None:
+            self._per_client[self._counted_as] -= 1
+            if not self._per_client[self._counted_as]:
+                del self._per_client[self._counted_as]
+            self._counted_as = None
         super().connection_lost(exc)
 
     def _watch(self) -> None:
@@ -152,7 +220,7 @@ def create_server(
     """A ready-to-run server for an engine (`.run()`; tests run it in a thread)."""
     state = ServerState(settings, engine)
     config = uvicorn.Config(
-        build_app(state),
+        ConcurrencyGate(build_app(state), settings.limit_concurrency),
         host=settings.host,
         port=settings.port,
         log_config=None,
@@ -162,7 +230,8 @@ def create_server(
             GuardedH11Protocol,
             header_timeout=settings.header_read_timeout,
             body_timeout=settings.body_read_timeout,
+            max_connections_per_client=settings.max_connections_per_client,
+            per_client=collections.Counter(),
         ),
-        limit_concurrency=settings.limit_concurrency,
     )
     return DrainingServer(config, state)

@@ -1,12 +1,34 @@
 """What a request asks its output to match: plain, serializable data that rides on
 SamplingParams into the engine core (which compiles it against its tokenizer's vocabulary)."""
 
+import itertools
 import json
+import re
 from dataclasses import dataclass, field
 
 # A constraint is text the core compiles; bounded like the rest of a request's settings.
 MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_CHOICES = 1024
+# Compile time and memory grow faster than linearly with nesting (a schema of arrays of
+# arrays...), so a constraint is bounded by its structure too, checked on the text before
+# any compiler sees it: nesting depth (JSON objects and arrays; regex and grammar groups)
+# and, for JSON, the number of objects and arrays in all. Real schemas stay far below.
+MAX_CONSTRAINT_DEPTH = 64
+MAX_CONSTRAINT_NODES = 16384
+
+# What cannot open or close a level, by kind: JSON strings; a regex's escapes and
+# character classes (a "(" there is a character, not a group); a grammar's too, and its
+# quoted strings.
+_JSON_STRING = r'"(?:[^"\\]|\\.)*"'
+_REGEX_LITERAL = r"\\.|\[(?:[^\]\\]|\\.)*\]"
+_LITERALS = {
+    "json": re.compile(_JSON_STRING),
+    "structural_tag": re.compile(_JSON_STRING),
+    "regex": re.compile(_REGEX_LITERAL),
+    "grammar": re.compile(f"{_REGEX_LITERAL}|{_JSON_STRING}"),
+}
+_JSON_LEVELS = {"{": 1, "[": 1, "}": -1, "]": -1}
+_PATTERN_LEVELS = {"(": 1, ")": -1}
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -45,6 +67,8 @@ class StructuredOutputs:
                     f"{self.field}: {kind} must be a non-empty string of at most "
                     f"{MAX_CONSTRAINT_CHARS} characters"
                 )
+            if text is not None:
+                _check_structure(self.field, kind, text)
         if self.choice is not None and not (
             0 < len(self.choice) <= MAX_CHOICES
             and all(isinstance(c, str) and c for c in self.choice)
@@ -58,6 +82,28 @@ class StructuredOutputs:
     @property
     def kind(self) -> str:
         return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+
+def _check_structure(where: str, kind: str, text: str) -> None:
+    """ValueError naming `where` when the constraint nests deeper, or (JSON) holds more
+    objects and arrays, than a compile can be trusted with."""
+    is_json = kind in ("json", "structural_tag")
+    stripped = _LITERALS[kind].sub("", text)
+    levels = _JSON_LEVELS if is_json else _PATTERN_LEVELS
+    steps = [levels[c] for c in stripped if c in levels]
+    depth = max(itertools.accumulate(steps), default=0)
+    if depth > MAX_CONSTRAINT_DEPTH:
+        what = "objects and arrays" if is_json else "groups"
+        raise ValueError(
+            f"{where}: the {kind} constraint nests {what} {depth} levels deep; at most "
+            f"{MAX_CONSTRAINT_DEPTH} are allowed"
+        )
+    nodes = steps.count(1)
+    if is_json and nodes > MAX_CONSTRAINT_NODES:
+        raise ValueError(
+            f"{where}: the {kind} constraint has {nodes} objects and arrays; at most "
+            f"{MAX_CONSTRAINT_NODES} are allowed"
+        )
 
 
 def structural_tag_text(spec: dict) -> str:
