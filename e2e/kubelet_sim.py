@@ -36,6 +36,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,9 @@ class SimPod:
     in_flight_at_sigterm: int | None = None
     exit_code: int | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    # time.monotonic() when its process was started, and when it first answered /ready.
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
 
 
 class KubeletSimulation:
@@ -244,6 +248,7 @@ class KubeletSimulation:
         for pod in pods:
             if not pod.ready and not pod.terminating and await self._answers_ready(pod):
                 pod.ready = True
+                pod.ready_at = time.monotonic()
                 await self._post_pod(pod)
         ready = sum(1 for pod in pods if pod.ready and not pod.terminating)
         status = {
@@ -305,8 +310,8 @@ class KubeletSimulation:
         env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
         if "PYTHONPATH" in os.environ:  # a checkout's own sources, ahead of the installed ones
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-        if "TORCH_EXTENSIONS_DIR" in os.environ:  # the CPU attention kernel `make install` built
-            env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+        if "PAGEFLEET_KERNELS_DIR" in os.environ:  # C++ extensions built outside the package
+            env["PAGEFLEET_KERNELS_DIR"] = os.environ["PAGEFLEET_KERNELS_DIR"]
         for item in container.get("env", []):
             if "value" in item:  # valueFrom (Secrets) has nothing to resolve here
                 env[item["name"]] = self._in_volumes(item["value"], mounts)

@@ -51,6 +51,7 @@ class StreamResult:
     finish_reason: str | None = None
     error: str | None = None
     seconds: float = 0.0
+    first_token_seconds: float | None = None  # from the request to its first content
 
 
 def stream_chat(
@@ -75,6 +76,8 @@ def stream_chat(
             for chunk in stream:
                 for choice in chunk.choices:
                     if choice.delta.content:
+                        if result.first_token_seconds is None:
+                            result.first_token_seconds = time.monotonic() - started
                         result.text += choice.delta.content
                         result.chunks += 1
                     if choice.finish_reason:

@@ -13,17 +13,16 @@ while for decode it reads each K/V row once where the torch backend copies it fi
 The C++ backend's layer ops and matmuls are those of `cpu_layer_ops` (see
 `backend.cpu_backend`).
 
-The kernel is compiled on first use (`pagefleet_kernels.cpu_build`: a C++ compiler is
-needed, the build is cached). `available()` says whether it could be built; the engine
-falls back to the torch backend when it cannot.
+The kernel is compiled when the package is installed (`pagefleet_kernels.cpu_build`).
+`available()` says whether it was built for this CPU; the engine uses the torch backend
+when it was not.
 """
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from pagefleet_kernels import cpu_layer_ops, torch_attention
+from pagefleet_kernels import torch_attention
 from pagefleet_kernels.backend import AttentionMetadata
 from pagefleet_kernels.cpu_build import load_extension
 from pagefleet_kernels.torch_attention import _check_scales
@@ -32,13 +31,8 @@ __all__ = ["available", "paged_attention", "prepare", "write_kv_cache"]
 
 
 def _extension():
-    """The compiled module, or None when it cannot be built here."""
-    # -ffast-math for the reductions' vectorization; NaN/inf checks stay meaningful.
-    return load_extension(
-        "pagefleet_paged_attention_cpu",
-        "paged_attention_cpu.cpp",
-        ("-ffast-math", "-fno-finite-math-only"),
-    )
+    """The compiled module, or None when none was built for this CPU."""
+    return load_extension("pagefleet_paged_attention_cpu")
 
 
 def available() -> bool:
@@ -181,14 +175,3 @@ def paged_attention(
             softcap=softcap,
         )
     return out
-
-
-if __name__ == "__main__":
-    # `python -m pagefleet_kernels.cpu_attention`: compile (or find) the kernel ahead of
-    # the first engine start. Without a compiler the engine uses torch, so this never fails.
-    logging.basicConfig(level=logging.INFO)
-    for name, built in (
-        ("attention kernel", available()),
-        ("layer ops", cpu_layer_ops.available()),
-    ):
-        print(f"CPU {name}: {'built' if built else 'unavailable, torch fallback'}")

@@ -3,8 +3,8 @@ instead of 4-8 eager ops and their dispatch, which at decode batch 1 cost more t
 arithmetic. The results are the eager ops' bits (the norm's sum of squares aside: its order
 of addition differs, a float32 rounding).
 
-Falls back to `layer_ops` when the extension cannot be built, for tensors off the CPU, and
-inside torch.compile, which traces (and fuses) the eager ops instead.
+Falls back to `layer_ops` when the extension was not built for this CPU, for tensors off
+the CPU, and inside torch.compile, which traces (and fuses) the eager ops instead.
 """
 
 import torch
@@ -32,7 +32,7 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _extension():
-    return load_extension("pagefleet_layer_ops_cpu", "layer_ops_cpu.cpp", ("-ffp-contract=off",))
+    return load_extension("pagefleet_layer_ops_cpu")
 
 
 def available() -> bool:

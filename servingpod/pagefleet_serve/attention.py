@@ -4,7 +4,7 @@
 KernelBackend`, not only its attention: `torch` (PyTorch end to end), `cpu` (the C++
 decode attention, layer ops, few-row and 4-bit/Q8_0 matmuls and fused decoder layer of
 `cpu_attention` / `cpu_layer_ops`), `triton` (the Triton attention and layer ops). `auto`
-takes Triton on CUDA and the C++ kernels on the CPU when a compiler could build them (the
+takes Triton on CUDA and the C++ kernels on the CPU when they were built for its CPU (the
 attention measured 1.6x faster than torch for float32 decode at batch 64, 5x with an int8
 cache), torch otherwise.
 """
@@ -33,8 +33,9 @@ def get_kernel_backend(name: str, device: torch.device) -> KernelBackend:
 
         if device.type != "cpu" or not cpu_attention.available():
             raise ValueError(
-                f"attention_backend 'cpu' needs the CPU device and a C++ compiler to build its "
-                f"kernel (device {device}); use 'torch'"
+                f"attention_backend 'cpu' needs the CPU device and its C++ kernels built for this "
+                f"CPU (device {device}; `python -m pagefleet_kernels.cpu_build` builds them); "
+                f"use 'torch'"
             )
         return cpu_backend()
     if name == "triton":

@@ -194,3 +194,38 @@ def test_operator_imports_no_serving_stack():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+def stages(dockerfile: Path) -> list[list[tuple[str, str]]]:
+    """The instructions of each build stage, in order (ARGs before the first FROM left out)."""
+    found: list[list[tuple[str, str]]] = []
+    for keyword, rest in instructions(dockerfile):
+        if keyword == "FROM":
+            found.append([])
+        if found:
+            found[-1].append((keyword, rest))
+    return found
+
+
+def test_the_serving_image_builds_the_cpu_extensions_at_build_time_for_avx2_and_avx512():
+    """The C++ CPU extensions are compiled in the build stage, after the package is
+    installed, for the CPU families the chart promises; the final stage holds the build's
+    venv (the prebuilt objects inside it) and no C++ compiler, because no engine compiles."""
+    from pagefleet_kernels.cpu_build import FAMILIES
+
+    build, final = stages(SERVING)
+    defaults = dict(
+        rest.split("=", 1) for kw, rest in instructions(SERVING) if kw == "ARG" and "=" in rest
+    )
+    runs = [rest for kw, rest in build if kw == "RUN"]
+    install = next(i for i, r in enumerate(runs) if re.search(r"pip install /src\b", r))
+    builds = [i for i, r in enumerate(runs) if "python -m pagefleet_kernels.cpu_build" in r]
+    assert builds and builds[0] > install, "the extensions are built after the package install"
+    families = re.search(r"--families (\S+)", runs[builds[0]]).group(1)
+    families = defaults[families[2:-1]] if families.startswith("${") else families
+    assert {"avx2", "avx512"} <= set(families.split(",")) <= set(FAMILIES)
+    build_packages = " ".join(r for r in runs[: builds[0]] if "apt-get install" in r)
+    assert "g++" in build_packages.split() and "python3-dev" in build_packages.split()
+    final_runs = " ".join(rest for kw, rest in final if kw == "RUN")
+    assert "g++" not in final_runs.split()
+    assert ("COPY", "--from=build /opt/pagefleet /opt/pagefleet") in final

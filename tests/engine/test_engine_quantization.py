@@ -221,7 +221,8 @@ def test_int8_activations_serve_the_builtin_model(make_llm, chat_prompts):
             quantization="auto" if activations == "int8" else "none",
             activation_quantization=activations,
             max_model_len=512,
-            kv_cache_memory_bytes=64 << 20,
+            # The expanded engine of the test above (same config): reused, not rebuilt.
+            kv_cache_memory_bytes=128 << 20,
         )
         outputs[activations] = [r.outputs[0].token_ids for r in llm.generate(chat_prompts, greedy)]
     same = sum(a == b for a, b in zip(outputs["int8"], outputs["none"], strict=True))

@@ -36,6 +36,15 @@ from pagefleet_serve.structured.constraint import StructuredOutputs
 from server_harness import ServerProcess, assert_error, sse_events, wait_until
 
 ENGINE_FLAGS = ("--max-model-len", "512", "--kv-cache-memory", "64MiB")
+# Where no text is read, the small random model (no tokenizer: prompts are token ids).
+TINY_FLAGS = (
+    "--model",
+    "builtin://tiny-random",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory",
+    "8MiB",
+)
 STATS = EngineStats(1, 2, 64, 3, 3 / 64, 10, 4, 0, 40)
 
 
@@ -176,11 +185,11 @@ def test_a_stalled_then_killed_core_fails_health_and_ends_the_stream(server):
 
 
 def test_sigterm_drains_and_leaves_no_child_process():
-    server = ServerProcess(*ENGINE_FLAGS, "--shutdown-timeout", "30").wait_ready()
+    server = ServerProcess(*TINY_FLAGS, "--shutdown-timeout", "30").wait_ready()
     try:
         pid = core_pid(server)
         assert pid != server.process.pid and is_running(pid)
-        body = {"prompt": "Once", "max_tokens": 8, "ignore_eos": True, "stream": True}
+        body = {"prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             with client.stream("POST", "/v1/completions", json=body) as stream:
                 lines = stream.iter_lines()
@@ -195,7 +204,7 @@ def test_sigterm_drains_and_leaves_no_child_process():
 
 
 def test_a_killed_server_takes_its_core_with_it():
-    server = ServerProcess(*ENGINE_FLAGS).wait_ready()
+    server = ServerProcess(*TINY_FLAGS).wait_ready()
     try:
         pid = core_pid(server)
         server.signal(signal.SIGKILL)

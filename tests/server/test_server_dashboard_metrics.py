@@ -18,7 +18,6 @@ from pagefleet_operator.reconcile import Outcome
 from pagefleet_operator.spec import AutoscalingSpec
 from pagefleet_operator.telemetry import OperatorMetrics
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import ServerProcess
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts/pagefleet/dashboards/pagefleet.json"
 _IDENTIFIER = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\()?")
@@ -80,12 +79,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
-    process = ServerProcess("--host", "127.0.0.1", "--dtype", "float32").wait_ready()
-    try:
-        yield process
-    finally:
-        process.stop()
+def server(default_pod):
+    """The session's default pod (served name "smol")."""
+    return default_pod
 
 
 def operator_metrics_text() -> str:
@@ -107,7 +103,7 @@ def test_every_dashboard_metric_is_exported(server):
     for _ in range(2):  # the second one hits the prefix cache
         response = httpx.post(
             f"{server.base_url}/v1/completions",
-            json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 4},
+            json={"model": "smol", "prompt": prompt, "max_tokens": 4},
             timeout=120,
         )
         assert response.status_code == 200, response.text

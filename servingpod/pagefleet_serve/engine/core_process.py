@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.cpu_placement import place_core_threads
@@ -30,7 +31,15 @@ _PR_SET_PDEATHSIG = 1
 
 
 # -- the child ---------------------------------------------------------------------------------
-def core_main(conn, config: EngineConfig, placement, parent_pid: int, log_level: str) -> None:
+def core_main(
+    conn,
+    config: EngineConfig,
+    placement,
+    parent_pid: int,
+    log_level: str,
+    imports_seconds: float = 0.0,
+) -> None:
+    """`imports_seconds`: how long the child took to import the engine (torch)."""
     _die_with_parent(parent_pid)
     # The frontend owns shutdown: it drains on SIGTERM, then sends Shutdown.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -54,7 +63,8 @@ def core_main(conn, config: EngineConfig, placement, parent_pid: int, log_level:
     except BaseException as exc:  # noqa: BLE001 - the frontend reports it and exits
         emit(CoreFailed(f"cannot load model {config.model}: {type(exc).__name__}: {exc}"))
         _exit_now(1)
-    emit(engine.ready())
+    ready = engine.ready()
+    emit(replace(ready, startup_seconds={"imports": imports_seconds, **ready.startup_seconds}))
     core = EngineCore(engine, emit)
     threading.Thread(target=_forward, args=(conn, core), name="core-inbox", daemon=True).start()
     threading.Thread(target=_heartbeat, args=(core, emit), name="heartbeat", daemon=True).start()

@@ -146,8 +146,10 @@ class ProcessLink:
         self._conn.close()
 
 
-def _run_core(*args) -> None:
+def _run_core(conn, config: EngineConfig, placement, parent_pid: int, log_level: str) -> None:
     """The spawned child's entry point: the engine core is imported there, not here."""
+    started = time.monotonic()
     from pagefleet_serve.engine.core_process import core_main
 
-    core_main(*args)
+    imports = time.monotonic() - started
+    core_main(conn, config, placement, parent_pid, log_level, imports_seconds=imports)

@@ -65,13 +65,6 @@ class QuantizedWeight:
             first.group_size,
         )
 
-    def permute_rows(self, index: np.ndarray) -> "QuantizedWeight":
-        index = torch.from_numpy(index)
-        zero = None if self.zero is None else self.zero[index]
-        return QuantizedWeight(
-            self.codes[index], self.scale[index], zero, self.bits, self.group_size
-        )
-
 
 # -- GGUF blocks -> codes and scales -------------------------------------------------------
 def _f16(blocks: np.ndarray, start: int) -> torch.Tensor:
@@ -79,10 +72,19 @@ def _f16(blocks: np.ndarray, start: int) -> torch.Tensor:
     return torch.from_numpy(blocks[..., start : start + 2].copy().view(np.float16)[..., 0]).float()
 
 
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+
+
 def _nibbles(qs: np.ndarray) -> torch.Tensor:
-    """16 bytes per block -> 32 codes: the low nibbles are weights 0-15, the high 16-31."""
-    qs = torch.from_numpy(qs.copy())
-    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+    """16 bytes per block -> 32 codes: the low nibbles are weights 0-15, the high 16-31.
+    Eight bytes at a time, as uint64 words: an eighth of the elementwise work of a pass
+    over single bytes, which was most of a GGUF's load."""
+    words = np.ascontiguousarray(qs).view(np.uint64)  # (..., 2): a block's 16 bytes
+    out = np.empty((*words.shape[:-1], 4), dtype=np.uint64)
+    np.bitwise_and(words, _LOW_NIBBLES, out=out[..., :2])
+    np.right_shift(words, np.uint64(4), out=out[..., 2:])
+    out[..., 2:] &= _LOW_NIBBLES
+    return torch.from_numpy(out.view(np.uint8))
 
 
 def from_gguf(data: np.ndarray, type_name: str) -> QuantizedWeight:
