@@ -1,7 +1,9 @@
 """Architectures beyond Llama in the one paged model runner: Qwen2 (q/k/v biases), Qwen3
 (per-head q/k RMSNorm, with attention biases), Mistral (sliding window on every layer),
-Phi-3 (fused checkpoint tensors, sliding window) and Qwen2 with sliding and full layers
-mixed.
+Phi-3 (fused checkpoint tensors, sliding window), Qwen2 with sliding and full layers
+mixed, and the mixtures of experts: Mixtral, Qwen2-MoE (a gated shared expert, a dense
+layer among the sparse ones), Qwen3-MoE and OLMoE (q/k norms over the whole projection,
+clamped q/k/v), each with 8 or 16 experts and 2 a token.
 
 Each is a tiny random model built with transformers' own class and saved with
 save_pretrained; PageFleet's greedy tokens must equal transformers' generate for 48 tokens
@@ -74,6 +76,37 @@ ARCHITECTURES = {
         "Qwen2",
         {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
     ),
+    # Mixtures of experts. Mixtral renormalizes its top 2 and slides (checkpoint names
+    # block_sparse_moe.experts.{e}.w1/w2/w3).
+    "mixtral-moe": (
+        "Mixtral",
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+    ),
+    # A shared expert behind a sigmoid gate; layer 1 dense (mlp_only_layers), experts of
+    # their own size; top 2 not renormalized.
+    "qwen2-moe-shared-expert": (
+        "Qwen2Moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # Per-head q/k norms, renormalized top 2, every other layer sparse.
+    "qwen3-moe": (
+        "Qwen3Moe",
+        {
+            "num_experts": 16,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+        },
+    ),
+    # q/k norms over the whole projections, q/k/v clamped.
+    "olmoe": ("Olmoe", {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 1.5}),
 }
 # Phi-3 128k's longrope on a tiny scale: the switch at a context of 32.
 LONGROPE = {
@@ -159,6 +192,15 @@ def test_greedy_parity_with_transformers(arch, tmp_path):
         assert dict(config.rope_scaling)["rope_type"] == "linear"
     if arch == "gemma2":
         assert config.attn_logit_softcapping == 1.0 and config.tie_word_embeddings
+    if "moe" in arch:
+        assert config.num_experts >= 8 and config.num_experts_per_tok == 2
+    if arch == "qwen2-moe-shared-expert":
+        assert config.sparse_layers == (True, False, True)
+        assert config.shared_expert_intermediate_size == 96
+    if arch == "qwen3-moe":
+        assert config.sparse_layers == (False, True, False) and config.norm_topk_prob
+    if arch == "olmoe":
+        assert config.qk_norm_whole and config.clip_qkv == 1.5
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ours = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, ours, strict=True):
@@ -239,11 +281,12 @@ def test_generation_config_eos_list_ends_generation(tmp_path):
         (
             {"model_type": "falcon"},
             r"model_type 'falcon' is not Llama-family; supported: .*"
-            r"gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3",
+            r"gemma2, gemma3_text, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, "
+            r"qwen3, qwen3_moe",
         ),
         (
             {"quantization_config": {"quant_method": "awq", "bits": 4}},
-            r"quantization 'awq' is not supported; supported: unquantized",
+            r"quantization 'awq' is not supported; supported: float8 checkpoints .* unquantized",
         ),
     ],
 )

@@ -85,8 +85,21 @@ def longrope_attention_factor(config) -> float:
     return math.sqrt(1 + math.log(factor) / math.log(config.original_max_position_embeddings))
 
 
-def write_gguf(model, path, arch: str, name: str) -> None:
+def write_gguf(model, path, arch: str, name: str, expert_type=None) -> None:
+    """`expert_type`: a gguf.GGMLQuantizationType for a mixture's stacked experts (float32
+    when None)."""
     c = model.config
+
+    def add_experts(tensor_name: str, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data)
+        if expert_type is None:
+            writer.add_tensor(tensor_name, data)
+        else:
+            quantized = gguf.quants.quantize(data, expert_type)
+            writer.add_tensor(
+                tensor_name, quantized, raw_shape=quantized.shape, raw_dtype=expert_type
+            )
+
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
     writer.add_context_length(c.max_position_embeddings)
@@ -112,6 +125,15 @@ def write_gguf(model, path, arch: str, name: str) -> None:
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:  # a mixture, as llama.cpp's converter writes one
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(
+            getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+        )
+        if getattr(c, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if rope["rope_type"] == "longrope":  # as llama.cpp's Phi-3 converter writes it
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_rope_scaling_attn_factors(longrope_attention_factor(c))
@@ -124,8 +146,17 @@ def write_gguf(model, path, arch: str, name: str) -> None:
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         base, suffix = hf_name.rsplit(".", 1)
-        gguf_name = f"{names.get_name(base)}.{suffix}"
         data = tensor.float().numpy()
+        if base.endswith(".mlp.experts"):  # transformers' stacked experts -> ffn_*_exps
+            block = f"blk.{hf_name.split('.')[2]}"
+            if suffix == "gate_up_proj":
+                gate, up = np.split(data, 2, axis=1)
+                add_experts(f"{block}.ffn_gate_exps.weight", gate)
+                add_experts(f"{block}.ffn_up_exps.weight", up)
+            else:
+                add_experts(f"{block}.ffn_down_exps.weight", data)
+            continue
+        gguf_name = f"{names.get_name(base)}.{suffix}"
         if arch == "llama" and ".attn_q." in gguf_name:
             data = llama_cpp_permute(data, c.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
@@ -176,7 +207,7 @@ def test_gguf_of_an_unsupported_architecture_names_the_supported_ones(tmp_path):
     with pytest.raises(
         UnsupportedModelError,
         match=r"architecture 'falcon' is not supported; supported GGUF architectures: "
-        r"gemma2, gemma3, llama, phi3, qwen2, qwen3",
+        r"gemma2, gemma3, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe",
     ):
         load_model(f"file://{path}", torch.float32)
 

@@ -4,7 +4,10 @@ One model class serves Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and Gemm
 differ only in switches of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNorm,
 sliding-window layers with their own rope base, Gemma's (1 + weight) norms around both
 sublayers, GeGLU, scaled embeddings, attention and final logit soft-capping) and in
-whether the checkpoint already has q/k/v and gate/up fused (Phi-3).
+whether the checkpoint already has q/k/v and gate/up fused (Phi-3). The mixture-of-experts
+families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) are the same decoder with `MoEBlock` in
+place of the MLP on their sparse layers: a router, the backend's fused MoE operator over
+the experts stacked in one tensor per projection, and Qwen2-MoE's gated shared expert.
 
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the kernel backend (`pagefleet_kernels.backend.KernelBackend`) attends using
@@ -18,21 +21,28 @@ time (one matmul each).
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from pagefleet_kernels import moe
 from pagefleet_kernels.backend import AttentionMetadata, KernelBackend, torch_backend
 from torch import nn
 
 from pagefleet_serve.model.fused import FusedAroundAttention, bind_fused_layer
 from pagefleet_serve.model.linear import (
+    PREPACK_BATCH_HINT,
     Linear,
     LMHead,
+    can_prepack,
     prepack_linears,
     prepare_for_compile,
     quantized_linear,
     use_int8_activations,
 )
 from pagefleet_serve.model.quant import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagefleet_serve.model.lora import LayerLoRA, LoRABatch
 
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
@@ -74,6 +84,22 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # Gemma 3: the sliding-window layers rotate with this base and no rope scaling.
     local_rope_theta: float | None = None
+    # OLMoE: q_norm / k_norm span the whole q / k projection, not each head; then q, k and v
+    # are clamped to [-clip_qkv, clip_qkv].
+    qk_norm_whole: bool = False
+    clip_qkv: float | None = None
+    # Mixture of experts (0: a dense MLP on every layer): the experts of a sparse layer,
+    # how many each token runs, their intermediate size (None: intermediate_size), the
+    # router's scores and whether the top k are renormalized to sum to one.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    router_scoring: str = "softmax"  # or "sigmoid"
+    norm_topk_prob: bool = False
+    # Qwen2-MoE: a shared expert every token runs, scaled by sigmoid(a gate); 0: none.
+    shared_expert_intermediate_size: int = 0
+    # Per layer, whether its MLP is the experts; None: every layer's is (when num_experts).
+    sparse_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -89,6 +115,19 @@ class ModelConfig:
             raise ValueError(
                 f"sliding_layers has {len(self.sliding_layers)} entries for "
                 f"{self.num_layers} layers"
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts = {self.num_experts}], got "
+                f"{self.num_experts_per_tok}"
+            )
+        if self.router_scoring not in moe.ROUTER_SCORINGS:
+            raise ValueError(
+                f"router_scoring must be one of {moe.ROUTER_SCORINGS}, got {self.router_scoring!r}"
+            )
+        if self.sparse_layers is not None and len(self.sparse_layers) != self.num_layers:
+            raise ValueError(
+                f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers"
             )
 
     @property
@@ -109,6 +148,12 @@ class ModelConfig:
         if self.sliding_layers is not None and not self.sliding_layers[layer]:
             return None
         return self.sliding_window
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether the layer's MLP is the mixture of experts."""
+        if not self.num_experts:
+            return False
+        return self.sparse_layers is None or self.sparse_layers[layer]
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) -> torch.Tensor:
@@ -173,25 +218,38 @@ class LlamaAttention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
-        if config.qk_norm:
-            self.q_norm = make_norm(config, config.head_dim, backend)
-            self.k_norm = make_norm(config, config.head_dim, backend)
+        if config.qk_norm:  # over each head, or (OLMoE) over the whole projection
+            whole = config.qk_norm_whole
+            self.q_norm = make_norm(config, q_size if whole else config.head_dim, backend)
+            self.k_norm = make_norm(config, kv_size if whole else config.head_dim, backend)
         self.qk_norm = config.qk_norm
+        self.qk_norm_whole = config.qk_norm_whole
+        self.clip_qkv = config.clip_qkv
         self.sliding_window = config.layer_sliding_window(layer)
         self.softcap = config.attn_logit_softcapping
         self.backend = backend
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k, v (T, heads, D) of the normed hidden states: projected, q/k-normed, rotated."""
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: "LayerLoRA | None" = None
+    ):
+        """q, k, v (T, heads, D) of the normed hidden states: projected (plus each row's
+        adapter delta), q/k-normed, rotated."""
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.add("qkv_proj", qkv, x)
         q_size, kv_size, _ = self.split
         qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm_whole:
+            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view_as(qk)
+        elif self.qk_norm:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        if self.clip_qkv is not None:
+            qk, v = qk.clamp(-self.clip_qkv, self.clip_qkv), v.clamp(-self.clip_qkv, self.clip_qkv)
         # q and k side by side: rotated in one pass, then split (views).
         q, k = self.backend.rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
-        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         return q, k, v
 
     def attend(self, q, k, v, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
@@ -219,15 +277,113 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: KernelBackend, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, config.hidden_size)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.backend = backend
 
+    def forward(self, x: torch.Tensor, lora: "LayerLoRA | None" = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(self.backend.act_and_mul(self.gate_up_proj(x), self.gelu))
+        gate_up = lora.add("gate_up_proj", self.gate_up_proj(x), x)
+        inner = self.backend.act_and_mul(gate_up, self.gelu)
+        return lora.add("down_proj", self.down_proj(inner), inner)
+
+
+class MoEExperts(nn.Module):
+    """Every expert's gated MLP, stacked: gate_up_proj (E, 2I, H) = [gate | up] and down_proj
+    (E, H, I), each expert's slice as `F.linear` takes it (transformers' own stacked names;
+    per-expert checkpoint tensors are stacked at load)."""
+
+    # After `prepack`: each expert's [gate | up] and down matrices in oneDNN's blocked
+    # layout (the stacked parameters are dropped).
+    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+        )
+
+    def prepack(self) -> bool:
+        """Reorder 16-bit experts' matrices once for oneDNN on the CPU, as
+        `linear.PrepackedLinear` does the dense layers' (one to eight bfloat16 rows of a
+        1024 x 1024 matrix: 35-60 us against 71-97 for `F.linear`); float32 ones stay as
+        they lie for the backend's few-row matmul. Whether it packed."""
+        dtype = self.gate_up_proj.dtype
+        if dtype == torch.float32 or not self.gate_up_proj.is_cpu or not can_prepack(dtype):
+            return False
+
+        def pack(stacked: torch.Tensor) -> list[torch.Tensor]:
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            return [reorder(weight, PREPACK_BATCH_HINT) for weight in stacked.detach()]
+
+        self.packed = (pack(self.gate_up_proj), pack(self.down_proj))
+        del self.gate_up_proj, self.down_proj
+        return True
+
+
+def _prepacked_linear(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+
+class MoEBlock(nn.Module):
+    """A sparse layer's MLP: the router (`gate`) scores the experts, each token runs its top
+    k through the backend's fused MoE operator, their outputs weighted by the router; with
+    a shared expert (Qwen2-MoE) every token also runs it, scaled by sigmoid(its gate)."""
+
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
+        super().__init__()
+        intermediate_size = config.moe_intermediate_size or config.intermediate_size
+        self.gate = Linear(config.hidden_size, config.num_experts)
+        self.experts = MoEExperts(config.num_experts, config.hidden_size, intermediate_size)
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.scoring = config.router_scoring
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+        self.shared_expert: LlamaMLP | None = None
+        if config.shared_expert_intermediate_size:
+            size = config.shared_expert_intermediate_size
+            self.shared_expert = LlamaMLP(config, backend, intermediate_size=size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1)
+        self.fused_moe = backend.fused_moe or moe.fused_moe
+        self.act_and_mul = backend.act_and_mul
+        # The last forward's tokens per expert, when `record_expert_load` (benchmarks).
+        self.record_expert_load = False
+        self.expert_load: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.act_and_mul(self.gate_up_proj(x), self.gelu))
+        weights, ids = moe.route(self.gate(x), self.top_k, self.renormalize, self.scoring)
+        if self.record_expert_load:
+            self.expert_load = moe.expert_load(ids, self.experts.num_experts)
+        experts, weights = self.experts, weights.to(x.dtype)
+        if experts.packed is not None:  # prepacked on the CPU: the grouped path, oneDNN's matmul
+            gate_up, down = experts.packed
+            y = moe.grouped_fused_moe(
+                x,
+                gate_up,
+                down,
+                weights,
+                ids,
+                self.gelu,
+                linear=_prepacked_linear,
+                act_and_mul=self.act_and_mul,
+                few_rows=None,
+            )
+        else:
+            y = self.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.gelu)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -243,14 +399,21 @@ class LlamaDecoderLayer(nn.Module):
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, backend)
             self.post_feedforward_layernorm = make_norm(config, config.hidden_size, backend)
-        self.mlp = LlamaMLP(config, backend)
+        self.mlp: LlamaMLP | MoEBlock = (
+            MoEBlock(config, backend)
+            if config.layer_is_sparse(layer)
+            else LlamaMLP(config, backend)
+        )
 
     # The backend's fused form of the work around attention, bound to this layer's weights
     # (see pagefleet_serve.model.fused); None: the ops run one by one.
     fused: FusedAroundAttention | None = None
     compiled = False
 
-    def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, attn, lora: "LayerLoRA | None" = None) -> torch.Tensor:
+        if lora is not None:  # the fused layer knows no adapters (and nothing is compiled)
+            q, k, v = self.attention_inputs(x, cos, sin, lora)
+            return self.attention_outputs(x, self.self_attn.attend(q, k, v, kv_cache, attn), lora)
         # The fused layer's `attention_inputs` and `attention_outputs` compute what this
         # layer's do, for the rows it takes.
         fused = self.fused
@@ -260,8 +423,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def bind_fused(self) -> None:
         """Bind the fused layer to the current weights: after loading, and again whenever
-        its matmuls change (new tensors after `.to()`, int8 activations switched on)."""
-        self.fused = bind_fused_layer(self, self.backend)
+        its matmuls change (new tensors after `.to()`, int8 activations switched on). A
+        sparse layer has none: the fused kernel computes a dense MLP."""
+        if isinstance(self.mlp, LlamaMLP):
+            self.fused = bind_fused_layer(self, self.backend)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -270,16 +435,27 @@ class LlamaDecoderLayer(nn.Module):
 
     # The layer around its attention: pure tensor functions, what compile_around_attention
     # compiles.
-    def attention_inputs(self, x, cos, sin):
-        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+    def attention_inputs(self, x, cos, sin, lora: "LayerLoRA | None" = None):
+        return self.self_attn.project(self.input_layernorm(x), cos, sin, lora)
 
-    def attention_outputs(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def attention_outputs(
+        self, x: torch.Tensor, attended: torch.Tensor, lora: "LayerLoRA | None" = None
+    ) -> torch.Tensor:
         h = self.self_attn.o_proj(attended)
+        if lora is not None:
+            lora.add("o_proj", h, attended)
         if not self.sandwich_norms:
             x, normed = self.post_attention_layernorm.add(x, h)
-            return x + self.mlp(normed)
+            return x + self._mlp(normed, lora)
         x, normed = self.pre_feedforward_layernorm.add(x, self.post_attention_layernorm(h))
-        return x + self.post_feedforward_layernorm(self.mlp(normed))
+        return x + self.post_feedforward_layernorm(self._mlp(normed, lora))
+
+    def _mlp(self, x: torch.Tensor, lora: "LayerLoRA | None") -> torch.Tensor:
+        """The MLP, with the adapters' deltas on a dense one (adapters of a sparse layer's
+        MLP are refused when they are read: `model.lora`)."""
+        if lora is None or not isinstance(self.mlp, LlamaMLP):
+            return self.mlp(x)
+        return self.mlp(x, lora)
 
     def compile_around_attention(self) -> None:
         """Compile the parts around attention with inductor (each into a few fused
@@ -340,6 +516,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # (T,)
         kv_caches: list,  # one pagefleet_kernels.kv_cache.LayerKVCache per layer
         attn: AttentionMetadata,
+        lora: "LoRABatch | None" = None,  # the rows' LoRA adapters; None: no row has one
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.config.scale_embeddings:  # the factor rounded to the dtype, as Gemma does
@@ -350,17 +527,19 @@ class LlamaForCausalLM(nn.Module):
             local_rope = self._rope(positions, self.inv_freq_local, x.dtype)
         windows = {layer.self_attn.sliding_window for layer in self.layers}
         self.backend.prepare(attn, kv_caches[0].key.shape[1], windows)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = local_rope if layer.self_attn.sliding_window else rope
-            x = layer(x, cos, sin, kv_cache, attn)
+            x = layer(x, cos, sin, kv_cache, attn, None if lora is None else lora.layer(index))
         return self.norm(x)
 
     def prepack_linears(self) -> int:
         """Prepack every float linear layer for oneDNN on the CPU (see
         `linear.PrepackedLinear`); how many were packed. A tied LM head is packed as a copy,
         the embedding keeping its rows for lookups: SmolLM2 holds 56 MB more in bfloat16,
-        and its batch-1 logits take 1.9 ms instead of 4.1."""
-        return prepack_linears(self, self.backend)
+        and its batch-1 logits take 1.9 ms instead of 4.1. 16-bit experts are prepacked too
+        (`MoEExperts.prepack`), counted one per layer."""
+        count = prepack_linears(self, self.backend)
+        return count + sum(m.prepack() for m in self.modules() if isinstance(m, MoEExperts))
 
     def use_int8_activations(self) -> int:
         """Round the activations of every 4-bit matmul to int8 per 32 inputs (see
@@ -434,6 +613,18 @@ class LlamaForCausalLM(nn.Module):
                 weights[p + "mlp.gate_up_proj.weight"] = _cat_rows(
                     [weights.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
                 )
+            if p + "mlp.shared_expert.gate_proj.weight" in weights:
+                weights[p + "mlp.shared_expert.gate_up_proj.weight"] = _cat_rows(
+                    [weights.pop(p + f"mlp.shared_expert.{n}_proj.weight") for n in ("gate", "up")]
+                )
+            if p + "mlp.experts.0.gate_proj.weight" in weights:
+                _stack_experts(weights, p + "mlp.experts.", self.config.num_experts)
+            if p + "mlp.experts.gate_proj.weight" in weights:  # stacked apart (GGUF's)
+                experts = p + "mlp.experts."
+                weights[experts + "gate_up_proj"] = torch.cat(
+                    [weights.pop(f"{experts}{n}_proj.weight") for n in ("gate", "up")], dim=1
+                )
+                weights[experts + "down_proj"] = weights.pop(experts + "down_proj.weight")
         if self.config.tie_word_embeddings:
             weights.setdefault("lm_head.weight", weights["embed_tokens.weight"])
             if not isinstance(weights["lm_head.weight"], QuantizedWeight):
@@ -459,6 +650,20 @@ class LlamaForCausalLM(nn.Module):
         self.get_submodule(parent).register_module(
             attr, quantized_linear(weight, bias, self.backend)
         )
+
+
+def _stack_experts(weights: dict, prefix: str, num_experts: int) -> None:
+    """Per-expert gate/up/down matrices (`experts.{e}.gate_proj.weight`, ...) -> the stacked
+    `experts.gate_up_proj` (E, 2I, H) and `experts.down_proj` (E, H, I)."""
+
+    def take(e: int, name: str) -> torch.Tensor:
+        return weights.pop(f"{prefix}{e}.{name}_proj.weight")
+
+    experts = range(num_experts)
+    weights[prefix + "gate_up_proj"] = torch.stack(
+        [torch.cat((take(e, "gate"), take(e, "up"))) for e in experts]
+    )
+    weights[prefix + "down_proj"] = torch.stack([take(e, "down") for e in experts])
 
 
 def _cat_rows(parts: list) -> torch.Tensor | QuantizedWeight:

