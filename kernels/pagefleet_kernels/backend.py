@@ -3,9 +3,9 @@
 Per forward pass the model builds one `AttentionMetadata` (the batch layout), calls the
 backend's `prepare` once, then per layer `write_kv_cache` and `paged_attention`; the
 norms, rotary embedding and MLP activation around them are the backend's layer ops, and
-its optional matmuls (a few float32 rows, 4-bit and Q8_0 weights) and fused decoder layer
-are declared next to them: `None` where a backend has no such kernel, so that a caller
-reads what a backend offers instead of probing for it. Tensor layouts are those of the
+its optional matmuls (a few float32 rows, 4-bit and Q8_0 weights), fused decoder layer,
+batched LoRA operator and mixture-of-experts operator are declared next to them: `None` where a backend has no such
+kernel, so that a caller reads what a backend offers instead of probing for it. Tensor layouts are those of the
 package docstring.
 
 The backends: `torch_backend()` (PyTorch: every feature, the ground truth, the fallback),
@@ -35,6 +35,21 @@ class AttentionMetadata:
     # reads them here, not from the device tensors (on CUDA a synchronisation each).
     seq_lens_host: list[int] | None = None
     query_start_loc_host: list[int] | None = None
+
+
+@dataclass
+class LoRAMapping:
+    """Which LoRA adapter slot each row of a step reads (see `KernelBackend.add_lora`)."""
+
+    token_slots: torch.Tensor  # (T,) int64: each row's slot, -1 for no adapter
+    # Each slot the step reads (host) with its rows, (n,) int64 on the device, in order.
+    slot_rows: list[tuple[int, torch.Tensor]]
+    # Optional (None: not built; the operators that read them then take `slot_rows`): the
+    # rows of `slot_rows` end to end (n,); the same as one (slots read, most rows of one)
+    # table padded with T (a row past the batch), flattened; where in it each row lies.
+    rows: torch.Tensor | None = None
+    padded_rows: torch.Tensor | None = None
+    padded_positions: torch.Tensor | None = None
 
 
 # -- the attention ------------------------------------------------------------------------
@@ -103,6 +118,16 @@ FewRowLinearOp = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 # int8_matmul(x (M, K), codes (N, K) int8, scales (N, K / group) float32, group,
 # int8_activations) -> (M, N): GGUF's Q8_0, w = code * scale
 Int8MatmulOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor | None]
+# add_lora(y (T, N), x (T, K), lora_a (slots, R, K), lora_b (slots, N, R), mapping): y += each
+# row's x @ lora_a[slot]^T @ lora_b[slot]^T, in place, for the rows that have a slot
+# (Punica's shrink and expand; the adapter's scale is folded into lora_b).
+AddLoRAOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRAMapping], None]
+# fused_moe(x (T, H), gate_up (E, 2I, H), down (E, H, I), topk_weights (T, k) in x's dtype,
+# topk_ids (T, k) int64, gelu) -> (T, H): each token's chosen experts' gated MLPs, weighted
+# and summed (see pagefleet_kernels.moe).
+FusedMoEOp = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor
+]
 
 
 @dataclass(frozen=True)
@@ -162,6 +187,10 @@ class KernelBackend:
     int4_matmul: Int4Matmul | None = None
     int8_matmul: Int8MatmulOp | None = None
     fused_decoder_layer: FusedDecoderLayer | None = None
+    # The batched LoRA operator (multi-LoRA serving); None: this backend serves no adapters.
+    add_lora: AddLoRAOp | None = None
+    # The mixture-of-experts operator; None: the model runs `moe.fused_moe` (the reference).
+    fused_moe: FusedMoEOp | None = None
 
 
 def _declare(name: str, attention, ops, quantized_ops, **optional) -> KernelBackend:
@@ -185,9 +214,16 @@ def _declare(name: str, attention, ops, quantized_ops, **optional) -> KernelBack
 @functools.cache
 def torch_backend() -> KernelBackend:
     """PyTorch end to end: `torch_attention` and the eager `layer_ops`; no native matmuls."""
-    from pagefleet_kernels import layer_ops, torch_attention
+    from pagefleet_kernels import layer_ops, lora_ops, moe, torch_attention
 
-    return _declare("torch", torch_attention, layer_ops, layer_ops)
+    return _declare(
+        "torch",
+        torch_attention,
+        layer_ops,
+        layer_ops,
+        add_lora=lora_ops.add_lora,
+        fused_moe=moe.fused_moe,
+    )
 
 
 @functools.cache
@@ -196,13 +232,20 @@ def cpu_backend() -> KernelBackend:
     matmuls and the fused layer are declared when the layer-ops extension builds (the
     attention one must: `cpu_attention.available()`); the layer ops fall back to the eager
     ones per call for what they do not take."""
-    from pagefleet_kernels import cpu_attention, cpu_layer_ops
+    from pagefleet_kernels import cpu_attention, cpu_layer_ops, lora_ops, moe
 
     if not cpu_attention.available():
         raise RuntimeError("the C++ attention kernel could not be built here (no compiler?)")
-    native = {}
+    # The adapters' matmuls are small: PyTorch's, batched over the slots a step reads.
+    native: dict[str, object] = {"add_lora": lora_ops.add_lora_padded}
+    # Tokens grouped by expert, each expert's matmuls on its rows (few rows through the C++
+    # matmul when it builds).
+    few_rows = cpu_layer_ops.linear if cpu_layer_ops.available() else None
+    native["fused_moe"] = functools.partial(
+        moe.grouped_fused_moe, linear=few_rows, act_and_mul=cpu_layer_ops.act_and_mul
+    )
     if cpu_layer_ops.available():
-        native = {
+        native |= {
             "linear": cpu_layer_ops.linear,
             "int4_matmul": Int4Matmul(cpu_layer_ops.int4_matmul, cpu_layer_ops.scales_and_shifts),
             "int8_matmul": cpu_layer_ops.int8_matmul,
@@ -217,6 +260,19 @@ def cpu_backend() -> KernelBackend:
 def triton_backend() -> KernelBackend:
     """`triton_attention` and the Triton layer ops; 4-bit weights are dequantized and
     their activations rounded by the eager ops (once per matmul: not worth a kernel)."""
-    from pagefleet_kernels import layer_ops, triton_attention, triton_layer_ops
+    from pagefleet_kernels import (
+        layer_ops,
+        triton_attention,
+        triton_layer_ops,
+        triton_lora,
+        triton_moe,
+    )
 
-    return _declare("triton", triton_attention, triton_layer_ops, layer_ops)
+    return _declare(
+        "triton",
+        triton_attention,
+        triton_layer_ops,
+        layer_ops,
+        add_lora=triton_lora.add_lora,
+        fused_moe=triton_moe.fused_moe,
+    )

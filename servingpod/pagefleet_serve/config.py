@@ -20,8 +20,30 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # The model_types of Hugging Face directories the loader reads (config.json), and the
 # llama.cpp architectures of the GGUF files it reads (Mistral's GGUFs are `llama` files).
-HF_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
-GGUF_ARCHITECTURE_NAMES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
+# Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE are mixtures of experts.
+HF_MODEL_TYPES = (
+    "gemma2",
+    "gemma3_text",
+    "llama",
+    "mistral",
+    "mixtral",
+    "olmoe",
+    "phi3",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+)
+GGUF_ARCHITECTURE_NAMES = (
+    "gemma2",
+    "gemma3",
+    "llama",
+    "phi3",
+    "qwen2",
+    "qwen2moe",
+    "qwen3",
+    "qwen3moe",
+)
 # auto: triton on CUDA, the C++ kernel (cpu) on the CPU when it builds, else torch
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # Weights (vLLM's --quantization): auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks on the CPU,
@@ -154,6 +176,51 @@ class SpeculativeConfig:
         return cls(**text)
 
 
+# --lora-modules: vLLM's `name=path` pairs (or its JSON objects {"name", "path"}).
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """A LoRA adapter served from start-up: the name requests give as `model`, and where its
+    PEFT files (adapter_config.json, adapter_model.safetensors) are: a local path, file://,
+    pvc:// or hf://org/name[@revision]."""
+
+    name: str
+    path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not re.match(LORA_NAME_PATTERN, self.name):
+            raise ValueError(
+                f"lora_modules: adapter name {self.name!r} must be letters, digits, '.', '_' "
+                "or '-', starting with a letter or digit"
+            )
+        try:
+            parse_model_uri(self.path)
+        except ModelURIError as exc:
+            raise ValueError(f"lora_modules: adapter {self.name!r}: {exc}") from exc
+
+    @classmethod
+    def parse(cls, item: "str | dict | LoRAModule") -> "LoRAModule":
+        """`name=path`, a JSON object {"name": ..., "path": ...} (vLLM's two forms), or a
+        LoRAModule."""
+        if isinstance(item, cls):
+            return item
+        if isinstance(item, str) and item.lstrip().startswith("{"):
+            try:
+                item = json.loads(item)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"lora_modules: {item!r} is not valid JSON: {exc}") from exc
+        if isinstance(item, dict):
+            if set(item) - {"name", "path", "base_model_name"} or not {"name", "path"} <= set(item):
+                raise ValueError(f"lora_modules: {item!r} needs exactly the keys name and path")
+            return cls(item["name"], item["path"])
+        if not isinstance(item, str) or "=" not in item:
+            raise ValueError(f"lora_modules: {item!r} is not name=path")
+        name, _, path = item.partition("=")
+        return cls(name.strip(), path.strip())
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = BUILTIN_MODEL
@@ -182,10 +249,23 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | str | dict | None = None
     # Seconds a structured output's grammar may take to compile before its request fails.
     structured_outputs_compile_timeout: float = 30.0
+    # vLLM's --enable-lora: requests may name a LoRA adapter as their model; each row of a
+    # step carries its own adapter or none. The layers then run eagerly (enforce_eager).
+    enable_lora: bool = False
+    # vLLM's --lora-modules: adapters loaded at start-up (LoRAModule, or its `name=path`).
+    lora_modules: tuple[LoRAModule, ...] = ()
+    # vLLM's --max-loras: adapters resident in the device's slots at once (a step's rows
+    # read at most this many); the others wait in host memory until a slot frees.
+    max_loras: int = 1
+    # vLLM's --max-lora-rank: the slots' rank; an adapter of a higher rank is refused.
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.from_json(self.speculative_config)
+        )
+        object.__setattr__(
+            self, "lora_modules", tuple(LoRAModule.parse(m) for m in self.lora_modules or ())
         )
 
         def positive(name: str) -> None:
@@ -199,8 +279,11 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_model_len",
             "kv_cache_memory_bytes",
+            "max_loras",
+            "max_lora_rank",
         ):
             positive(name)
+        self._check_lora()
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.dtype not in DTYPES:
@@ -239,4 +322,16 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+
+    def _check_lora(self) -> None:
+        names = [module.name for module in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: adapter names must be unique, got {names}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules names adapters, which need enable_lora")
+        if self.enable_lora and not self.enforce_eager:
+            raise ValueError(
+                "enable_lora runs the layers op by op, which torch.compile does not cover: "
+                "set enforce_eager (the default) or drop enable_lora"
             )

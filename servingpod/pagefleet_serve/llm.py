@@ -37,18 +37,24 @@ class LLM:
         self,
         prompts: str | list[int] | list[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        lora_name: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, continuously batched; results in prompt order.
-        A prompt is text or a list of token ids."""
+        A prompt is text or a list of token ids; `lora_name` the LoRA adapter (see
+        `enable_lora`, `lora_modules`) of every prompt or of each, None for the base model."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one per prompt")
+        if not isinstance(lora_name, list):
+            lora_name = [lora_name] * len(prompts)
+        if len(lora_name) != len(prompts):
+            raise ValueError("lora_name must be one per prompt")
         requests = [
-            self.make_request(f"offline-{next(self._ids)}", prompt, params)
-            for prompt, params in zip(prompts, sampling_params, strict=True)
+            self.make_request(f"offline-{next(self._ids)}", prompt, params, lora)
+            for prompt, params, lora in zip(prompts, sampling_params, lora_name, strict=True)
         ]  # validate all before queueing any
         results: dict[str, RequestOutput] = {}
         for request in requests:
@@ -75,11 +81,17 @@ class LLM:
 
     # -- one request at a time, one step at a time -------------------------------------
     def make_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
     ) -> Request:
         """Tokenize and validate (a structured output's constraint compiled, waited for).
         Raises ValueError."""
-        request = self.inputs.make_request(request_id, prompt, params)
+        if lora_name is not None and lora_name not in self.engine.lora_adapters:
+            raise ValueError(f"the LoRA adapter {lora_name!r} is not loaded")
+        request = self.inputs.make_request(request_id, prompt, params, lora_name=lora_name)
         compiling = self.inputs.grammar_future(request)
         if compiling is not None:
             compiling.result()
@@ -89,8 +101,14 @@ class LLM:
         self.engine.add(request)
         self.outputs.add_request(request)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        self.add(self.make_request(request_id, prompt, params))
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
+    ) -> None:
+        self.add(self.make_request(request_id, prompt, params, lora_name))
 
     def abort_request(self, request_id: str) -> None:
         """End a request; its final output (finish reason "abort") comes with the next step."""

@@ -8,12 +8,12 @@ either reaches the core without a change here. `PROTOCOL_VERSION` is checked onc
 core's `CoreReady`; bump it when a message changes shape.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 5
 
 
 # -- the data both sides share ---------------------------------------------------------------
@@ -25,6 +25,17 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    # The LoRA adapter it runs with, by the name the core knows it by; None: the base model.
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class LoRAAdapterInfo:
+    """An adapter the core serves: its name (what requests give as `model`) and where it
+    was loaded from."""
+
+    name: str
+    path: str
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,16 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """The adapters of the running and the waiting requests (names, sorted), and how many
+    the device holds at once."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_loras: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -56,6 +77,7 @@ class EngineStats:
     num_preemptions: int
     num_kv_tokens: int  # tokens whose K/V the running sequences hold in their blocks
     spec_decode: SpecDecodeStats = SpecDecodeStats()
+    lora: LoRAStats | None = None  # None: the engine serves no adapters
 
 
 # -- frontend -> core ------------------------------------------------------------------------
@@ -76,6 +98,22 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True)
+class LoadLoRAAdapter:
+    """Read a LoRA adapter and serve it as `lora_name` (answered by `LoRAAdaptersChanged`
+    with the same `op_id`)."""
+
+    op_id: str
+    lora_name: str
+    lora_path: str
+
+
+@dataclass(frozen=True)
+class UnloadLoRAAdapter:
+    op_id: str
+    lora_name: str
+
+
 # -- core -> frontend ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CoreReady:
@@ -88,6 +126,24 @@ class CoreReady:
     stats: EngineStats
     # What ends a structured output: the frontend compiles constraints to validate them.
     grammar_stop_token_ids: list[int]
+    # The core's start-up phases in seconds (imports, download, kernel_load, weight_load,
+    # kv_cache, warm_up), exported as pagefleet:startup_seconds{phase}.
+    startup_seconds: dict[str, float] = field(default_factory=dict)
+    # The LoRA adapters it serves, and whether it can serve any (enable_lora).
+    lora_adapters: tuple[LoRAAdapterInfo, ...] = ()
+    lora_enabled: bool = False
+
+
+@dataclass(frozen=True)
+class LoRAAdaptersChanged:
+    """The answer to a LoadLoRAAdapter / UnloadLoRAAdapter: `error` None on success, else
+    why, with the HTTP status that says whose fault it is (400, 404 unknown adapter, 409
+    busy); `adapters` what the core serves now either way."""
+
+    op_id: str
+    adapters: tuple[LoRAAdapterInfo, ...]
+    error: str | None = None
+    status: int = 200
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,11 @@ REQUEST_INFERENCE_TIME_SECONDS = "vllm:request_inference_time_seconds"
 REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
 REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
 
+# The LoRA adapters of the running and waiting requests, as labels (running_lora_adapters,
+# waiting_lora_adapters: comma-separated names; max_lora), the value the time it was read:
+# what the Gateway API Inference Extension routes adapters by.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+
 # The pod's own series.
 REQUESTS_REJECTED = "pagefleet:requests_rejected"
 KV_CACHE_BLOCKS = "pagefleet:kv_cache_blocks"
@@ -47,6 +52,9 @@ KV_CACHE_USED_BLOCKS = "pagefleet:kv_cache_used_blocks"
 NUM_REQUESTS_QUEUED = "pagefleet:num_requests_queued"
 ENGINE_HEALTHY = "pagefleet:engine_healthy"
 DRAINING = "pagefleet:draining"
+# Seconds each start-up phase took (label `phase`: imports, download, kernel_load,
+# weight_load, kv_cache, warm_up, and total: the process's start to the engine ready).
+STARTUP_SECONDS = "pagefleet:startup_seconds"
 
 # The router's gauge of requests held while no pod is ready: the autoscaler's demand
 # signal at zero replicas.

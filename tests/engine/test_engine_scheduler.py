@@ -464,8 +464,8 @@ def test_admission_without_room_for_the_lookahead_still_admits_the_prompt():
 
 def test_a_draft_model_admission_takes_its_prefix_hits_once():
     # 3 blocks: "first" computed 8 tokens (2 cached blocks) and finished. "again" shares
-    # them and adds 1 token: it takes the 2 hits and one new block; the 3 lookahead slots
-    # would need a fourth, so the admission falls back to the prompt alone.
+    # them and adds 1 token: it takes the 2 hits and one new block, which also holds the 3
+    # lookahead slots (the fallback to the prompt alone: test_engine_scheduler_corners.py).
     s = make_scheduler(num_blocks=3, speculative_config=DRAFT_MODEL)
     first = make_seq("first", 8, max_tokens=1)
     s.add(first)

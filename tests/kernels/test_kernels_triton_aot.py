@@ -3,7 +3,8 @@ triton_aot.py), fits in a block's shared memory there and spills no registers: a
 that does not is a failing test here, not a surprise on the first GPU run.
 
 `make test` compiles a pairwise covering set of the attention variants (every two axes'
-values meet in some variant) and the listed layer-op variants; the full cross product of
+values meet in some variant), the listed layer-op variants and the MoE grouped GEMM's
+variants (for sm_80, sm_89 and sm_90); the full cross product of
 the attention axes runs under `-m slow`.
 """
 
@@ -25,10 +26,15 @@ from triton_aot import (
     DEFAULT_TARGETS,
     LAYER_OP_KERNELS,
     LAYER_OP_VARIANTS,
+    LORA_VARIANTS,
     MAX_SHARED_BYTES,
+    MOE_TARGETS,
+    MOE_VARIANTS,
     TARGETS,
     LaunchRecorder,
     layer_op_id,
+    lora_variant_id,
+    moe_variant_id,
     pairwise,
     product,
     variant_id,
@@ -61,6 +67,16 @@ def pairwise_compiles(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def product_compiles(tmp_path_factory) -> dict:
     return compile_all("product", tmp_path_factory.mktemp("aot_product"))
+
+
+@pytest.fixture(scope="module")
+def moe_compiles(tmp_path_factory) -> dict:
+    return compile_all("moe", tmp_path_factory.mktemp("aot_moe"))
+
+
+@pytest.fixture(scope="module")
+def lora_compiles(tmp_path_factory) -> dict:
+    return compile_all("lora", tmp_path_factory.mktemp("aot_lora"))
 
 
 def check_variant(compiles: dict, variant: dict) -> None:
@@ -97,6 +113,21 @@ def test_layer_op_variants_compile_and_fit(variant, pairwise_compiles):
     reports = pairwise_compiles["variants"][layer_op_id(variant)]
     check_reports(reports, {LAYER_OP_KERNELS[variant["op"]]}, DEFAULT_TARGETS)
     assert [report["float_fmas"] for report in reports] == [0] * len(reports)
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS, ids=moe_variant_id)
+def test_moe_variants_compile_and_fit(variant, moe_compiles):
+    """Both launches of a forward ([gate | up]; down with the routing weights)."""
+    reports = moe_compiles["variants"][moe_variant_id(variant)]
+    assert len(reports) == 2 * len(MOE_TARGETS)
+    check_reports(reports, {"_grouped_gemm_kernel"}, MOE_TARGETS)
+
+
+@pytest.mark.parametrize("variant", LORA_VARIANTS, ids=lora_variant_id)
+def test_lora_variants_compile_and_fit(variant, lora_compiles):
+    """Both launches of the operator: the shrink, then the expand."""
+    reports = lora_compiles["variants"][lora_variant_id(variant)]
+    check_reports(reports, {"_lora_shrink_kernel", "_lora_expand_kernel"}, DEFAULT_TARGETS)
 
 
 @pytest.mark.slow

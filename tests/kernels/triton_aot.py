@@ -6,7 +6,9 @@ TRITON_INTERPRET: under the interpreter, `triton.jit` (Triton's own library incl
 yields functions that cannot be compiled.
 
 The variants come from the launchers themselves: each variant's batch goes through the real
-`paged_attention` / `write_kv_cache` (or a layer op of `triton_layer_ops`) with the kernels
+`paged_attention` / `write_kv_cache` (or a layer op of `triton_layer_ops`, or the MoE
+operator of `triton_moe`: `python triton_aot.py moe OUT.json`, or the LoRA operator of
+`triton_lora`: `python triton_aot.py lora OUT.json`) with the kernels
 swapped for recorders, and the recorded arguments become the compile's signature, constexprs
 and divisibility hints the way the JIT specialises them. Tile shapes, segment counts and
 warps therefore cannot drift from what the launcher picks.
@@ -22,7 +24,7 @@ import sys
 import torch
 import triton
 from kernel_batches import CACHE_DTYPES, make_batch
-from pagefleet_kernels import triton_attention, triton_layer_ops
+from pagefleet_kernels import triton_attention, triton_layer_ops, triton_lora, triton_moe
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -79,6 +81,34 @@ LAYER_OP_KERNELS = {
     "rope": "_rope_kernel",
     "act_and_mul": "_act_and_mul_kernel",
 }
+
+
+# The MoE grouped GEMM's launches (both of one forward: [gate | up], then down with the
+# routing weights) in each dtype, at the shapes of Qwen3-30B-A3B (hidden 2048, experts of
+# 768, 128 experts, top 8) and Mixtral-8x7B (4096, 14336, 8, top 2): a decode row (tiles of
+# 16 rows) and a 512-token prefill chunk (32 and 64), for sm_80, sm_89 and sm_90.
+MOE_TARGETS = (80, 89, 90)
+MOE_VARIANTS = tuple(
+    {"dtype": dtype, "tokens": tokens, **model}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    for tokens in (1, 512)
+    for model in (
+        {"hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8},
+        {"hidden": 4096, "intermediate": 14336, "experts": 8, "top_k": 2},
+    )
+)
+
+
+# The LoRA operator's two launches (shrink, expand) in each dtype, for a decode row and the
+# most rows it takes, at SmolLM2-135M's fused q/k/v (576 -> 960, three parts of rank 16) and
+# Llama-3-8B's gate/up (4096 -> 28672, two of 16) and down (14336 -> 4096, one of 64),
+# four slots: `python triton_aot.py lora OUT.json`.
+LORA_VARIANTS = tuple(
+    {"dtype": dtype, "rows": rows, "fan_in": fan_in, "fan_out": fan_out, "rank": rank}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    for rows in (1, triton_lora.MAX_ROWS)
+    for fan_in, fan_out, rank in ((576, 960, 48), (4096, 28672, 32), (14336, 4096, 64))
+)
 
 
 def pairwise(axes: dict[str, tuple]) -> list[dict]:
@@ -244,6 +274,69 @@ def record_layer_op(variant: dict) -> list[tuple]:
     )
 
 
+def moe_variant_id(variant: dict) -> str:
+    return (
+        f"moe-{str(variant['dtype']).removeprefix('torch.')}-t{variant['tokens']}"
+        f"-h{variant['hidden']}-i{variant['intermediate']}-e{variant['experts']}"
+        f"-k{variant['top_k']}"
+    )
+
+
+def launch_moe(variant: dict) -> None:
+    """The operator on CPU tensors of the variant's shapes (nothing runs): each expert's
+    weights one matrix broadcast over the experts (a stride of 0 has the real strides'
+    divisibility, without gigabytes of zeros), pair j of token t on expert (t k + j) mod E."""
+    dtype, hidden, intermediate = variant["dtype"], variant["hidden"], variant["intermediate"]
+    experts, top_k, tokens = variant["experts"], variant["top_k"], variant["tokens"]
+    gate_up = torch.zeros(1, 2 * intermediate, hidden, dtype=dtype).expand(experts, -1, -1)
+    down = torch.zeros(1, hidden, intermediate, dtype=dtype).expand(experts, -1, -1)
+    ids = (torch.arange(tokens * top_k) % experts).view(tokens, top_k)
+    weights = torch.zeros(tokens, top_k, dtype=dtype)
+    device, triton_layer_ops.KERNEL_DEVICE = triton_layer_ops.KERNEL_DEVICE, "cpu"
+    try:
+        triton_moe.fused_moe(torch.zeros(tokens, hidden, dtype=dtype), gate_up, down, weights, ids)
+    finally:
+        triton_layer_ops.KERNEL_DEVICE = device
+
+
+def record_moe(variant: dict) -> list[tuple]:
+    """The grouped GEMM's launches (the activation between them, a layer op compiled on its
+    own, is recorded and left out)."""
+
+    def launch() -> None:
+        record_launches(triton_layer_ops, ("_act_and_mul_kernel",), lambda: launch_moe(variant))
+
+    return record_launches(triton_moe, ("_grouped_gemm_kernel",), launch)
+
+
+def lora_variant_id(variant: dict) -> str:
+    return (
+        f"lora-{str(variant['dtype']).removeprefix('torch.')}-r{variant['rows']}"
+        f"-{variant['fan_in']}x{variant['fan_out']}-rank{variant['rank']}"
+    )
+
+
+def record_lora(variant: dict) -> list[tuple]:
+    """The shrink's and the expand's launches for CPU tensors of the variant's shapes."""
+    dtype, rows, rank = variant["dtype"], variant["rows"], variant["rank"]
+    fan_in, fan_out, slots = variant["fan_in"], variant["fan_out"], 4
+    y = torch.zeros(rows, fan_out, dtype=dtype)
+    x = torch.zeros(rows, fan_in, dtype=dtype)
+    lora_a = torch.zeros(slots, rank, fan_in, dtype=dtype)
+    lora_b = torch.zeros(slots, fan_out, rank, dtype=dtype)
+    token_slots = torch.arange(rows) % slots
+    mapping = triton_lora.LoRAMapping(token_slots, [])
+
+    def launch() -> None:
+        device, triton_lora.KERNEL_DEVICE = triton_lora.KERNEL_DEVICE, "cpu"
+        try:
+            triton_lora.add_lora(y, x, lora_a, lora_b, mapping)
+        finally:
+            triton_lora.KERNEL_DEVICE = device
+
+    return record_launches(triton_lora, ("_lora_shrink_kernel", "_lora_expand_kernel"), launch)
+
+
 def compile_source(kernel, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
     """The source the JIT would compile for this launch, and its compile options: tensors
     become typed pointers, constexprs their values; pointers aligned to 16 bytes and
@@ -312,8 +405,26 @@ def compile_launches(launches: list[tuple], targets: tuple, compiled: dict) -> l
 
 
 def main(mode: str, out_path: str) -> None:
+    compiled: dict = {}
+    if mode == "moe":
+        moe_results = {
+            moe_variant_id(variant): compile_launches(record_moe(variant), MOE_TARGETS, compiled)
+            for variant in MOE_VARIANTS
+        }
+        with open(out_path, "w") as out:
+            json.dump({"num_compiles": len(compiled), "variants": moe_results}, out)
+        return
+    if mode == "lora":
+        lora_results = {
+            lora_variant_id(variant): compile_launches(
+                record_lora(variant), DEFAULT_TARGETS, compiled
+            )
+            for variant in LORA_VARIANTS
+        }
+        with open(out_path, "w") as out:
+            json.dump({"num_compiles": len(compiled), "variants": lora_results}, out)
+        return
     variants = {"pairwise": pairwise, "product": product}[mode](AXES)
-    compiled = {}
     results = {
         variant_id(variant): compile_launches(
             record_step(variant), TARGETS.get(variant["cache"], DEFAULT_TARGETS), compiled

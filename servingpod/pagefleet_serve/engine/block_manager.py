@@ -1,7 +1,9 @@
 """The KV block allocator: ref-counted blocks, hash-chained prefix caching, LRU eviction.
 
 A full block is named by sha256(parent block's hash + its token ids), so a hit means the
-whole prefix up to and including that block is the same. Freed blocks keep their hash and
+whole prefix up to and including that block is the same; a sequence's first block has the
+hash of its LoRA adapter as parent (none for the base model), so that two adapters never
+share K/V computed for the same tokens. Freed blocks keep their hash and
 stay in the prefix cache until the allocator reuses them; the free queue is least recently
 used first, and a sequence frees its blocks tail-first so that chain tails go first.
 """
@@ -69,6 +71,13 @@ class FreeBlockQueue:
         self._len += 1
 
 
+def lora_hash_seed(lora_id: int | None) -> bytes | None:
+    """The parent hash of a sequence's first block: its adapter's, None for the base model."""
+    if lora_id is None:
+        return None
+    return hashlib.sha256(b"lora:%d" % lora_id).digest()
+
+
 def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(array("q", token_ids).tobytes())
@@ -109,7 +118,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else None
+            parent = seq.block_hashes[i - 1] if i else lora_hash_seed(seq.lora_id)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:

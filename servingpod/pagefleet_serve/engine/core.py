@@ -5,7 +5,8 @@ caller's process (`ThreadLink`, a frontend's `CoreLink`) and in a process of its
 
 The loop never ends silently: each of its duties (taking requests, stepping, reading stats)
 is guarded on its own, and should the loop itself break, every request is failed and a
-`CoreFailed` says why. Only `EngineFault`s and unexpected step errors count toward giving
+`CoreFailed` says why. A LoRA adapter to load is read in a thread of its own, so that its
+files never hold up a step, and the loop registers it between two steps. Only `EngineFault`s and unexpected step errors count toward giving
 up; a request the engine isolated as the cause of a failure fails alone.
 """
 
@@ -14,22 +15,36 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
 from pagefleet_serve.messages import (
     AbortRequest,
     AddRequest,
     CoreFailed,
+    LoadLoRAAdapter,
+    LoRAAdaptersChanged,
     RequestRejected,
     Shutdown,
     StepOutputs,
+    UnloadLoRAAdapter,
 )
+from pagefleet_serve.model.lora import LoRAAdapter, LoRAError
 from pagefleet_serve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 # How long the loop waits for a message while it has nothing to step.
 _IDLE_WAIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class _AdapterRead:
+    """The loop's own message: a LoRA adapter's files have been read (or failed to be)."""
+
+    request: LoadLoRAAdapter
+    future: "Future[LoRAAdapter]"
 
 
 class EngineCore:
@@ -44,6 +59,8 @@ class EngineCore:
         self._stop = threading.Event()
         self.failed: str | None = None
         self.step_started: float | None = None  # time.monotonic() of the running step
+        # Reads adapters' files off the loop, one at a time (started with the first).
+        self._adapter_reader: ThreadPoolExecutor | None = None
 
     def submit(self, message: object) -> None:
         """Hand the loop a message (any thread)."""
@@ -123,6 +140,12 @@ class EngineCore:
             )
         elif isinstance(message, Shutdown):
             self.stop()
+        elif isinstance(message, LoadLoRAAdapter):
+            self._read_adapter(message)
+        elif isinstance(message, _AdapterRead):
+            self._answer_lora(message.request.op_id, lambda: self._add_adapter(message))
+        elif isinstance(message, UnloadLoRAAdapter):
+            self._answer_lora(message.op_id, lambda: self.engine.unload_lora(message.lora_name))
         else:
             raise TypeError(f"unknown message type {type(message).__name__}")
 
@@ -135,6 +158,30 @@ class EngineCore:
             if not invalid:
                 logger.exception("engine could not add request %s", request.request_id)
             self.emit(RequestRejected(request.request_id, str(exc), invalid))
+
+    def _read_adapter(self, message: LoadLoRAAdapter) -> None:
+        """Read the adapter's files in the reader thread; the loop registers it when done."""
+        if self._adapter_reader is None:
+            self._adapter_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
+        future = self._adapter_reader.submit(
+            self.engine.read_lora, message.lora_name, message.lora_path
+        )
+        future.add_done_callback(lambda done: self.submit(_AdapterRead(message, done)))
+
+    def _add_adapter(self, read: _AdapterRead) -> None:
+        self.engine.add_lora(read.future.result())
+
+    def _answer_lora(self, op_id: str, change: Callable[[], None]) -> None:
+        """Make an adapter change and tell the frontend how it went."""
+        error, status = None, 200
+        try:
+            change()
+        except LoRAError as exc:
+            error, status = str(exc), exc.status
+        except Exception as exc:  # noqa: BLE001 - the frontend hears of it, the loop goes on
+            logger.exception("could not change the LoRA adapters")
+            error, status = f"{type(exc).__name__}: {exc}", 500
+        self.emit(LoRAAdaptersChanged(op_id, self.engine.lora_adapter_infos(), error, status))
 
     def _fail_running(self, message: str) -> None:
         """Fail the requests that were in the failed step; waiting ones carry on."""

@@ -154,6 +154,9 @@ class RunnerConfig:
     # The seed of the generator the runner samples requests without a seed of their own
     # from (EngineConfig.seed, vLLM's --seed).
     seed: int = 0
+    # LoRA adapter slots on the device and their rank (0: the runner serves no adapters).
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig) -> "RunnerConfig":
@@ -171,4 +174,6 @@ class RunnerConfig:
             activation_quantization=activation_quantization(config, device, dtype),
             weight_quantization=weight_quantization(config, device),
             seed=config.seed,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
         )

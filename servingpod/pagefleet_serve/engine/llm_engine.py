@@ -3,11 +3,14 @@ model -> update -> outputs; `add`, `abort_request`, `step` and `stats` are all a
 calls. Device policy and the KV budget are `device.py`'s; text is the frontend's.
 
 A step that fails is retried on halves of its sequences, down to single ones, so that a
-request the model or the sampler cannot run fails alone and the others carry on. Only a
-step that fails for every sequence, not because of a client's sampling settings, is the
-engine's own failure (`EngineFault`), which the caller counts.
+request the model cannot run fails alone and the others carry on (the sampler fails its
+own rows alone, without a retry). Only a step that fails for every sequence, not because
+of a client's sampling settings, is the engine's own failure (`EngineFault`), which the
+caller counts.
 """
 
+import contextlib
+import itertools
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -15,10 +18,11 @@ from dataclasses import replace
 
 import torch
 
+from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.device import RunnerConfig, kv_cache_bytes
-from pagefleet_serve.engine.model_runner import ModelRunner
+from pagefleet_serve.engine.model_runner import ModelRunner, sampling_failures
 from pagefleet_serve.engine.output_tracker import OutputTracker
 from pagefleet_serve.engine.sampler import SampledToken, SamplingError
 from pagefleet_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -29,13 +33,17 @@ from pagefleet_serve.messages import (
     PROTOCOL_VERSION,
     CoreReady,
     EngineStats,
+    LoRAAdapterInfo,
+    LoRAStats,
     Request,
     RequestLimits,
     SpecDecodeStats,
 )
 from pagefleet_serve.model.loader import load_model
+from pagefleet_serve.model.lora import LoRAAdapter, LoRABusy, LoRAError, LoRANotFound, read_adapter
+from pagefleet_serve.model.resolve import resolve_model_uri
 from pagefleet_serve.outputs import RequestOutput
-from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.sampling_params import SamplingParams, generator_seed, sample_seed
 from pagefleet_serve.structured.grammar import GrammarCompiler, GrammarMatcher
 
 logger = logging.getLogger(__name__)
@@ -46,12 +54,35 @@ class EngineFault(RuntimeError):
     step's requests have been failed already."""
 
 
+class _Phases:
+    """`with phases("name"):` adds the block's seconds to `seconds["name"]`."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - started
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner_config = RunnerConfig.of(config)
         self.device, self.dtype = self.runner_config.device, self.runner_config.dtype
         started = time.monotonic()
+        # Start-up phases, in seconds: logged, and exported by the server as a gauge.
+        self.startup_seconds: dict[str, float] = {}
+        phase = _Phases(self.startup_seconds)
+        with phase("download"):  # nothing to do for a local or cached model
+            resolve_model_uri(config.model)
+        with phase("kernel_load"):  # the C++ extensions are imported here, compiled never
+            get_kernel_backend(self.runner_config.attention_backend, self.device)
+        weights_started = time.monotonic()
         loaded = load_model(config.model, self.dtype, self.runner_config.weight_quantization)
         self.model_name = loaded.name
         self.model_config = loaded.config
@@ -62,6 +93,7 @@ class LLMEngine:
         draft = self._load_draft(spec.model) if spec is not None and spec.model else None
         self.runner = ModelRunner(loaded, self.runner_config, draft)
         del loaded
+        self.startup_seconds["weight_load"] = time.monotonic() - weights_started
         logger.info(
             "model %s: %d layers, %d heads (%d kv), loaded in %.1fs",
             self.model_name,
@@ -74,6 +106,7 @@ class LLMEngine:
 
         # With a draft model a block holds both models' K/V: the budget buys both at once.
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        kv_started = time.monotonic()
         budget = kv_cache_bytes(config, self.device, self._warm_up)
         num_blocks = budget // self.runner.bytes_per_block
         pool_tokens = num_blocks * config.block_size
@@ -84,6 +117,10 @@ class LLMEngine:
                 f"kv_cache_memory_bytes or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
+        # On CUDA the warm-up ran inside kv_cache_bytes (its activation peak is measured).
+        self.startup_seconds["kv_cache"] = (
+            time.monotonic() - kv_started - self.startup_seconds.get("warm_up", 0.0)
+        )
         logger.info(
             "KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s), %s",
             num_blocks,
@@ -113,6 +150,19 @@ class LLMEngine:
             )
         # Sequences whose grammar is still compiling: they join the scheduler when it is.
         self._awaiting_grammar: dict[Sequence, Future] = {}
+        if self.device.type != "cuda":  # CUDA's warm-up ran before the KV cache was sized
+            with phase("warm_up"):
+                self.runner.warm_up_kernels(config.max_num_seqs)
+        # LoRA adapters by name, in host memory; the scheduler's slots say which are on the
+        # device. Each load gets a new id (a reloaded name shares no prefix-cache blocks).
+        self.lora_adapters: dict[str, LoRAAdapter] = {}
+        self._lora_ids = itertools.count(1)
+        for module in config.lora_modules:
+            self.load_lora(module.name, module.path)
+        logger.info(
+            "start-up: %s",
+            ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self.startup_seconds.items()),
+        )
 
     def _load_draft(self, uri: str) -> ModelRunner:
         """The draft model's runner (speculative decoding), with the target's runner
@@ -121,13 +171,15 @@ class LLMEngine:
         loaded = load_model(uri, config.dtype, config.weight_quantization)
         check_vocabulary(loaded, self.model_config, self.tokenizer)
         logger.info("draft model %s: %d layers", loaded.name, loaded.config.num_layers)
-        return ModelRunner(loaded, config)
+        # Proposals come from the base draft: verification applies the target's adapters.
+        return ModelRunner(loaded, replace(config, max_loras=0, max_lora_rank=0))
 
     def _warm_up(self) -> int:
         config = self.config
-        return self.runner.warm_up(
-            config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs
-        )
+        with _Phases(self.startup_seconds)("warm_up"):
+            return self.runner.warm_up(
+                config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs
+            )
 
     # -- what a frontend is told --------------------------------------------------------
     @property
@@ -151,7 +203,65 @@ class LLMEngine:
             self.block_manager.num_blocks,
             self.stats(),
             self.grammar_stop_token_ids,
+            dict(self.startup_seconds),
+            self.lora_adapter_infos(),
+            self.config.enable_lora,
         )
+
+    # -- LoRA adapters -----------------------------------------------------------------
+    def lora_adapter_infos(self) -> tuple[LoRAAdapterInfo, ...]:
+        return tuple(LoRAAdapterInfo(a.name, a.path) for a in self.lora_adapters.values())
+
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Read an adapter into host memory and serve it as `name` (it reaches a device
+        slot with its first request). LoRAError: not enabled, the name taken, or the
+        adapter unreadable or unfit for this model (naming the file)."""
+        adapter = self.read_lora(name, path)
+        self.add_lora(adapter)
+        return adapter
+
+    def read_lora(self, name: str, path: str) -> LoRAAdapter:
+        """`load_lora`'s reading and checking, which changes nothing here (any thread: a
+        core reads adapters off its step loop)."""
+        if not self.config.enable_lora:
+            raise LoRAError("this server does not serve LoRA adapters: start it with --enable-lora")
+        self._check_lora_name_free(name)
+        return read_adapter(
+            name, next(self._lora_ids), path, self.model_config, self.config.max_lora_rank
+        )
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Serve an adapter `read_lora` read (engine thread only)."""
+        self._check_lora_name_free(adapter.name)
+        self.lora_adapters[adapter.name] = adapter
+        logger.info(
+            "LoRA adapter %s (rank %d) loaded from %s", adapter.name, adapter.rank, adapter.path
+        )
+
+    def _check_lora_name_free(self, name: str) -> None:
+        if name in self.lora_adapters:
+            raise LoRAError(f"the LoRA adapter {name!r} has already been loaded")
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter. LoRANotFound; LoRABusy while requests use it (they
+        are not cut short: unload once they finish)."""
+        adapter = self.lora_adapters.get(name)
+        if adapter is None:
+            raise LoRANotFound(f"the LoRA adapter {name!r} is not loaded")
+        scheduler = self.scheduler
+        users = {
+            seq.request_id
+            for seq in [*scheduler.running, *scheduler.waiting, *self._awaiting_grammar]
+            if seq.lora_id == adapter.lora_id
+        }
+        if users:
+            raise LoRABusy(
+                f"the LoRA adapter {name!r} is in use by {len(users)} requests; unload it "
+                "when they have finished"
+            )
+        del self.lora_adapters[name]
+        scheduler.lora_slots.forget(adapter.lora_id)
+        logger.info("LoRA adapter %s unloaded", name)
 
     # -- requests ----------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -165,8 +275,14 @@ class LLMEngine:
                 return None
             # On the device the sampler draws on (see engine/sampler.py).
             generator = torch.Generator(device=self.device)
-            return generator.manual_seed((params.seed + index) % 2**63)
+            return generator.manual_seed(generator_seed(sample_seed(params.seed, index)))
 
+        lora_id = None
+        if request.lora_name is not None:
+            adapter = self.lora_adapters.get(request.lora_name)
+            if adapter is None:
+                raise LoRANotFound(f"the LoRA adapter {request.lora_name!r} is not loaded")
+            lora_id = adapter.lora_id
         seq = Sequence(
             request_id=request.request_id,
             sample_index=0,
@@ -178,6 +294,7 @@ class LLMEngine:
             priority=params.priority,
             generator=generator(0),
             sibling_generators=[generator(i) for i in range(1, params.n)],
+            lora_id=lora_id,
         )
         self.outputs.add_request(
             request.request_id, request.prompt_token_ids, params, request.arrival_time
@@ -264,6 +381,8 @@ class LLMEngine:
         if step.is_empty:
             self._wait_for_a_grammar()
             return self.step_pending()
+        for slot, lora_id in step.lora_loads:
+            self.runner.load_lora(slot, self._lora_by_id(lora_id))
         now = time.time()
         for item in step.scheduled:
             self.outputs.mark_scheduled(item.seq, now)
@@ -283,6 +402,9 @@ class LLMEngine:
         new_tokens = self.scheduler.update(SchedulerOutput(succeeded, step.preempted), sampled)
         return self.step_pending() + self.outputs.process(new_tokens, time.time())
 
+    def _lora_by_id(self, lora_id: int) -> LoRAAdapter:
+        return next(a for a in self.lora_adapters.values() if a.lora_id == lora_id)
+
     def _execute_isolating(
         self, items: list[ScheduledSeq]
     ) -> tuple[dict[Sequence, list[SampledToken]], dict[str, Exception]]:
@@ -290,7 +412,8 @@ class LLMEngine:
         Returns the sampled tokens of what ran and the error of each request that failed.
         A retry recomputes the same tokens into the same KV slots, so it is safe."""
         try:
-            return self.runner.execute(SchedulerOutput(items, [])), {}
+            sampled = self.runner.execute(SchedulerOutput(items, []))
+            return sampled, sampling_failures(sampled)  # each failed alone, nothing re-run
         except Exception as exc:  # noqa: BLE001 - isolated below, raised by step() if total
             if len(items) == 1:
                 logger.error("request %s failed a step", items[0].seq.request_id, exc_info=exc)
@@ -313,4 +436,17 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
             spec_decode=self.speculator.stats() if self.speculator else SpecDecodeStats(),
+            lora=self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if not self.config.enable_lora:
+            return None
+        names = {a.lora_id: a.name for a in self.lora_adapters.values()}
+
+        def adapters(seqs) -> tuple[str, ...]:
+            return tuple(sorted({names[s.lora_id] for s in seqs if s.lora_id in names}))
+
+        scheduler = self.scheduler
+        waiting = [*scheduler.waiting, *self._awaiting_grammar]
+        return LoRAStats(adapters(scheduler.running), adapters(waiting), self.config.max_loras)

@@ -15,7 +15,7 @@ from pagefleet_kernels.kv_cache import (
 
 from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.engine.device import RunnerConfig
-from pagefleet_serve.engine.sampler import SampledToken, SampleRow, sample
+from pagefleet_serve.engine.sampler import SampledToken, SampleRow, SamplingError, sample
 from pagefleet_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, rewind
@@ -23,6 +23,7 @@ from pagefleet_serve.engine.step_buffers import StepBuffers, StepInputs
 from pagefleet_serve.model.linear import can_prepack
 from pagefleet_serve.model.llama import LlamaForCausalLM
 from pagefleet_serve.model.loader import LoadedModel
+from pagefleet_serve.model.lora import LoRAAdapter, LoRABatch, LoRAWeights
 from pagefleet_serve.sampling_params import SamplingParams
 
 # The warm-up's decode batch samples with a filter on, so that the sampler's sort is in its
@@ -70,6 +71,16 @@ class ModelRunner:
             None  # (layers, 2, blocks, block_size, kv_heads), int8/fp8
         )
         self.kv_caches: list[LayerKVCache] = []
+        self.lora: LoRAWeights | None = None
+        if config.max_loras:
+            if self.model.backend.add_lora is None:
+                raise ValueError(
+                    f"enable_lora: the {self.model.backend.name} kernel backend has no LoRA "
+                    "operator; choose another --attention-backend"
+                )
+            self.lora = LoRAWeights(
+                loaded.config, config.max_loras, config.max_lora_rank, device, dtype
+            )
         self.draft = draft
         self.buffers = StepBuffers(device, config.block_size)
         # Draws for the requests that set no seed, in the order of the steps' rows: the same
@@ -129,6 +140,21 @@ class ModelRunner:
         self.free_kv_cache()
         return scratch
 
+    @torch.inference_mode()
+    def warm_up_kernels(self, max_num_seqs: int) -> None:
+        """Run each kind of step once over the allocated KV cache before the engine is
+        ready, so that no request pays for a first use (a kernel's first call, oneDNN's
+        primitives, the sampler's sort): a prefill chunk of two blocks, then decode steps of
+        one row and of `max_num_seqs` rows, their logits sampled. Every row writes slots of
+        block 0, which no sequence reads before writing them. This is the CPU's warm-up:
+        CUDA's runs the largest steps to measure their activation peak, which a fixed CPU
+        budget does not need, and a full-size prefill calls no kernel a two-block one does
+        not, for seconds of start-up."""
+        prefill = 2 * self.block_size
+        self._warm_up_step([0] * prefill, [0], [prefill], [[0, 0]])
+        for rows in sorted({1, max_num_seqs}):
+            self._warm_up_step([0] * rows, [0] * rows, [1] * rows, [[0]] * rows)
+
     def _warm_up_step(self, input_ids, starts, query_lens, tables) -> None:
         lasts = [end - 1 for end in itertools.accumulate(query_lens)]
         inputs = self.buffers.build(input_ids, starts, query_lens, tables, lasts)
@@ -137,6 +163,12 @@ class ModelRunner:
             self.draft.run(inputs)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
         sample(logits, [SampleRow(_WARM_UP_PARAMS, None, [], [])] * len(query_lens))
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy an adapter into one of the device's slots (before a step that reads it)."""
+        if self.lora is None:
+            raise ValueError("this model runner has no LoRA slots (enable_lora is off)")
+        self.lora.load(slot, adapter)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's K/V (and scales) into dst."""
@@ -163,21 +195,34 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The model over a batch whose metadata is already on the device: this runner's
-        own, or its target's (a draft runs over the target's batch as built)."""
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        own, or its target's (a draft runs over the target's batch as built, without the
+        target's adapters)."""
+        lora = None
+        if self.lora is not None and inputs.lora is not None:
+            lora = LoRABatch(self.lora, inputs.lora, self.model.backend.add_lora)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, lora)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[Sequence, list[SampledToken]]:
         input_ids: list[int] = []
-        query_lens, starts, tables = [], [], []
+        query_lens, starts, tables, lora_slots = [], [], [], []
         for item in step.scheduled:
             input_ids.extend(item.input_token_ids)
             starts.append(item.seq.num_computed_tokens)
             query_lens.append(item.num_new_tokens)
             tables.append(item.seq.block_table)
-        plan = _SamplePlan.of(step, list(itertools.accumulate(query_lens)))
+            slot = item.seq.lora_slot
+            lora_slots.append(-1 if slot is None else slot)
+        ends = list(itertools.accumulate(query_lens))
+        plan = _SamplePlan.of(step, ends, self.config.vocab_size, self.device)
         inputs = self.buffers.build(
-            input_ids, starts, query_lens, tables, plan.logits_rows, plan.sample_rows
+            input_ids,
+            starts,
+            query_lens,
+            tables,
+            plan.logits_rows,
+            plan.sample_rows,
+            lora_slots if self.lora is not None else (),
         )
         self.copy_blocks(step.block_copies)
         hidden = self.run(inputs)
@@ -213,6 +258,17 @@ class ModelRunner:
         return result
 
 
+def sampling_failures(sampled: dict[Sequence, list[SampledToken]]) -> dict[str, SamplingError]:
+    """The requests of a step's results whose rows could not be sampled, with why: they fail
+    alone, and nothing of the step is run again."""
+    return {
+        seq.request_id: SamplingError(token.error)
+        for seq, tokens in sampled.items()
+        for token in tokens
+        if token.error is not None
+    }
+
+
 @dataclass
 class _SamplePlan:
     """Which logits a step samples, known before its forward pass so that the row indices
@@ -224,9 +280,12 @@ class _SamplePlan:
     sample_rows: list[int]  # the logits row of each draw; empty when one draw per row
 
     @classmethod
-    def of(cls, step: SchedulerOutput, ends: list[int]) -> "_SamplePlan":
+    def of(
+        cls, step: SchedulerOutput, ends: list[int], vocab: int, device: torch.device
+    ) -> "_SamplePlan":
         """Logits of each sampling sequence's last position, or of its last 1 + k positions
-        when it verifies k drafts; one sample row per position and per sample."""
+        when it verifies k drafts; one sample row per position and per sample (the samples
+        of one prompt share its penalty counts)."""
         sampling, scored, rows, row_logits = [], [], [], []
         for end, item in zip(ends, step.scheduled, strict=True):
             if not item.samples:
@@ -238,9 +297,9 @@ class _SamplePlan:
                 scored.extend(range(end - len(drafts) - 1, end))
                 rows.extend(draft_rows(seq, drafts))
                 continue
-            output, prompt = seq.penalty_token_ids()
+            counts = seq.penalty_counts(vocab, device)
             for generator in [seq.generator, *seq.sibling_generators]:
-                rows.append(SampleRow(seq.params, generator, output, prompt, seq.grammar))
+                rows.append(SampleRow(seq.params, generator, [], [], seq.grammar, counts))
                 row_logits.append(len(scored))
             scored.append(end - 1)
         one_per_row = row_logits == list(range(len(scored)))

@@ -12,6 +12,11 @@ scheduled as extra query tokens within the budget, and `update` counts as comput
 the drafts the model accepted, handing back the blocks of the rejected ones. A draft model
 writes its next proposals' K/V before the step that verifies them, so with one a sequence
 reaching its end also keeps `num_lookahead_tokens` slots allocated past it (as vLLM does).
+
+A running sequence with a LoRA adapter holds one of the `max_loras` adapter slots
+(`LoRASlots`); a waiting request whose adapter finds none free stays waiting while the
+requests behind it are admitted, so the step's rows never read more adapters than there
+are slots.
 """
 
 import bisect
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.block_manager import BlockManager
+from pagefleet_serve.engine.lora_slots import LoRASlots
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.sequence import Sequence, SequenceStatus
 
@@ -48,6 +54,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
+    # (slot, lora_id): adapters to copy into their slots before the step runs.
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def block_copies(self) -> list[tuple[int, int]]:
@@ -72,6 +80,7 @@ class Scheduler:
         self.num_lookahead_tokens = (
             spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         )
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -93,6 +102,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._release_lora(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -133,13 +143,18 @@ class Scheduler:
             scheduled[seq] = ScheduledSeq(seq, num_new, copies, drafts)
             budget -= num_new
 
-        # Admit waiting requests, unless this step had to preempt (no room to grow).
-        while self.waiting and budget > 0 and not preempted:
-            seq = self.waiting[0]
+        # Admit waiting requests, unless this step had to preempt (no room to grow); one
+        # whose adapter finds no free slot waits, and those behind it are considered.
+        index = 0
+        while index < len(self.waiting) and budget > 0 and not preempted:
+            seq = self.waiting[index]
             # A running prompt that has not forked yet will take num_samples seats.
             seats = sum(s.num_samples for s in self.running)
             if seats + seq.num_samples > self.max_num_seqs:
                 break
+            if seq.lora_id is not None and not self.lora_slots.can_acquire(seq.lora_id):
+                index += 1
+                continue
             prefix = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
             lookahead = self._lookahead(seq, len(prefix) * self.block_manager.block_size + num_new)
@@ -152,13 +167,15 @@ class Scheduler:
             self.block_manager.count_prefix_lookup(seq.num_tokens, num_hit)
             if seq.num_preemptions == 0:
                 seq.num_prefix_hit_tokens = num_hit
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            self._acquire_lora(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq] = ScheduledSeq(seq, num_new, copies)
             budget -= num_new
 
-        return SchedulerOutput(list(scheduled.values()), preempted)
+        loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
+        return SchedulerOutput(list(scheduled.values()), preempted, loads)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The proposed drafts a decoding sequence verifies this step: as many as fit the
@@ -180,9 +197,21 @@ class Scheduler:
             return 0
         return self.num_lookahead_tokens
 
+    def _acquire_lora(self, seq: Sequence) -> None:
+        """A sequence starts running: it reads its adapter's slot (known to be free or
+        its adapter's already: `can_acquire`, or a sibling's)."""
+        if seq.lora_id is not None:
+            seq.lora_slot = self.lora_slots.acquire(seq.lora_id)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot is not None:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = None
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._release_lora(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -238,6 +267,7 @@ class Scheduler:
         for index, generator in enumerate(seq.sibling_generators, start=1):
             child = seq.fork(index, generator)
             self.block_manager.fork(child)
+            self._acquire_lora(child)
             self.running.append(child)
             family.append(child)
         seq.sibling_generators = []

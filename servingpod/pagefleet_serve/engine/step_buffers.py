@@ -9,6 +9,9 @@ the copy is asynchronous) and one device buffer of the same size, both allocated
 grown only when a step needs more room: a step costs one host-to-device copy and no
 synchronisation. The backends read the values they need on the host from the host side
 (`AttentionMetadata.seq_lens_host`, `query_start_loc_host`), not from the device.
+
+A step whose rows read LoRA adapters adds each token's slot and the tokens of each slot,
+grouped (`LoRAMapping`), to the same buffer.
 """
 
 import itertools
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pagefleet_kernels.backend import AttentionMetadata
+from pagefleet_kernels.backend import AttentionMetadata, LoRAMapping
 
 
 @dataclass
@@ -29,6 +32,7 @@ class StepInputs:
     attn: AttentionMetadata
     logits_rows: torch.Tensor  # (S,) int64: the hidden rows whose logits are computed
     sample_rows: torch.Tensor  # (R,) int64: the logits row each sample row draws from
+    lora: LoRAMapping | None = None  # None: no row reads an adapter
 
 
 class StepBuffers:
@@ -55,18 +59,26 @@ class StepBuffers:
         tables: list[list[int]],
         logits_rows: Sequence[int] = (),
         sample_rows: Sequence[int] = (),
+        lora_slots: Sequence[int] = (),
     ) -> StepInputs:
         """Sequence i's `query_lens[i]` tokens sit at positions from `starts[i]`; their K/V
-        go to the slots its block table `tables[i]` names."""
+        go to the slots its block table `tables[i]` names; they read LoRA adapter slot
+        `lora_slots[i]` (-1: none; empty: no sequence reads one)."""
         num_tokens, num_seqs = len(input_ids), len(query_lens)
         width = max(map(len, tables))
         sizes = [num_tokens] * 3 + [num_seqs, num_seqs + 1, len(logits_rows), len(sample_rows)]
         sizes.append(num_seqs * width)
+        lora = _lora_rows(lora_slots, query_lens)
+        if lora is not None:
+            sizes += [len(part) for part in lora.arrays]
         total = sum(sizes)
         self._reserve(total)
         host, bounds = self._host.numpy(), [0, *itertools.accumulate(sizes)]
         parts = [host[lo:hi] for lo, hi in itertools.pairwise(bounds)]
-        ids, positions, slots, seq_lens, query_start_loc, logits, samples, table = parts
+        ids, positions, slots, seq_lens, query_start_loc, logits, samples, table = parts[:8]
+        if lora is not None:
+            for part, values in zip(parts[8:], lora.arrays, strict=True):
+                part[:] = values
         ids[:] = input_ids
         logits[:] = logits_rows
         samples[:] = sample_rows
@@ -99,6 +111,7 @@ class StepBuffers:
             ),
             logits_rows=views[5],
             sample_rows=views[6],
+            lora=None if lora is None else lora.mapping(views[8:]),
         )
 
     @staticmethod
@@ -126,3 +139,38 @@ class StepBuffers:
         self._device[:total].copy_(self._host[:total], non_blocking=self._pinned)
         if self._copied is not None:
             self._copied.record()
+
+
+@dataclass
+class _LoRARows:
+    """A step's `LoRAMapping` on the host: its arrays, and each slot read with its rows."""
+
+    arrays: tuple[np.ndarray, ...]  # token_slots, rows, padded_rows, padded_positions
+    counts: list[tuple[int, int]]  # (slot, rows reading it), by slot
+
+    def mapping(self, views: Sequence[torch.Tensor]) -> LoRAMapping:
+        token_slots, rows, padded_rows, positions = views
+        groups = rows.split([count for _, count in self.counts])
+        slot_rows = [(slot, g) for (slot, _), g in zip(self.counts, groups, strict=True)]
+        return LoRAMapping(token_slots, slot_rows, rows, padded_rows, positions)
+
+
+def _lora_rows(lora_slots: Sequence[int], query_lens: list[int]) -> _LoRARows | None:
+    """Each token's adapter slot (-1: none), the tokens that read one grouped by slot (in
+    order within a slot), the same as a (slots read, most rows) table padded with the
+    token count, and where each grouped token lies in that table; None when no sequence
+    reads an adapter."""
+    if not lora_slots or max(lora_slots) < 0:
+        return None
+    token_slots = np.repeat(np.asarray(lora_slots, dtype=np.int64), query_lens)
+    order = np.argsort(token_slots, kind="stable")
+    rows = order[token_slots[order] >= 0]
+    present, counts = np.unique(token_slots[rows], return_counts=True)
+    slot_index = np.repeat(np.arange(len(present)), counts)  # each grouped row's slot
+    column = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    width = int(counts.max())
+    padded = np.full((len(present), width), len(token_slots), dtype=np.int64)
+    padded[slot_index, column] = rows
+    positions = slot_index * width + column
+    arrays = (token_slots, rows, padded.ravel(), positions)
+    return _LoRARows(arrays, list(zip(present.tolist(), counts.tolist(), strict=True)))

@@ -12,28 +12,40 @@ that sample in the core), and each request's outputs go to the queue its caller 
 Health: a core that reports failure, a core process that exits or is killed, a core that
 stops answering (`HEARTBEAT_TIMEOUT_S`) or a step that runs too long (`STEP_TIMEOUT_S`)
 makes the client unhealthy, with the reason; requests in flight then end with an error.
+
+LoRA adapters: the client knows which the core serves (from `CoreReady`, then from each
+answer to a load or unload, which cross the seam as messages like requests do).
 """
 
 import asyncio
 import logging
+import os
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.cpu_placement import CpuPlacement
 from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.frontend.output_processor import OutputProcessor
+from pagefleet_serve.frontend.tokenizer import Tokenizer
 from pagefleet_serve.messages import (
     AbortRequest,
     AddRequest,
     CoreFailed,
     CoreReady,
     EngineStats,
+    LoadLoRAAdapter,
+    LoRAAdapterInfo,
+    LoRAAdaptersChanged,
     Request,
     RequestLimits,
     RequestRejected,
     StepOutputs,
+    UnloadLoRAAdapter,
 )
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
@@ -44,6 +56,15 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class LoRAAdapterError(ValueError):
+    """The core refused a LoRA adapter change; `status` says whose fault (400 the
+    adapter's, 404 unknown, 409 in use, 500 the engine's)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class CoreLink(Protocol):
@@ -96,7 +117,7 @@ class EngineCoreClient:
         self,
         config: EngineConfig,
         link: CoreLink,
-        tokenizer,
+        tokenizer: Tokenizer | None,
         grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         """A client of the core behind `link` (ready), making text with `tokenizer`.
@@ -117,6 +138,13 @@ class EngineCoreClient:
         self.outputs = OutputProcessor(tokenizer)
         self.num_blocks = ready.num_blocks
         self.stats: EngineStats = ready.stats
+        # The core's start-up phases and this process's time from its start to here.
+        self.startup_seconds = {**ready.startup_seconds, "total": _seconds_since_start()}
+        logger.info("engine ready %.1fs after the process started", self.startup_seconds["total"])
+        # The LoRA adapters the core serves, by name, and whether it can serve any.
+        self.lora_enabled = ready.lora_enabled
+        self.lora_adapters: dict[str, LoRAAdapterInfo] = {a.name: a for a in ready.lora_adapters}
+        self._lora_changes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._link = link
         self._mailboxes: dict[str, _Mailbox] = {}
         self._dead: str | None = None
@@ -137,12 +165,42 @@ class EngineCoreClient:
         return self.limits.max_model_len
 
     def make_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
     ) -> Request:
         """Validate (and tokenize text, start compiling a structured output's constraint:
         await `grammar_compiled` before `add`); the core trusts what this returns.
-        ValueError."""
-        return self.inputs.make_request(request_id, prompt, params)
+        `lora_name`: one of `lora_adapters` (None: the base model). ValueError."""
+        if lora_name is not None and lora_name not in self.lora_adapters:
+            raise ValueError(f"the LoRA adapter {lora_name!r} is not loaded")
+        return self.inputs.make_request(request_id, prompt, params, lora_name=lora_name)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Have the core read and serve an adapter (its files are read off the core's
+        step loop). LoRAAdapterError."""
+        await self._change_lora(LoadLoRAAdapter(uuid.uuid4().hex, lora_name, lora_path))
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving an adapter (refused, 409, while requests use it).
+        LoRAAdapterError."""
+        await self._change_lora(UnloadLoRAAdapter(uuid.uuid4().hex, lora_name))
+
+    async def _change_lora(self, message: LoadLoRAAdapter | UnloadLoRAAdapter) -> None:
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+        self._lora_changes[message.op_id] = (loop, answer)
+        try:
+            self._link.send(message)
+            result: LoRAAdaptersChanged = await answer
+        finally:
+            self._lora_changes.pop(message.op_id, None)
+        if result.error is not None:
+            raise LoRAAdapterError(result.status, result.error)
 
     async def grammar_compiled(self, request: Request) -> None:
         """Wait, on the event loop and holding no thread, until the request's constraint
@@ -248,6 +306,12 @@ class EngineCoreClient:
             if mailbox is not None:
                 error = ValueError if message.invalid else RuntimeError
                 mailbox.put(error(message.error))
+        elif isinstance(message, LoRAAdaptersChanged):
+            self.lora_adapters = {a.name: a for a in message.adapters}
+            waiting = self._lora_changes.get(message.op_id)
+            if waiting is not None:
+                loop, answer = waiting
+                loop.call_soon_threadsafe(_settle, answer, message)
         elif isinstance(message, CoreFailed):
             self._fail_all(message.reason)
         else:
@@ -292,6 +356,11 @@ class EngineCoreClient:
 
     def _fail_all(self, reason: str) -> None:
         self._dead = reason
+        for loop, answer in list(self._lora_changes.values()):
+            try:
+                loop.call_soon_threadsafe(_settle, answer, EngineDeadError(reason))
+            except RuntimeError:  # its event loop has closed: nobody is waiting there
+                continue
         for request_id in list(self._mailboxes):
             mailbox = self._forget(request_id)
             if mailbox is None:
@@ -300,6 +369,16 @@ class EngineCoreClient:
                 mailbox.put(EngineDeadError(reason))
             except RuntimeError:  # its event loop has closed: nobody is waiting there
                 continue
+
+
+def _settle(answer: asyncio.Future, result: object) -> None:
+    """Resolve a waiting adapter change (on its event loop), unless it was given up."""
+    if answer.done():
+        return
+    if isinstance(result, BaseException):
+        answer.set_exception(result)
+    else:
+        answer.set_result(result)
 
 
 def start_core_process(
@@ -318,3 +397,14 @@ def start_core_process(
         link.close()
         raise
     return EngineCoreClient(config, link, tokenizer)
+
+
+def _seconds_since_start() -> float:
+    """Seconds since this process started (Linux: /proc/self/stat's start time, in clock
+    ticks since boot); 0.0 where that cannot be read."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of the whole line
+        return max(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0

@@ -18,6 +18,11 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagefleet_serve.server.errors import APIError, server_error, unavailable
+from pagefleet_serve.server.lora_api import (
+    LoadLoRAAdapterRequest,
+    LoRAEndpoints,
+    UnloadLoRAAdapterRequest,
+)
 from pagefleet_serve.server.metrics import CONTENT_TYPE
 from pagefleet_serve.server.openai_api import (
     ChatCompletionsEndpoint,
@@ -95,6 +100,20 @@ def build_app(state: ServerState) -> FastAPI:
     async def create_chat_completion(raw: Request) -> Response:
         return await chat(raw)
 
+    bodies: tuple[type[BaseModel], ...] = ()
+    if state.settings.allow_runtime_lora_updating:
+        lora = LoRAEndpoints(state)
+        bodies = (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
+
+        @api.post("/load_lora_adapter", openapi_extra=_json_body(LoadLoRAAdapterRequest))
+        async def load_lora_adapter(raw: Request) -> Response:
+            return await lora.load(await read_json_body(raw, state.settings.max_request_body_bytes))
+
+        @api.post("/unload_lora_adapter", openapi_extra=_json_body(UnloadLoRAAdapterRequest))
+        async def unload_lora_adapter(raw: Request) -> Response:
+            body = await read_json_body(raw, state.settings.max_request_body_bytes)
+            return await lora.unload(body)
+
     app.include_router(api)
 
     # vLLM serves these outside /v1; they answer with the server's tokenizer, so they sit
@@ -116,7 +135,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.include_router(tokenizing)
     app.openapi = lambda: _openapi(
-        app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+        app,
+        (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, *bodies),
     )
 
     @app.get("/health")

@@ -8,13 +8,14 @@ own counters), and each request's timestamped outputs, observed as they stream b
 (`RequestTracker`). This module is the only place that touches prometheus_client.
 """
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagefleet_serve import metric_names as names
-from pagefleet_serve.messages import EngineStats, SpecDecodeStats
+from pagefleet_serve.messages import EngineStats, LoRAStats, SpecDecodeStats
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.server.tracing import record_finished
 
@@ -98,6 +99,7 @@ class ServerMetrics:
         model_name: str,
         engine_stats: Callable[[], EngineStats],
         server_gauges: Callable[[], dict[str, tuple[str, float]]],
+        startup_seconds: dict[str, float] | None = None,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -160,6 +162,14 @@ class ServerMetrics:
             _TOKEN_BUCKETS,
         )
         self.registry.register(_EngineCollector(model_name, engine_stats, server_gauges))
+        startup = GaugeMetricFamily(
+            names.STARTUP_SECONDS,
+            "Seconds each start-up phase took.",
+            labels=["model_name", "phase"],
+        )
+        for phase, seconds in (startup_seconds or {}).items():
+            startup.add_metric([model_name, phase], seconds)
+        self.registry.register(_Fixed(startup))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -237,6 +247,19 @@ class RequestTracker:
                 m.tpot.labels(label).observe(tpot)
 
 
+class _Fixed:
+    """A collector of metric families fixed once (the start-up phases)."""
+
+    def __init__(self, *families) -> None:
+        self.families = families
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield from self.families
+
+
 class _EngineCollector:
     """Gauges and engine-side counters, read from the latest stats snapshot at scrape time."""
 
@@ -300,8 +323,22 @@ class _EngineCollector:
             stats.num_used_blocks,
         )
         yield from _spec_decode_counters(label, stats.spec_decode)
+        if stats.lora is not None:
+            yield _lora_info(label, stats.lora)
         for name, (doc, value) in self.server_gauges().items():
             yield gauge(name, doc, value)
+
+
+def _lora_info(label: list[str], lora: LoRAStats) -> GaugeMetricFamily:
+    """vLLM's info gauge of the adapters in use: names as labels, the time as its value."""
+    family = GaugeMetricFamily(
+        names.LORA_REQUESTS_INFO,
+        "LoRA adapters of the running and waiting requests (labels), read at this time.",
+        labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    running, waiting = ",".join(lora.running), ",".join(lora.waiting)
+    family.add_metric([*label, running, waiting, str(lora.max_loras)], time.time())
+    return family
 
 
 def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):

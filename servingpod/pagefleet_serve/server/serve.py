@@ -207,9 +207,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     flag(
         "--limit-concurrency",
-        "open connections plus running requests beyond which new requests get 503",
+        "requests in flight beyond which new ones get 503 (idle connections and the "
+        "/health, /ready and /metrics probes do not count)",
         type=int,
         default=server("limit_concurrency"),
+    )
+    flag(
+        "--max-connections-per-client",
+        "connections one client address may hold open; more are closed at once (default: "
+        "no cap; behind the router every client shares its address)",
+        type=int,
+        default=None,
     )
     flag(
         "--scheduling-policy",
@@ -241,6 +249,41 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "a request whose grammar takes longer gets a 400 naming it",
         type=float,
         default=engine("structured_outputs_compile_timeout"),
+    )
+    flag(
+        "--enable-lora",
+        "serve LoRA adapters of the model: a request names one as its model; each row of a "
+        "step carries its own adapter or none",
+        action=argparse.BooleanOptionalAction,
+        default=engine("enable_lora"),
+    )
+    flag(
+        "--lora-modules",
+        "LoRA adapters (PEFT: adapter_config.json + adapter_model.safetensors) served from "
+        "start-up, as name=path, the path local, file://, pvc:// or hf://org/name[@revision] "
+        "(needs --enable-lora)",
+        nargs="+",
+        default=None,
+    )
+    flag(
+        "--max-loras",
+        "LoRA adapters resident on the device at once (a step reads at most this many; "
+        "requests for others wait for a slot)",
+        type=int,
+        default=engine("max_loras"),
+    )
+    flag(
+        "--max-lora-rank",
+        "the highest LoRA rank served; adapters of a higher rank are refused",
+        type=int,
+        default=engine("max_lora_rank"),
+    )
+    flag(
+        "--allow-runtime-lora-updating",
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora)",
+        action=argparse.BooleanOptionalAction,
+        default=server("allow_runtime_lora_updating"),
     )
     flag(
         "--tool-call-parser",
@@ -276,7 +319,13 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             speculative_config=args.speculative_config,
             structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+            enable_lora=args.enable_lora,
+            lora_modules=tuple(args.lora_modules or ()),
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
         )
+        if args.allow_runtime_lora_updating and not config.enable_lora:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
         settings = ServerSettings(
             served_model_names=tuple(args.served_model_name or [args.model]),
             host=args.host,
@@ -290,11 +339,13 @@ def run(args: argparse.Namespace) -> int:
             header_read_timeout=args.header_read_timeout,
             body_read_timeout=args.body_read_timeout,
             limit_concurrency=args.limit_concurrency,
+            max_connections_per_client=args.max_connections_per_client,
             scheduling_policy=args.scheduling_policy,
             serve_docs=args.serve_docs,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
         placement = plan_placement(
             args.cpu_threads_bind, available_cpus(), cpu_quota(), omp_num_threads()

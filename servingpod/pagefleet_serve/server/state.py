@@ -56,7 +56,12 @@ class ServerState:
         # One thread: parsing, chat templates and tokenizers run there in turn (a fast
         # tokenizer must not be used by two threads at once).
         self._frontend = ThreadPoolExecutor(max_workers=1, thread_name_prefix="frontend")
-        self.metrics = ServerMetrics(settings.model_name, lambda: engine.stats, self._gauges)
+        self.metrics = ServerMetrics(
+            settings.model_name,
+            lambda: engine.stats,
+            self._gauges,
+            engine.startup_seconds,
+        )
 
     @property
     def ready(self) -> bool:
@@ -70,11 +75,16 @@ class ServerState:
         self._frontend.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.settings.served_model_names:
-            raise APIError(
-                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
-            )
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model (or no
+        name); 404 for a name this server does not serve."""
+        if name is None or name in self.settings.served_model_names:
+            return None
+        if name in self.engine.lora_adapters:
+            return name
+        raise APIError(
+            404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+        )
 
     def admit(self, wanted: int, on_cancel: Callable[[str], None]) -> Admission:
         """Take `wanted` queue slots for a validated request, or refuse it (503 draining or
