@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from pagefleet_serve.cli import main
-from server_harness import ServerProcess, read_metrics
+from server_harness import read_metrics
 
 VLLM_KEYS = {
     "date",
@@ -39,17 +39,9 @@ VLLM_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    env = {
-        "PAGEFLEET_MAX_MODEL_LEN": "512",
-        "PAGEFLEET_KV_CACHE_MEMORY": "128MiB",
-        "PAGEFLEET_MAX_NUM_SEQS": "8",
-    }
-    process = ServerProcess("--host", "127.0.0.1", env=env)
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
+def server(default_pod):
+    """The session's default pod (served name "smol", 8 sequences)."""
+    return default_pod
 
 
 def bench(server, tmp_path: Path, *flags: str) -> tuple[int, dict]:
@@ -85,7 +77,7 @@ def test_random_completions_run_with_exact_prompt_lengths(server, tmp_path, caps
     assert code == 0
     assert VLLM_KEYS <= set(result), VLLM_KEYS - set(result)
     assert (result["completed"], result["failed"]) == (6, 0)
-    assert result["model_id"] == "smollm2-135m"
+    assert result["model_id"] == "smol"  # the served name
     assert result["tokenizer_id"] == "builtin://smollm2-135m"  # the root /v1/models names
     assert result["total_input_tokens"] == 6 * 48
     prefilled = after["vllm:prompt_tokens_total"] - before.get("vllm:prompt_tokens_total", 0.0)

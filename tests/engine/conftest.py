@@ -1,9 +1,11 @@
-"""Shared pieces of the engine tests: the built-in model's prompts and an LLM factory that
-checks for leaked KV blocks after every test."""
+"""Shared pieces of the engine tests: the built-in model's prompts and an LLM factory, with
+a cache of engines by config for each module, that checks for leaked KV blocks after every
+test."""
 
 import pytest
 from engine_prompts import QUESTIONS, SYSTEM_PROMPT
 from pagefleet_serve import LLM
+from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.model.loader import load_tokenizer
 
 # Bytes of one KV block of SmolLM2-135M in float32 with 16-token blocks:
@@ -35,18 +37,38 @@ def chat_prompts():
     ]
 
 
+@pytest.fixture(scope="module")
+def llm_cache():
+    """The LLMs this module's tests built, with the configs they were built from: a later
+    test asking for the same config gets the same engine instead of loading the model
+    again. The engine keeps what earlier tests left in it that no test may rely on: cached
+    prefix blocks, cumulative counters, the unseeded sampler's generator state."""
+    return []
+
+
 @pytest.fixture
-def make_llm():
-    """Build LLMs; after the test, every block of every one must be free with ref count 0."""
+def make_llm(llm_cache):
+    """Build LLMs, or reuse one an earlier test of this module built from the same config;
+    after the test, every block of every one must be free with ref count 0 (an engine that
+    fails this is not reused). One test asking twice for one config gets two engines."""
     made = []
 
     def make(model="builtin://smollm2-135m", **config):
         # float32: token-exact comparisons with transformers and across batch compositions.
-        llm = LLM(model, **{"dtype": "float32"} | config)
+        settings = {"model": model, "dtype": "float32"} | config
+        wanted = EngineConfig(**settings)
+        llm = next((llm for built, llm in llm_cache if built == wanted and llm not in made), None)
+        if llm is None:
+            llm = LLM(**settings)
+            llm_cache.append((wanted, llm))
         made.append(llm)
         return llm
 
     yield make
     for llm in made:
-        assert not llm.engine.has_unfinished_requests()
-        llm.engine.block_manager.check_no_leaks()
+        try:
+            assert not llm.engine.has_unfinished_requests()
+            llm.engine.block_manager.check_no_leaks()
+        except AssertionError:
+            llm_cache[:] = [entry for entry in llm_cache if entry[1] is not llm]
+            raise

@@ -5,6 +5,7 @@ process can take it between a check and the bind) with the built-in model; plus 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -153,8 +154,14 @@ class ThreadServer:
         return self.server.state
 
     def stop(self) -> None:
+        """Stop uvicorn, then the core's step thread, and let the engine go: a module's
+        in-process server must not hold its model and KV pool for the rest of the run (the
+        suite's one process ran out of memory when each stayed)."""
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.engine.shutdown()
+        del self.core, self.engine, self.server
+        gc.collect()
 
 
 def read_metrics(base_url: str) -> dict[str, float]:
