@@ -33,18 +33,19 @@ serve: install
 # The unit and integration tests, then the user's walk with no cluster (the operator and
 # real serving pods against an API emulator and a simulated kubelet).
 TEST_SELECTION := -m "not slow and not gpu" tests e2e/test_e2e_local.py e2e/test_e2e_hf.py
-# make test runs the selection in two pytest processes, engine-side tests first: one process
-# for all of it grew past 13 GB (every in-process engine's heap stays with the process)
-# and was killed by the OOM killer on this 24 GiB machine.
+# make test runs the selection in three pytest processes: one process for all of it grew
+# past 13 GB (the in-process engines' memory stays with the process) and was killed by the
+# OOM killer on this 24 GiB machine; so did operator + router + server + the walks.
 TEST_PART_1 := tests/bench tests/chart tests/engine tests/kernels
-TEST_PART_2 := tests/operator tests/router tests/server tests/test_suite_report.py \
-	e2e/test_e2e_local.py e2e/test_e2e_hf.py
+TEST_PART_2 := tests/operator tests/router tests/server tests/test_suite_report.py
+TEST_PART_3 := e2e/test_e2e_local.py e2e/test_e2e_hf.py
 
 # In file order (pytest-randomly off), so a failure reproduces as is; the slowest 25 tests
 # are printed at the end, with the number of servers started and engines built.
 test: install
 	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" $(TEST_PART_1)
 	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" $(TEST_PART_2)
+	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" $(TEST_PART_3)
 
 # The same run, writing each test file's total time to docs/test-durations.md (commit it
 # with a change that moves the suite's time, measured on an idle machine).
