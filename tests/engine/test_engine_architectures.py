@@ -149,13 +149,13 @@ def build(family: str, extra: dict, path):
     return model
 
 
-def reference_tokens(model, prompt: list[int]) -> list[int]:
+def reference_tokens(model, prompt: list[int], max_new_tokens: int = MAX_NEW_TOKENS) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_NEW_TOKENS,
-            min_new_tokens=MAX_NEW_TOKENS,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,

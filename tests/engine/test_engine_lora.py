@@ -23,6 +23,7 @@ from pagefleet_serve.engine.scheduler import Scheduler
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.step_buffers import StepBuffers
 from pagefleet_serve.model.lora import LoRABusy, LoRAError, LoRANotFound
+from test_engine_architectures import reference_tokens
 
 MAX_NEW_TOKENS = 24
 SMALL = {
@@ -81,20 +82,6 @@ def build_adapter(base_path, path, name: str, seed: int):
     return model.merge_and_unload().eval()
 
 
-def reference_tokens(model, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_NEW_TOKENS,
-            min_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def load(path, adapters: dict, **overrides) -> LLM:
     settings = dict(
         dtype="float32",
@@ -118,11 +105,11 @@ def checkpoint(request, tmp_path_factory):
     build_base(request.param, base_path)
     adapters, references = {}, {}
     base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    references[None] = [reference_tokens(base.eval(), p) for p in PROMPTS]
+    references[None] = [reference_tokens(base.eval(), p, MAX_NEW_TOKENS) for p in PROMPTS]
     for seed, name in enumerate(ADAPTERS):
         adapters[name] = root / name
         merged = build_adapter(base_path, adapters[name], name, seed)
-        references[name] = [reference_tokens(merged, p) for p in PROMPTS]
+        references[name] = [reference_tokens(merged, p, MAX_NEW_TOKENS) for p in PROMPTS]
     return request.param, base_path, adapters, references
 
 
