@@ -12,7 +12,9 @@ from .spec import InferenceServiceSpec
 PROGRESS_MARGIN_SECONDS = 600
 
 
-def get_deployment(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+def get_deployment(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any] | None:
+    if spec.parallelism.multi_node:
+        return None  # a LeaderWorkerSet's groups run the pods (lws.py)
     name = body["metadata"]["name"]
     return {
         "apiVersion": "apps/v1",

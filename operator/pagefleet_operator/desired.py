@@ -6,6 +6,7 @@ from typing import Any
 
 from .deployment import get_deployment
 from .ingress import get_ingress
+from .lws import get_leader_worker_set
 from .pdb import get_pdb
 from .podmonitor import get_pod_monitor
 from .router import (
@@ -25,6 +26,8 @@ from .spec import InferenceServiceSpec
 # router's identity comes before the Deployment that runs as it.
 MANAGED_OBJECTS: dict[str, tuple[str, str]] = {
     "Deployment": ("Deployment", ""),
+    # Instead of the Deployment when a replica spans several nodes (spec.parallelism).
+    "LeaderWorkerSet": ("LeaderWorkerSet", ""),
     "Service": ("Service", ""),
     "Ingress": ("Ingress", ""),
     "PodDisruptionBudget": ("PodDisruptionBudget", ""),
@@ -44,6 +47,7 @@ def get_desired_objects(
 ) -> dict[str, dict[str, Any] | None]:
     return {
         "Deployment": get_deployment(body, spec),
+        "LeaderWorkerSet": get_leader_worker_set(body, spec),
         "Service": get_service(body, spec),
         "Ingress": get_ingress(body, spec),
         "PodDisruptionBudget": get_pdb(body, spec),

@@ -17,6 +17,7 @@ from .apply import ApplyError
 from .autoscale import Decision
 from .config import OperatorConfig
 from .kube import Kube, KubeError, load_api_client
+from .lws import API_VERSION as LWS_API_VERSION
 from .names import MANAGED_BY
 from .reconcile import Outcome, reconcile
 from .scaler import autoscale_once, autoscaled_spec
@@ -29,6 +30,7 @@ RETRY_DELAY_SECONDS = 10
 RESYNC_SECONDS = 60
 CRD_POLL_SECONDS = 5
 MANAGED_DEPLOYMENTS = f"app.kubernetes.io/managed-by={MANAGED_BY}"
+LWS_GROUP, LWS_VERSION = LWS_API_VERSION.split("/")
 
 
 @kopf.on.startup()
@@ -46,6 +48,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # Only our own Deployments, filtered by the API server: watching every Deployment of
     # a large cluster would hold them all in the operator's memory.
     settings.watching.label_selectors["apps", "v1", "deployments"] = MANAGED_DEPLOYMENTS
+    settings.watching.label_selectors[LWS_GROUP, LWS_VERSION, "leaderworkersets"] = (
+        MANAGED_DEPLOYMENTS
+    )
     if "config" not in memo:
         memo["config"] = OperatorConfig.from_env()
     if "kube" not in memo:
@@ -136,9 +141,13 @@ def forget_service(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     memo["metrics"].forget(body["metadata"]["namespace"], body["metadata"]["name"])
 
 
+# A cluster without LeaderWorkerSet: kopf warns that it cannot watch them, nothing more;
+# one installed after the operator started is seen at the resync (and the next start).
+@kopf.on.event(LWS_GROUP, LWS_VERSION, "leaderworkersets")
 @kopf.on.event("apps", "v1", "deployments")
 def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """A Deployment's rollout progressed, or someone edited or deleted it: reconcile its owner."""
+    """A Deployment's or LeaderWorkerSet's rollout progressed, or someone edited or deleted
+    it: reconcile its owner."""
     refs = body.get("metadata", {}).get("ownerReferences") or []
     owner = next((r for r in refs if r.get("kind") == KIND and r.get("controller")), None)
     if owner is None:

@@ -36,6 +36,10 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices"),
     # Only when the Prometheus Operator's CRDs are installed (see desired.OPTIONAL_KINDS).
     "PodMonitor": ("monitoring.coreos.com/v1", "podmonitors"),
+    # Only when LeaderWorkerSet is installed (spec.parallelism over several nodes): the
+    # groups, and the leader StatefulSets whose pods the autoscaler scrapes.
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+    "StatefulSet": ("apps/v1", "statefulsets"),
 }
 
 
@@ -186,11 +190,13 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
-    def scale(self, namespace: str, name: str, replicas: int) -> None:
+    def scale(
+        self, namespace: str, name: str, replicas: int, kind: str = "InferenceService"
+    ) -> None:
         """Through the scale subresource, the same door `kubectl scale` and an HPA use."""
         self.request(
             "PATCH",
-            get_path("InferenceService", namespace, name, "scale"),
+            get_path(kind, namespace, name, "scale"),
             {"spec": {"replicas": replicas}},
             query={"fieldManager": FIELD_MANAGER},
             content_type="application/merge-patch+json",

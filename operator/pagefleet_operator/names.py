@@ -55,9 +55,9 @@ def get_labels(name: str) -> dict[str, str]:
     }
 
 
-def get_selector_string(name: str) -> str:
-    """The label selector in string form, as the scale subresource wants it in status."""
-    return ",".join(f"{key}={value}" for key, value in sorted(get_selector_labels(name).items()))
+def get_selector_string(labels: dict[str, str]) -> str:
+    """A label selector in string form, as the scale subresource wants it in status."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
 def get_template_hash(template: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from .names import (
     get_labels,
     get_template_hash,
 )
-from .spec import InferenceServiceSpec
+from .spec import GPU_RESOURCE, InferenceServiceSpec
 
 # Endpoints controllers and load balancers need a few seconds to stop routing to a
 # terminating pod; sleeping before SIGTERM keeps new requests from hitting a draining pod.
@@ -28,6 +28,12 @@ RUN_AS_USER = 1000
 # Scratch space only (Python, tokenizers); the cap keeps a runaway writer from filling
 # the node's disk and evicting its neighbours.
 TMP_SIZE_LIMIT = "1Gi"
+# torch.distributed's rendezvous (rank 0's TCPStore) across the pods of a group.
+MASTER_PORT = 29500
+MASTER_PORT_NAME = "dist"
+# What a pod of a LeaderWorkerSet group runs as: "server" is a pod on its own (a
+# Deployment's), "leader" the API server with rank 0, "worker" engine ranks only.
+ROLES = ("server", "leader", "worker")
 
 
 def get_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
@@ -54,7 +60,53 @@ def get_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
             }
         )
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True})
+    if spec.parallelism.world_size > 1:
+        shm = {"medium": "Memory", "sizeLimit": spec.parallelism.shm_size_limit}
+        volumes.append({"name": "dshm", "emptyDir": shm})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return volumes, mounts
+
+
+def get_task_args(spec: InferenceServiceSpec) -> list[str]:
+    """spec.task embed -> `--task embed`. generate (the default) adds no flag, so that the
+    pods of every existing resource keep their template (no rollout on an upgrade); the
+    pod's task auto then serves a generation model as before."""
+    return ["--task", "embed"] if spec.task == "embed" else []
+
+
+def get_parallel_args(spec: InferenceServiceSpec, role: str = "server") -> list[str]:
+    """`pagefleet serve`'s parallelism flags (vLLM's names). Arguments, not PAGEFLEET_*
+    variables: the kubelet expands $(LWS_...) in arguments from the whole container
+    environment, which LeaderWorkerSet's webhook fills."""
+    parallelism = spec.parallelism
+    if parallelism.world_size == 1:
+        return []
+    args = [
+        f"--tensor-parallel-size={parallelism.tensor}",
+        f"--pipeline-parallel-size={parallelism.pipeline}",
+    ]
+    if role == "server":
+        return args
+    args += [
+        f"--nnodes={parallelism.nodes}",
+        "--master-addr=$(LWS_LEADER_ADDRESS)",
+        f"--master-port={MASTER_PORT}",
+    ]
+    if role == "leader":
+        return [*args, "--node-rank=0"]
+    return [*args, "--node-rank=$(LWS_WORKER_INDEX)", "--headless"]
+
+
+def get_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """spec.resources, with each pod's share of the ranks' GPUs (limits: an extended
+    resource's request defaults to its limit)."""
+    resources = {key: dict(value) for key, value in spec.resources.items()}
+    gpus = spec.parallelism.gpus_per_node
+    if spec.parallelism.world_size > 1 and gpus:
+        resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+        if GPU_RESOURCE in resources.get("requests", {}):
+            resources["requests"][GPU_RESOURCE] = gpus
+    return resources
 
 
 def _http_probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
@@ -66,19 +118,33 @@ def _http_probe(path: str, period: int, failures: int, timeout: int = 5) -> dict
     }
 
 
-def get_container(spec: InferenceServiceSpec) -> dict[str, Any]:
+def get_container(spec: InferenceServiceSpec, role: str = "server") -> dict[str, Any]:
     _, mounts = get_volumes(spec)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.engine.image,
         "command": ["pagefleet", "serve"],
         "env": get_env(spec),
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "startupProbe": _http_probe("/ready", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD),
-        "readinessProbe": _http_probe("/ready", 5, 3),
-        "livenessProbe": _http_probe("/health", 10, 3),
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
-        "resources": dict(spec.resources),
+    }
+    if role != "worker":
+        # A worker serves no API: it has no port to probe, and its ranks' failure fails
+        # the leader's /health (and LeaderWorkerSet recreates the whole group).
+        ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
+        if role == "leader":
+            ports.append(
+                {"name": MASTER_PORT_NAME, "containerPort": MASTER_PORT, "protocol": "TCP"}
+            )
+        container |= {
+            "ports": ports,
+            "startupProbe": _http_probe(
+                "/ready", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD
+            ),
+            "readinessProbe": _http_probe("/ready", 5, 3),
+            "livenessProbe": _http_probe("/health", 10, 3),
+            "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        }
+    container |= {
+        "resources": get_resources(spec),
         "volumeMounts": mounts,
         "securityContext": {
             "runAsNonRoot": True,
@@ -87,8 +153,9 @@ def get_container(spec: InferenceServiceSpec) -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    if spec.engine.extra_args:
-        container["args"] = list(spec.engine.extra_args)
+    args = get_parallel_args(spec, role) + get_task_args(spec) + list(spec.engine.extra_args)
+    if args:
+        container["args"] = args
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
     return container
@@ -106,11 +173,11 @@ def get_pod_security_context(spec: InferenceServiceSpec) -> dict[str, Any]:
     return context
 
 
-def get_pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
+def get_pod_template(name: str, spec: InferenceServiceSpec, role: str = "server") -> dict[str, Any]:
     """The pod template, labelled with a hash of itself so any spec change rolls the pods."""
     volumes, _ = get_volumes(spec)
     pod_spec: dict[str, Any] = {
-        "containers": [get_container(spec)],
+        "containers": [get_container(spec, role)],
         "volumes": volumes,
         # Serving pods never talk to the API server.
         "automountServiceAccountToken": False,

@@ -49,6 +49,20 @@ RULES: list[dict[str, Any]] = [
         "resources": ["podmonitors"],
         "verbs": ["get", "create", "patch", "delete"],
     },
+    # spec.parallelism over several nodes: a LeaderWorkerSet per resource (its CRD is an
+    # optional install; discovery says whether it is served), scaled through its scale
+    # subresource, and its leader StatefulSets listed to find the leader pods to scrape.
+    {
+        "apiGroups": ["leaderworkerset.x-k8s.io"],
+        "resources": ["leaderworkersets"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["leaderworkerset.x-k8s.io"],
+        "resources": ["leaderworkersets/scale"],
+        "verbs": ["get", "patch"],
+    },
+    {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["list"]},
     # spec.router: the router's ServiceAccount, Role and RoleBinding. Granting a Role
     # needs holding what it grants (RBAC's escalation check): the router lists and
     # watches EndpointSlices and patches the scale subresource (above), so the operator may too.

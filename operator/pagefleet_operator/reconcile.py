@@ -17,6 +17,7 @@ from .apply import ApplyError, Change, apply_plan
 from .desired import MANAGED_OBJECTS, OPTIONAL_KINDS, get_desired_objects
 from .kube import RESOURCES, Kube
 from .names import check_name
+from .parallelism import check_parallelism
 from .plan import Plan, plan
 from .router import POD_SERVICE_SUFFIX
 from .spec import InferenceServiceSpec, SpecError, parse_spec
@@ -25,6 +26,7 @@ from .status import (
     get_monitored_condition,
     get_replica_counts,
     get_status,
+    get_workload_kind,
     is_status_current,
 )
 
@@ -130,6 +132,24 @@ def drop_unserved_kinds(
     }
 
 
+def find_missing_workload_api(
+    kube: Kube, desired: Mapping[str, dict[str, Any] | None]
+) -> Problem | None:
+    """A replica over several nodes needs LeaderWorkerSet installed: without its CRD
+    nothing is applied (no pods that cannot join) and the resync tries again later."""
+    group = desired.get("LeaderWorkerSet")
+    if group is None or kube.discovers(*RESOURCES["LeaderWorkerSet"]):
+        return None
+    api_version, _ = RESOURCES["LeaderWorkerSet"]
+    nodes = group["spec"]["leaderWorkerTemplate"]["size"]
+    return Problem(
+        "LeaderWorkerSetNotInstalled",
+        f"spec.parallelism spreads each replica over {nodes} nodes, which needs a LeaderWorkerSet ({api_version}); this cluster does not serve "
+        "that API: install LeaderWorkerSet (see the chart's README), or fit the model on "
+        "one node",
+    )
+
+
 def reconcile(
     kube: Kube,
     body: Mapping[str, Any],
@@ -144,16 +164,23 @@ def reconcile(
     spec, problem = parse_resource(body, **spec_options)
     if spec is not None:
         problem = find_missing_claims(kube, namespace, spec)
+    parallelism = None
+    if spec is not None and problem is None:
+        problem, parallelism = check_parallelism(spec)
     desired = None
     if spec is not None and problem is None:
         desired, problem = _build(body, spec)
+    if desired is not None:
+        problem = find_missing_workload_api(kube, desired)
+        desired = None if problem is not None else desired
 
-    observed_deployment = kube.get("Deployment", namespace, name)
+    workload_kind = get_workload_kind(spec)
+    observed_deployment = kube.get(workload_kind, namespace, name)
     failed_kind, monitored = None, None
     if desired is not None:
         served = drop_unserved_kinds(kube, desired)
         monitored = get_monitored_condition(spec, "PodMonitor" in served)
-        observed: dict[str, Any] = {"Deployment": observed_deployment}
+        observed: dict[str, Any] = {workload_kind: observed_deployment}
         for slot, (kind, suffix) in MANAGED_OBJECTS.items():
             if slot in served and slot not in observed:
                 observed[slot] = kube.get(kind, namespace, name + suffix)
@@ -168,9 +195,9 @@ def reconcile(
             problem = Problem("ApplyFailed", f"the API server refused an object: {exc.message}")
         problem = problem or _describe_conflicts(the_plan)
         if changes:
-            observed_deployment = kube.get("Deployment", namespace, name)
+            observed_deployment = kube.get(workload_kind, namespace, name)
 
-    status = get_status(body, spec, observed_deployment, problem, now(), monitored)
+    status = get_status(body, spec, observed_deployment, problem, now(), monitored, parallelism)
     new_problem = problem is not None and problem.message != _current_degraded_message(body)
     written = False
     if not is_status_current(body, status):

@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from . import GROUP, PLURAL
+from .lws import get_serving_selector_labels
 from .names import (
     HTTP_PORT,
     HTTP_PORT_NAME,
     INSTANCE_LABEL,
     get_labels,
     get_object_meta,
-    get_selector_labels,
 )
 from .pod import get_pod_security_context
 from .spec import InferenceServiceSpec
@@ -59,7 +59,8 @@ def get_pod_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[st
         "metadata": _router_meta(body, POD_SERVICE_SUFFIX),
         "spec": {
             "clusterIP": "None",
-            "selector": get_selector_labels(body["metadata"]["name"]),
+            # A LeaderWorkerSet's leaders only: its workers serve no API.
+            "selector": get_serving_selector_labels(body["metadata"]["name"], spec),
             "ports": [
                 {
                     "name": HTTP_PORT_NAME,

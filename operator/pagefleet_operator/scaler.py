@@ -9,6 +9,7 @@ from typing import Any
 
 from .autoscale import Decision, PodSample, Recommendation, decide
 from .kube import Kube
+from .lws import SET_NAME_LABEL, get_serving_selector_labels
 from .metrics import scrape_held_requests, scrape_pods
 from .names import get_selector_labels
 from .plan import is_owned_by
@@ -73,11 +74,22 @@ def get_autoscaler_status(decision: Decision, now: float) -> dict[str, Any]:
     return status
 
 
-def list_owned_pods(kube: Kube, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def list_owned_pods(
+    kube: Kube, body: Mapping[str, Any], spec: InferenceServiceSpec | None = None
+) -> list[dict[str, Any]]:
     """The resource's serving pods, found by ownership: pods of the ReplicaSets of the
-    Deployment this resource controls. Labels alone are not enough: any pod in the
+    Deployment this resource controls, or with a LeaderWorkerSet the groups' leaders
+    (the pods of its leader StatefulSets). Labels alone are not enough: any pod in the
     namespace may carry them, and the operator would then scrape (and trust) it."""
     name = body["metadata"]["name"]
+    if spec is not None and spec.parallelism.multi_node:
+        return _list_owned_pods(
+            kube,
+            body,
+            ("LeaderWorkerSet", name),
+            ("StatefulSet", {SET_NAME_LABEL: name}),
+            get_serving_selector_labels(name, spec),
+        )
     return _list_deployment_pods(kube, body, name, get_selector_labels(name))
 
 
@@ -90,20 +102,34 @@ def list_router_pods(kube: Kube, body: Mapping[str, Any]) -> list[dict[str, Any]
 def _list_deployment_pods(
     kube: Kube, body: Mapping[str, Any], deployment_name: str, labels: Mapping[str, str]
 ) -> list[dict[str, Any]]:
+    return _list_owned_pods(
+        kube, body, ("Deployment", deployment_name), ("ReplicaSet", labels), labels
+    )
+
+
+def _list_owned_pods(
+    kube: Kube,
+    body: Mapping[str, Any],
+    workload: tuple[str, str],
+    pod_sets: tuple[str, Mapping[str, str]],
+    labels: Mapping[str, str],
+) -> list[dict[str, Any]]:
+    """Pods with `labels` owned by a set (of kind and labels `pod_sets`) that the
+    `workload` (kind, name) this resource controls owns."""
     meta = body["metadata"]
     namespace = meta["namespace"]
-    deployment = kube.get("Deployment", namespace, deployment_name)
-    if deployment is None or not is_owned_by(deployment, meta["uid"]):
+    owned = kube.get(workload[0], namespace, workload[1])
+    if owned is None or not is_owned_by(owned, meta["uid"]):
         return []
-    replica_sets = {
-        rs["metadata"]["uid"]
-        for rs in kube.list("ReplicaSet", namespace, labels)
-        if is_owned_by(rs, deployment["metadata"]["uid"])
+    set_uids = {
+        item["metadata"]["uid"]
+        for item in kube.list(pod_sets[0], namespace, pod_sets[1])
+        if is_owned_by(item, owned["metadata"]["uid"])
     }
     return [
         pod
         for pod in kube.list("Pod", namespace, labels)
-        if any(is_owned_by(pod, uid) for uid in replica_sets)
+        if any(is_owned_by(pod, uid) for uid in set_uids)
     ]
 
 
@@ -140,7 +166,7 @@ def autoscale_once(
     spec = autoscaled_spec(body, **spec_options)
     if spec is None:
         return None
-    pods = list_owned_pods(kube, body)
+    pods = list_owned_pods(kube, body, spec)
     # The router holds requests while no serving pod is ready: demand no pod reports.
     held = scrape_held(list_router_pods(kube, body)) if spec.router.enabled else 0
     now = clock()
@@ -155,7 +181,12 @@ def autoscale_once(
         held,
     )
     if decision.scaled:
+        # The resource's spec.replicas stays the source of truth (a reconcile applies
+        # it); a LeaderWorkerSet's groups are scaled through its own scale subresource
+        # too, at once rather than at the reconcile that follows.
         kube.scale(namespace, name, decision.replicas)
+        if spec.parallelism.multi_node:
+            kube.scale(namespace, name, decision.replicas, kind="LeaderWorkerSet")
     status_patch = {"autoscaler": get_autoscaler_status(decision, now)}
     kube.patch_status(namespace, name, status_patch)
     return decision

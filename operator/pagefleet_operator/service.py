@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .names import HTTP_PORT, HTTP_PORT_NAME, get_object_meta, get_selector_labels
+from .lws import get_serving_selector_labels
+from .names import HTTP_PORT, HTTP_PORT_NAME, get_object_meta
 from .router import get_router_selector_labels
 from .spec import InferenceServiceSpec
 
@@ -25,7 +26,7 @@ def get_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, A
         "metadata": meta,
         "spec": {
             "type": "ClusterIP",
-            "selector": selector or get_selector_labels(name),
+            "selector": selector or get_serving_selector_labels(name, spec),
             "ports": [
                 {
                     "name": HTTP_PORT_NAME,

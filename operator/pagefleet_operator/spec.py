@@ -20,11 +20,15 @@ from pagefleet_serve.config import (
     BYTE_SIZE_PATTERN,
     DTYPES,
     KV_CACHE_DTYPES,
+    TASKS,
     SpeculativeConfig,
 )
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURI, ModelURIError, parse_model_uri
 
 from .config import DEFAULT_ROUTER_IMAGE
+
+# What a resource serves: the engine's TASKS but auto (a resource says which it means).
+SPEC_TASKS = tuple(task for task in TASKS if task != "auto")
 
 # The pod parses the same URIs with the same code; the operator only narrows them to what
 # a cluster can serve: no local relative paths, only the built-in model in the image.
@@ -109,6 +113,35 @@ class MonitoringSpec:
     pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
 
 
+# NCCL's intra-node transport and torch's worker processes share tensors through /dev/shm;
+# a container's default 64 MiB is too small for either (a memory-backed emptyDir, which
+# counts against the pod's memory).
+DEFAULT_SHM_SIZE_LIMIT = "2Gi"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class ParallelismSpec:
+    """spec.parallelism: `tensor` x `pipeline` ranks (vLLM's --tensor-parallel-size and
+    --pipeline-parallel-size) over `nodes` pods per replica, `world_size // nodes` GPUs
+    each; more than one node makes each replica a LeaderWorkerSet group."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    nodes: int = 1
+    shm_size_limit: str = DEFAULT_SHM_SIZE_LIMIT
+    # GPUs each pod requests; 0 when the resources say nvidia.com/gpu: 0 (CPU ranks).
+    gpus_per_node: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+
 @dataclass(frozen=True)
 class IngressSpec:
     host: str
@@ -134,6 +167,8 @@ class InferenceServiceSpec:
     # Pods run as uid/gid/fsGroup 1000; False leaves them to the platform (OpenShift).
     fixed_user_ids: bool = True
     adapters: tuple[AdapterSpec, ...] = ()
+    parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
+    task: str = "generate"  # one of SPEC_TASKS
 
     @property
     def pvc_claim(self) -> str | None:
@@ -260,6 +295,15 @@ def _parse_engine(
         extra_args=tuple(extra_args),
         env=tuple(env),
     )
+
+
+def _parse_task(spec: Mapping[str, Any]) -> str:
+    """spec.task: what the pods serve (the CRD's enum; the engine's TASKS but auto: a
+    resource says which it means)."""
+    task = _get(spec, "task", "", str, "generate")
+    if task not in SPEC_TASKS:
+        raise SpecError("task", f"{task!r} is not one of {SPEC_TASKS}")
+    return task
 
 
 def _speculative_config(engine: Mapping[str, Any]) -> str | None:
@@ -419,6 +463,71 @@ def _parse_monitoring(spec: Mapping[str, Any], pod_monitor_default: bool) -> Mon
     )
 
 
+def _gpu_count(resources: Mapping[str, Any]) -> int | None:
+    """The nvidia.com/gpu a pod asks for in spec.resources (limits first), or None."""
+    for section in ("limits", "requests"):
+        amounts = resources.get(section) or {}
+        if not isinstance(amounts, dict):
+            raise SpecError(f"resources.{section}", f"must be an object, got {amounts!r}")
+        value = amounts.get(GPU_RESOURCE)
+        if value is None:
+            continue
+        text = str(value)
+        if isinstance(value, bool) or not text.isdigit():
+            raise SpecError(
+                f"resources.{section}.{GPU_RESOURCE}", f"must be a whole number, got {value!r}"
+            )
+        return int(text)
+    return None
+
+
+def _parse_parallelism(spec: Mapping[str, Any], resources: Mapping[str, Any]) -> ParallelismSpec:
+    """spec.parallelism against spec.resources: `nodes` given, each pod gets world/nodes
+    GPUs (and spec.resources may only repeat that); not given, a world larger than the
+    GPUs spec.resources gives one pod spreads over world/GPUs nodes."""
+    section = _get_section(spec, "parallelism")
+    path = "parallelism"
+    tensor = _get_int(section, "tensor", path, 1, 1)
+    pipeline = _get_int(section, "pipeline", path, 1, 1)
+    nodes = _get_int(section, "nodes", path, None, 1)
+    shm = _get(section, "shmSizeLimit", path, str, DEFAULT_SHM_SIZE_LIMIT)
+    if not re.match(r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$", shm):
+        raise SpecError("parallelism.shmSizeLimit", f"{shm!r} must be a quantity, e.g. 2Gi")
+    world = tensor * pipeline
+    gpus = _gpu_count(resources)
+    if nodes is None:
+        if gpus and world > gpus:
+            if world % gpus:
+                raise SpecError(
+                    "parallelism",
+                    f"tensor x pipeline = {world} GPUs do not fill whole nodes of "
+                    f"{gpus} ({GPU_RESOURCE} in spec.resources); set parallelism.nodes",
+                )
+            nodes = world // gpus
+        else:
+            nodes = 1
+    if world % nodes:
+        raise SpecError(
+            "parallelism.nodes",
+            f"tensor x pipeline = {world} ranks do not split evenly over {nodes} nodes",
+        )
+    per_node = world // nodes
+    if section and gpus is not None and gpus not in (0, per_node):
+        raise SpecError(
+            f"resources.limits.{GPU_RESOURCE}",
+            f"is {gpus} per pod, but tensor x pipeline / nodes = {world} / {nodes} needs "
+            f"{per_node} per pod (leave it out: the operator sets it)",
+        )
+    return ParallelismSpec(
+        tensor=tensor,
+        pipeline=pipeline,
+        nodes=nodes,
+        shm_size_limit=shm,
+        # Ranks (world > 1) come only with the section; spec.resources' 0: CPU ranks.
+        gpus_per_node=0 if gpus == 0 else per_node,
+    )
+
+
 def _parse_tolerations(spec: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
     tolerations = _get(spec, "tolerations", "", list, [])
     for i, item in enumerate(tolerations):
@@ -449,13 +558,14 @@ def parse_spec(
     )
     _check_scale_to_zero(autoscaling, router)
     model = _parse_model(spec)
+    resources = _get(spec, "resources", "", dict, {})
     return InferenceServiceSpec(
         model=model,
         engine=_parse_engine(
             spec, default_image, default_image_pull_policy, allowed_image_prefixes
         ),
         replicas=_get_int(spec, "replicas", "", 1),
-        resources=_get(spec, "resources", "", dict, {}),
+        resources=resources,
         node_selector=_get(spec, "nodeSelector", "", dict, {}),
         tolerations=_parse_tolerations(spec),
         model_cache_pvc=pvc_name,
@@ -466,4 +576,6 @@ def parse_spec(
         router=router,
         fixed_user_ids=fixed_user_ids,
         adapters=_parse_adapters(spec, model),
+        task=_parse_task(spec),
+        parallelism=_parse_parallelism(spec, resources),
     )

@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .names import get_selector_string
+from .lws import get_serving_selector_labels
+from .names import get_selector_labels, get_selector_string
 from .plan import contains
 from .service import get_url
 from .spec import InferenceServiceSpec
@@ -45,14 +46,21 @@ def merge_conditions(
     return merged
 
 
+def get_workload_kind(spec: InferenceServiceSpec | None) -> str:
+    """What runs the serving pods: a Deployment, or a LeaderWorkerSet of groups across
+    nodes. Both report replicas, readyReplicas (a group: all its pods ready),
+    updatedReplicas and observedGeneration in their status, read alike below."""
+    return "LeaderWorkerSet" if spec is not None and spec.parallelism.multi_node else "Deployment"
+
+
 def _rollout(spec: InferenceServiceSpec | None, deployment: Mapping[str, Any] | None):
-    """(ready, desired, progressing condition, deadline problem) of the serving Deployment."""
+    """(ready, desired, progressing condition, deadline problem) of the serving workload."""
     if deployment is None:
         desired = spec.replicas if spec else 0
         return (
             0,
             desired,
-            _condition("Progressing", True, "Creating", "creating the Deployment"),
+            _condition("Progressing", True, "Creating", f"creating the {get_workload_kind(spec)}"),
             None,
         )
     status = deployment.get("status", {})
@@ -110,7 +118,9 @@ def get_status(
     problem: Problem | None,
     now: str,
     monitored: dict[str, Any] | None = None,
+    parallelism: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`deployment`: the serving workload (get_workload_kind), None while it is missing."""
     meta = body["metadata"]
     ready, desired, progressing, deadline_problem = _rollout(spec, deployment)
     if deployment is None and problem is not None:
@@ -120,7 +130,7 @@ def get_status(
             "Progressing",
             False,
             problem.reason,
-            f"the Deployment is not created until this is fixed: {problem.message}",
+            f"the {get_workload_kind(spec)} is not created until this is fixed: {problem.message}",
         )
     problem = problem or deadline_problem
     url = get_url(body, spec) if spec else None
@@ -144,10 +154,19 @@ def get_status(
         "replicas": (deployment or {}).get("status", {}).get("replicas", 0),
         "readyReplicas": ready,
         "ready": f"{ready}/{desired}",
-        "selector": get_selector_string(meta["name"]),
+        "selector": get_selector_string(
+            get_serving_selector_labels(meta["name"], spec)
+            if spec
+            else get_selector_labels(meta["name"])
+        ),
         "conditions": merge_conditions(
             body.get("status", {}).get("conditions", []),
-            [ready_condition, progressing, degraded, *([monitored] if monitored else [])],
+            [
+                ready_condition,
+                progressing,
+                degraded,
+                *(item for item in (monitored, parallelism) if item),
+            ],
             now,
         ),
     }

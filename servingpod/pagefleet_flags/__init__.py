@@ -25,12 +25,13 @@ class EnvFlags:
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         self.parser = parser
 
-    def __call__(self, flag: str, help: str, **kwargs) -> None:
+    def __call__(self, flag: str, help: str, *aliases: str, **kwargs) -> None:
+        """`aliases`: the flag's other names (vLLM's `-tp`), read from the same variable."""
         env = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
         text = os.environ.get(env)
         if text is not None:
             kwargs["default"] = self._from_env(env, text, kwargs)
-        self.parser.add_argument(flag, help=f"{help} [env: {env}]", **kwargs)
+        self.parser.add_argument(flag, *aliases, help=f"{help} [env: {env}]", **kwargs)
 
     def _from_env(self, env: str, text: str, kwargs: dict):
         try:

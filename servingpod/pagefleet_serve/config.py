@@ -44,6 +44,14 @@ GGUF_ARCHITECTURE_NAMES = (
     "qwen3",
     "qwen3moe",
 )
+# What the engine serves (vLLM's --task): generate samples tokens; embed prefills each
+# request and pools its final hidden states into one vector (no sampling, no decode, no KV
+# kept past the request); auto is embed for an embedding checkpoint (a sentence-transformers
+# layout: modules.json naming a Pooling module), else generate.
+TASKS = ("auto", "generate", "embed")
+# How an embed model pools a prompt's final hidden states: the last token's, the mean over
+# every token, or the first token's (cls).
+POOLING_METHODS = ("last", "mean", "cls")
 # auto: triton on CUDA, the C++ kernel (cpu) on the CPU when it builds, else torch
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # Weights (vLLM's --quantization): auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks on the CPU,
@@ -54,7 +62,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # rows go to the C++ backend's own int4 matmul instead (faster than the float32 matrix up
 # to ~8 rows), but wide float32 batches dequantize each layer's weight on every step and
 # stay slower than expanded weights.
-QUANTIZATIONS = ("auto", "none", "int8")
+# fp8 keeps a float8 checkpoint's weights (scaled per tensor or per output channel) in
+# float8 and multiplies them with torch._scaled_mm, activations scaled per token; auto does
+# so on CUDA. On the CPU that product is slow (about 4 ms for a 1536 x 576 matrix at one
+# row), so auto dequantizes float8 checkpoints there.
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 # none: 4-bit matmuls take the activations as they are; int8: rounded to int8 per 32 inputs
 # first (llama.cpp's arithmetic), multiplied with integer dot products on the CPU.
 ACTIVATION_QUANTIZATIONS = ("none", "int8")
@@ -222,6 +234,40 @@ class LoRAModule:
 
 
 @dataclass(frozen=True)
+class PoolingConfig:
+    """How an embed model turns a prompt into one vector: `method` (POOLING_METHODS), then
+    L2 normalisation or not; `dimensions` of the vector (the hidden size), and the smaller
+    ones it may be cut to (Matryoshka, when the checkpoint declares it: None, any up to
+    `dimensions` when it names none)."""
+
+    method: str = "last"
+    normalize: bool = True
+    dimensions: int = 0
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in POOLING_METHODS:
+            raise ValueError(
+                f"pooling method must be one of {POOLING_METHODS}, got {self.method!r}"
+            )
+
+    def check_dimensions(self, wanted: int) -> None:
+        """ValueError naming `dimensions` when a vector cannot be cut to `wanted`."""
+        if not self.matryoshka:
+            raise ValueError(
+                "dimensions: this model does not support Matryoshka embeddings (its "
+                "checkpoint declares none); leave dimensions out"
+            )
+        allowed = self.matryoshka_dimensions
+        if wanted == self.dimensions:  # the whole vector
+            return
+        if not 1 <= wanted <= self.dimensions or (allowed and wanted not in allowed):
+            which = list(allowed) if allowed else f"1 to {self.dimensions}"
+            raise ValueError(f"dimensions: must be one of {which}, got {wanted}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = BUILTIN_MODEL
     dtype: str = "auto"  # one of DTYPES
@@ -259,6 +305,19 @@ class EngineConfig:
     max_loras: int = 1
     # vLLM's --max-lora-rank: the slots' rank; an adapter of a higher rank is refused.
     max_lora_rank: int = 16
+    # vLLM's --task: one of TASKS (auto: detected from the model's files).
+    task: str = "auto"
+    # vLLM's --tensor-parallel-size: ranks the model is split over (engine/parallel.py), one
+    # per GPU, on the CPU one per group of the core's CPUs; --pipeline-parallel-size: stages
+    # of layers (not implemented yet: 1 only).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # The ranks' rendezvous (torch.distributed's TCP store) and, across nodes (not
+    # implemented yet: 1 only), vLLM's --nnodes / --node-rank; master_port None: a free one.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -284,6 +343,7 @@ class EngineConfig:
         ):
             positive(name)
         self._check_lora()
+        self._check_parallel()
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.dtype not in DTYPES:
@@ -318,11 +378,52 @@ class EngineConfig:
                 "structured_outputs_compile_timeout must be a positive number of seconds, "
                 f"got {self.structured_outputs_compile_timeout!r}"
             )
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.task == "embed" and self.speculative_config is not None:
+            raise ValueError(
+                "speculative_config drafts tokens to decode, which task 'embed' never does"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet: "
+                "only 1 (split a model over devices with tensor_parallel_size)"
+            )
+        if self.nnodes > 1:
+            raise ValueError(
+                f"nnodes {self.nnodes}: serving one model across nodes is not supported yet; "
+                "use one node (nnodes 1) with tensor_parallel_size up to its devices"
+            )
+        if self.node_rank != 0:
+            raise ValueError(f"node_rank must be 0 with nnodes 1, got {self.node_rank!r}")
+        port = self.master_port
+        if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
+            raise ValueError(f"master_port must be a port number (1-65535), got {port!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        # A rank's step is its layers' ops between all-reduces: no adapters' deltas (their
+        # slots are not split), no compiled graphs around them, no pooled embeddings yet.
+        for unsupported, flag in (
+            (self.enable_lora, "enable_lora"),
+            (not self.enforce_eager, "enforce_eager off (torch.compile)"),
+            (self.task == "embed", "task 'embed'"),
+        ):
+            if unsupported:
+                raise ValueError(
+                    f"tensor_parallel_size {self.tensor_parallel_size} does not support "
+                    f"{flag} yet: use tensor_parallel_size 1 or drop it"
+                )
 
     def _check_lora(self) -> None:
         names = [module.name for module in self.lora_modules]

@@ -19,6 +19,7 @@ CPUs stay as planned): several servers sharing a few cores, each told to run one
 must not each start one thread per CPU and spin at each other's barriers.
 """
 
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -131,3 +132,18 @@ def place_core_threads(placement: CpuPlacement | None) -> None:
 def place_frontend(cpus: list[int] | None) -> None:
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
+
+
+def rank_placements(placement: CpuPlacement, size: int) -> list[CpuPlacement]:
+    """Each tensor-parallel rank's share of the engine core's CPUs: contiguous groups (the
+    first the larger), one intra-op thread per CPU of its group. Fewer CPUs than ranks, or
+    none pinned: every rank unpinned, the thread count (if set) split among them."""
+    cpus = placement.core
+    if cpus is None or len(cpus) < size:
+        threads = placement.core_threads
+        return [
+            CpuPlacement(None, None, None if threads is None else max(threads // size, 1))
+        ] * size
+    bounds = [-(-rank * len(cpus) // size) for rank in range(size + 1)]
+    groups = [cpus[first:end] for first, end in itertools.pairwise(bounds)]
+    return [CpuPlacement(group, None, len(group)) for group in groups]

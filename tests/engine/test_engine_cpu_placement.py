@@ -128,3 +128,13 @@ def test_bad_specs_name_the_flag_and_what_is_allowed(spec, message):
     with pytest.raises(ValueError, match=message) as error:
         plan_placement(spec, [0, 1])
     assert str(error.value).startswith("cpu_threads_bind: ")
+
+
+def test_tensor_parallel_ranks_get_their_own_cpus():
+    from pagefleet_serve.cpu_placement import rank_placements
+
+    three = rank_placements(CpuPlacement([0, 1, 2, 3, 4], [5], 5), 2)
+    assert three == [CpuPlacement([0, 1, 2], None, 3), CpuPlacement([3, 4], None, 2)]
+    # Fewer CPUs than ranks, or none pinned: unpinned, the thread count shared out.
+    assert rank_placements(CpuPlacement([0], None, 1), 2) == [CpuPlacement(None, None, 1)] * 2
+    assert rank_placements(CpuPlacement(None, None, 8), 4) == [CpuPlacement(None, None, 2)] * 4

@@ -1,6 +1,7 @@
 """Peak resident memory while loading, measured in a fresh process through the loader path
 the engine takes (load_model, then the runner's model): the built-in GGUF model and a random
-Hugging Face checkpoint in several safetensors shards stay within 1.5x the weights' bytes."""
+Hugging Face checkpoint in several safetensors shards stay within 1.5x the weights' bytes,
+and so does a tensor-parallel rank's shard, about half of the whole at two ranks."""
 
 import json
 import subprocess
@@ -25,6 +26,7 @@ from pagefleet_serve.engine.device import RunnerConfig
 from pagefleet_serve.engine.model_runner import ModelRunner
 from pagefleet_serve.model.linear import can_prepack
 from pagefleet_serve.model.loader import load_model, load_tokenizer
+from pagefleet_serve.model.tensor_parallel import TensorParallel
 
 SHARED_OBJECT = re.compile(r"\\.so(\\.[0-9.]+)?$")
 
@@ -64,9 +66,12 @@ ctypes.CDLL("libc.so.6").malloc_trim(0)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 base, base_libraries = status("VmHWM"), library_pages()
+# A tensor-parallel rank's shard ("rank/size"), built as its worker builds it.
+tp = TensorParallel(*map(int, sys.argv[2].split("/")))
 runner = ModelRunner(
-    load_model(sys.argv[1], torch.bfloat16),
+    load_model(sys.argv[1], torch.bfloat16, tp=tp),
     RunnerConfig(torch.device("cpu"), torch.bfloat16, 16, "torch", "auto"),
+    tp=tp,
 )
 # The load's own peak: code pages of libraries it touched first are not its memory.
 peak = status("VmHWM") - base - (library_pages() - base_libraries)
@@ -80,9 +85,9 @@ print(json.dumps({"peak": peak, "weights": sum(storages.values()) + packed,
 """
 
 
-def peak_and_weights(uri: str) -> tuple[int, int]:
+def peak_and_weights(uri: str, rank: str = "0/1") -> tuple[int, int]:
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE, uri], capture_output=True, text=True, check=True
+        [sys.executable, "-c", MEASURE, uri, rank], capture_output=True, text=True, check=True
     )
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     return measured["peak"], measured["weights"]
@@ -134,13 +139,25 @@ def save_sharded_llama(path, num_shards: int = 4) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("source", ["builtin", "sharded safetensors"])
-def test_peak_memory_while_loading_stays_near_the_weights(source, tmp_path):
+@pytest.mark.parametrize(
+    ("source", "rank"),
+    [
+        ("builtin", "0/1"),
+        ("sharded safetensors", "0/1"),
+        # A tensor-parallel rank reads its shard only: its peak is within 1.5x of its part.
+        ("builtin", "1/2"),
+        ("sharded safetensors", "1/2"),
+    ],
+)
+def test_peak_memory_while_loading_stays_near_the_weights(source, rank, tmp_path):
     uri = "builtin://smollm2-135m"
     if source != "builtin":
         save_sharded_llama(tmp_path)
         uri = str(tmp_path)
-    peak, weights = peak_and_weights(uri)
+    peak, weights = peak_and_weights(uri, rank)
+    if rank != "0/1":  # and that part is about half of the whole (norms are whole on each)
+        whole = peak_and_weights(uri)[1]
+        assert 0.4 * whole < weights < 0.6 * whole, (weights, whole)
     assert peak <= MAX_PEAK_OVER_WEIGHTS * weights, (
         f"{source}: peak {peak / 2**20:.0f} MiB while loading "
         f"{weights / 2**20:.0f} MiB of weights ({peak / weights:.2f}x)"

@@ -15,7 +15,7 @@ import dataclasses
 import apiserver_validation
 import kubernetes_validate
 import pytest
-from operator_samples import CRD_PATH, DEFAULT_IMAGE, EXAMPLES, load_yaml, make_body
+from operator_samples import CRD_PATH, DEFAULT_IMAGE, EXAMPLES, REPO, load_yaml, make_body
 from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.spec import PULL_POLICIES, parse_spec
 from pagefleet_serve.config import (
@@ -47,6 +47,7 @@ def resource(spec: dict) -> dict:
 
 
 BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
+EXAMPLE_DIR = REPO / "examples"
 ENGINE = SCHEMA["properties"]["spec"]["properties"]["engine"]["properties"]
 
 
@@ -339,14 +340,15 @@ def test_every_rule_on_an_object_names_its_field_with_a_valid_path():
             "FieldValueRequired",
             "FieldValueDuplicate",
         }
-    assert checked == ["metadata.name", "metadata.name", "sizeLimit", "minReplicas"]
+    assert checked == ["metadata.name", "metadata.name", "nodes", "sizeLimit", "minReplicas"]
     with pytest.raises(ValueError, match="does not refer to a valid field"):
         apiserver_validation.resolve_field_path({"properties": {"metadata": {}}}, ".metadata.name")
 
 
 BODIES = [
-    ("llama", {**load_yaml(EXAMPLES[0])["spec"]}),
-    ("smollm2", load_yaml(EXAMPLES[1])["spec"]),
+    ("llama", {**load_yaml(EXAMPLE_DIR / "llama.yaml")["spec"]}),
+    ("smollm2", load_yaml(EXAMPLE_DIR / "smollm2-cpu.yaml")["spec"]),
+    ("tp4", load_yaml(EXAMPLE_DIR / "llama-70b-tp4.yaml")["spec"]),
     (
         "everything",
         {

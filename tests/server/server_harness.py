@@ -127,13 +127,13 @@ class ThreadServer:
         from pagefleet_serve.server.settings import ServerSettings
         from pagefleet_serve.server.uvicorn_server import create_server
 
-        engine = LLMEngine(EngineConfig(model=MODEL, **{"dtype": "float32"} | engine_config))
+        engine = LLMEngine(EngineConfig(**{"model": MODEL, "dtype": "float32"} | engine_config))
         self.core = engine
         self.engine = EngineCoreClient(
             engine.config, ThreadLink(engine), engine.tokenizer, engine.grammar_compiler
         )
         self.server = create_server(
-            ServerSettings(served_model_names=(engine.model_name,), port=0, **settings),
+            ServerSettings(**{"served_model_names": (engine.model_name,), "port": 0} | settings),
             self.engine,
             log_level="warning",
         )
@@ -205,3 +205,14 @@ def assert_error(
     if param is not None:
         assert error["param"] == param, error
     return error
+
+
+def stream_then(base_url: str, body: dict, then: Callable[[], object]) -> list:
+    """Stream a completion; once its first data event has arrived run `then()` (kill,
+    signal...), read the rest; the parsed events (see `sse_events`)."""
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            then()
+            return sse_events([first, *lines])

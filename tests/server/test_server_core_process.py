@@ -33,7 +33,7 @@ from pagefleet_serve.messages import (
 from pagefleet_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.constraint import StructuredOutputs
-from server_harness import ServerProcess, assert_error, sse_events, wait_until
+from server_harness import ServerProcess, assert_error, sse_events, stream_then, wait_until
 
 ENGINE_FLAGS = ("--max-model-len", "512", "--kv-cache-memory", "64MiB")
 # Where no text is read, the small random model (no tokenizer: prompts are token ids).
@@ -190,12 +190,7 @@ def test_sigterm_drains_and_leaves_no_child_process():
         pid = core_pid(server)
         assert pid != server.process.pid and is_running(pid)
         body = {"prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=server.base_url, timeout=60) as client:
-            with client.stream("POST", "/v1/completions", json=body) as stream:
-                lines = stream.iter_lines()
-                first = next(line for line in lines if line.startswith("data: {"))
-                server.signal(signal.SIGTERM)
-                events = sse_events([first, *lines])
+        events = stream_then(server.base_url, body, lambda: server.signal(signal.SIGTERM))
         assert events[-1] == "DONE" and not any("error" in e for e in events[:-1])
         assert server.process.wait(timeout=60) == 0
         wait_until(lambda: not is_running(pid), 10, "the engine core process to exit")

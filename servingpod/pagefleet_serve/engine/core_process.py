@@ -6,7 +6,8 @@ one thread of it forwards the frontend's messages from the pipe into the loop an
 sends a `Heartbeat` twice a second, so a stalled core is told from a busy one. The child
 never outlives the server: it ignores SIGTERM/SIGINT (the frontend drains first, then sends
 `Shutdown`), stops when its pipe closes, and Linux kills it when its parent dies
-(PR_SET_PDEATHSIG), even by SIGKILL.
+(PR_SET_PDEATHSIG), even by SIGKILL. With tensor parallelism the child is rank 0, and
+its workers (`engine.parallel`) die with it the same way.
 """
 
 import ctypes
@@ -40,7 +41,7 @@ def core_main(
     imports_seconds: float = 0.0,
 ) -> None:
     """`imports_seconds`: how long the child took to import the engine (torch)."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     # The frontend owns shutdown: it drains on SIGTERM, then sends Shutdown.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -59,17 +60,32 @@ def core_main(
 
     try:
         place_core_threads(placement)
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, placement)
     except BaseException as exc:  # noqa: BLE001 - the frontend reports it and exits
         emit(CoreFailed(f"cannot load model {config.model}: {type(exc).__name__}: {exc}"))
         _exit_now(1)
     ready = engine.ready()
     emit(replace(ready, startup_seconds={"imports": imports_seconds, **ready.startup_seconds}))
     core = EngineCore(engine, emit)
+    if engine.workers is not None:
+        # A rank lost between steps (or while one waits in a collective) fails the core at
+        # once; its own collectives would only fail at the next step.
+        engine.workers.watch(lambda reason: _lost_rank(emit, reason))
     threading.Thread(target=_forward, args=(conn, core), name="core-inbox", daemon=True).start()
     threading.Thread(target=_heartbeat, args=(core, emit), name="heartbeat", daemon=True).start()
     core.run()
+    engine.close()
     _exit_now(0)
+
+
+def _lost_rank(emit: Callable[[object], None], reason: str) -> None:
+    """A tensor-parallel rank has died: the frontend fails every request and turns
+    unhealthy with the reason; the core exits (its other ranks die with it)."""
+    logger.error("%s: the engine core stops", reason)
+    try:
+        emit(CoreFailed(f"engine failed: {reason}"))
+    finally:
+        _exit_now(1)
 
 
 def _exit_now(code: int) -> None:
@@ -99,7 +115,7 @@ def _heartbeat(core: EngineCore, emit: Callable[[object], None]) -> None:
         time.sleep(HEARTBEAT_INTERVAL_S)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Have Linux SIGKILL this process when its parent dies (no orphan survives a killed
     server); elsewhere the closed pipe stops it."""
     try:

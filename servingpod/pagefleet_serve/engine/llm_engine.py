@@ -19,11 +19,14 @@ from dataclasses import replace
 import torch
 
 from pagefleet_serve.attention import get_kernel_backend
-from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.config import EngineConfig, PoolingConfig
+from pagefleet_serve.cpu_placement import CpuPlacement
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.device import RunnerConfig, kv_cache_bytes
 from pagefleet_serve.engine.model_runner import ModelRunner, sampling_failures
 from pagefleet_serve.engine.output_tracker import OutputTracker
+from pagefleet_serve.engine.parallel import start_workers
+from pagefleet_serve.engine.pooler import Pooler, with_head
 from pagefleet_serve.engine.sampler import SampledToken, SamplingError
 from pagefleet_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
@@ -41,6 +44,7 @@ from pagefleet_serve.messages import (
 )
 from pagefleet_serve.model.loader import load_model
 from pagefleet_serve.model.lora import LoRAAdapter, LoRABusy, LoRAError, LoRANotFound, read_adapter
+from pagefleet_serve.model.pooling import read_pooling_config, resolve_task
 from pagefleet_serve.model.resolve import resolve_model_uri
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams, generator_seed, sample_seed
@@ -70,7 +74,9 @@ class _Phases:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, placement: CpuPlacement | None = None) -> None:
+        """`placement`: the CPUs of the engine's threads, which tensor-parallel ranks share
+        out (see engine.parallel.Workers)."""
         self.config = config
         self.runner_config = RunnerConfig.of(config)
         self.device, self.dtype = self.runner_config.device, self.runner_config.dtype
@@ -79,11 +85,19 @@ class LLMEngine:
         self.startup_seconds: dict[str, float] = {}
         phase = _Phases(self.startup_seconds)
         with phase("download"):  # nothing to do for a local or cached model
-            resolve_model_uri(config.model)
+            local = resolve_model_uri(config.model)
         with phase("kernel_load"):  # the C++ extensions are imported here, compiled never
             get_kernel_backend(self.runner_config.attention_backend, self.device)
         weights_started = time.monotonic()
-        loaded = load_model(config.model, self.dtype, self.runner_config.weight_quantization)
+        # Tensor parallelism: the other ranks start loading their shards meanwhile.
+        self.workers, tp = start_workers(config, self.device, placement)
+        try:
+            loaded = load_model(
+                config.model, self.dtype, self.runner_config.weight_quantization, tp
+            )
+        except BaseException:
+            self.close()
+            raise
         self.model_name = loaded.name
         self.model_config = loaded.config
         # Not for text: the grammar compiler reads the vocabulary from it (to make token
@@ -91,7 +105,16 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         spec = config.speculative_config
         draft = self._load_draft(spec.model) if spec is not None and spec.model else None
-        self.runner = ModelRunner(loaded, self.runner_config, draft)
+        try:  # a draft model is not split: it runs on rank 0
+            # task embed: every request is pooled (engine/pooler.py); None: generate.
+            self.pooling = self._pooling_config(local.path, loaded.config.hidden_size)
+            pooler = None
+            if self.pooling is not None:
+                loaded, pooler = with_head(loaded), Pooler(self.pooling)
+            self.runner = ModelRunner(loaded, self.runner_config, draft, pooler, tp, self.workers)
+        except BaseException:
+            self.close()
+            raise
         del loaded
         self.startup_seconds["weight_load"] = time.monotonic() - weights_started
         logger.info(
@@ -130,8 +153,10 @@ class LLMEngine:
             "target and draft model" if draft else "model",
             str(self.runner.kv_cache_dtype).removeprefix("torch."),
         )
+        # Mean and cls pooling read every position's hidden state, which a prefix-cache
+        # hit would skip: an embed engine computes every prompt whole.
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching and not self.pooling
         )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.speculator = None
@@ -163,6 +188,29 @@ class LLMEngine:
             "start-up: %s",
             ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self.startup_seconds.items()),
         )
+
+    def close(self) -> None:
+        """End the tensor-parallel workers, if any (the engine cannot step after this)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def _pooling_config(self, path, hidden_size: int) -> PoolingConfig | None:
+        """How this engine pools when its task (auto: from the model's files) is embed."""
+        if resolve_task(self.config.task, path) != "embed":
+            return None
+        if self.config.speculative_config is not None:
+            raise ValueError(
+                f"{self.config.model} is an embedding model (task embed), which never "
+                "decodes: drop speculative_config"
+            )
+        pooling = read_pooling_config(path, hidden_size)
+        logger.info(
+            "task embed: %s pooling, %snormalised, %d dimensions",
+            pooling.method,
+            "" if pooling.normalize else "not ",
+            pooling.dimensions,
+        )
+        return pooling
 
     def _load_draft(self, uri: str) -> ModelRunner:
         """The draft model's runner (speculative decoding), with the target's runner
@@ -206,6 +254,7 @@ class LLMEngine:
             dict(self.startup_seconds),
             self.lora_adapter_infos(),
             self.config.enable_lora,
+            self.pooling,
         )
 
     # -- LoRA adapters -----------------------------------------------------------------
@@ -268,6 +317,12 @@ class LLMEngine:
         """Queue a request the frontend validated (engine thread only)."""
         if request.request_id in self.outputs.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
+        if request.pooling != (self.pooling is not None):
+            raise ValueError(
+                "this engine serves embeddings only (task embed)"
+                if self.pooling is not None
+                else "this engine generates text; embeddings need an embedding model (task embed)"
+            )
         params = request.params
 
         def generator(index: int) -> torch.Generator | None:
@@ -295,6 +350,7 @@ class LLMEngine:
             generator=generator(0),
             sibling_generators=[generator(i) for i in range(1, params.n)],
             lora_id=lora_id,
+            pooling=request.pooling,
         )
         self.outputs.add_request(
             request.request_id, request.prompt_token_ids, params, request.arrival_time
@@ -400,7 +456,25 @@ class LLMEngine:
                 f"the model failed for every sequence of a step: {type(first).__name__}: {first}"
             )
         new_tokens = self.scheduler.update(SchedulerOutput(succeeded, step.preempted), sampled)
-        return self.step_pending() + self.outputs.process(new_tokens, time.time())
+        now = time.time()
+        return (
+            self.step_pending()
+            + self._pooled(succeeded, now)
+            + self.outputs.process(new_tokens, now)
+        )
+
+    def _pooled(self, items: list[ScheduledSeq], now: float) -> list[RequestOutput]:
+        """The outputs of the embedding requests whose prompt this step completed (the
+        scheduler has finished them, their blocks are free)."""
+        outputs = []
+        for item in items:
+            seq = item.seq
+            if seq.pooling and seq.is_finished:
+                output = self.outputs.finish(seq.request_id, seq.finish_reason, now)
+                if output is not None:
+                    output.embedding = self.runner.pooler.embedding(seq)
+                    outputs.append(output)
+        return outputs
 
     def _lora_by_id(self, lora_id: int) -> LoRAAdapter:
         return next(a for a in self.lora_adapters.values() if a.lora_id == lora_id)

@@ -2,7 +2,7 @@
 cache, samples the next tokens."""
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from pagefleet_kernels.kv_cache import (
@@ -15,6 +15,8 @@ from pagefleet_kernels.kv_cache import (
 
 from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.engine.device import RunnerConfig
+from pagefleet_serve.engine.parallel import Workers
+from pagefleet_serve.engine.pooler import Pooler
 from pagefleet_serve.engine.sampler import SampledToken, SampleRow, SamplingError, sample
 from pagefleet_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
@@ -24,6 +26,7 @@ from pagefleet_serve.model.linear import can_prepack
 from pagefleet_serve.model.llama import LlamaForCausalLM
 from pagefleet_serve.model.loader import LoadedModel
 from pagefleet_serve.model.lora import LoRAAdapter, LoRABatch, LoRAWeights
+from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, TensorParallel
 from pagefleet_serve.sampling_params import SamplingParams
 
 # The warm-up's decode batch samples with a filter on, so that the sampler's sort is in its
@@ -33,12 +36,22 @@ _WARM_UP_PARAMS = SamplingParams(top_p=0.9)
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, config: RunnerConfig, draft: "ModelRunner | None" = None
+        self,
+        loaded: LoadedModel,
+        config: RunnerConfig,
+        draft: "ModelRunner | None" = None,
+        pooler: Pooler | None = None,
+        tp: TensorParallel = NO_PARALLEL,
+        workers: Workers | None = None,
     ) -> None:
         """`draft`: a draft model's runner (speculative decoding). Its KV cache follows
         this one over the same block ids: a block holds both models' K/V, and every batch
         this runner runs, the draft runs too, so that every computed position (prefix-cache
-        blocks, recompute, chunks) holds both."""
+        blocks, recompute, chunks) holds both. `pooler`: an embed engine's, which pools the
+        hidden states of its embedding sequences' rows every step. `tp`: the rank whose
+        shard `loaded` holds (its KV cache holds its key/value heads); `workers`: on rank 0,
+        the other ranks, which make every call that runs the model or sizes the KV cache
+        (`forward_batch`, `allocate_kv_cache`, `free_kv_cache`) with it."""
         device, dtype = config.device, config.dtype
         self.device = device
         self.dtype = dtype
@@ -50,7 +63,11 @@ class ModelRunner:
             self.model = LlamaForCausalLM(
                 loaded.config,
                 get_kernel_backend(config.attention_backend, device),
+                tp,
             )
+        self.workers = workers
+        first, end = tp.kv_heads(loaded.config.num_heads, loaded.config.num_kv_heads)
+        self.num_kv_heads = end - first  # this rank's (rank 0 holds the most)
         # The model takes the weights over: with no reference left in `loaded`, a weight
         # that prepacking replaces is freed at once, not held until the caller drops it.
         weights, loaded.weights = loaded.weights, {}
@@ -82,6 +99,7 @@ class ModelRunner:
                 loaded.config, config.max_loras, config.max_lora_rank, device, dtype
             )
         self.draft = draft
+        self.pooler = pooler
         self.buffers = StepBuffers(device, config.block_size)
         # Draws for the requests that set no seed, in the order of the steps' rows: the same
         # --seed and the same requests give the same tokens (vLLM's seed). The warm-up
@@ -94,13 +112,15 @@ class ModelRunner:
         c = self.config
         per_token_head = bytes_per_token_head(self.kv_cache_dtype, c.head_dim)
         draft = self.draft.bytes_per_block if self.draft is not None else 0
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_token_head + draft
+        return 2 * c.num_layers * self.block_size * self.num_kv_heads * per_token_head + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.workers is not None:
+            self.workers.call("allocate_kv_cache", num_blocks)
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
         c = self.config
-        shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads)
+        shape = (c.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads)
         self.kv_cache = torch.zeros(
             *shape, c.head_dim, dtype=self.kv_cache_dtype, device=self.device
         )
@@ -114,6 +134,8 @@ class ModelRunner:
             self.kv_caches = [LayerKVCache(layer[0], layer[1]) for layer in self.kv_cache]
 
     def free_kv_cache(self) -> None:
+        if self.workers is not None:
+            self.workers.call("free_kv_cache")
         if self.draft is not None:
             self.draft.free_kv_cache()
         self.kv_cache, self.kv_scales, self.kv_caches = None, None, []
@@ -157,11 +179,7 @@ class ModelRunner:
 
     def _warm_up_step(self, input_ids, starts, query_lens, tables) -> None:
         lasts = [end - 1 for end in itertools.accumulate(query_lens)]
-        inputs = self.buffers.build(input_ids, starts, query_lens, tables, lasts)
-        hidden = self.run(inputs)
-        if self.draft is not None:
-            self.draft.run(inputs)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+        _, logits, _ = self.forward_batch(StepBatch(input_ids, starts, query_lens, tables, lasts))
         sample(logits, [SampleRow(_WARM_UP_PARAMS, None, [], [])] * len(query_lens))
 
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -215,28 +233,55 @@ class ModelRunner:
             lora_slots.append(-1 if slot is None else slot)
         ends = list(itertools.accumulate(query_lens))
         plan = _SamplePlan.of(step, ends, self.config.vocab_size, self.device)
-        inputs = self.buffers.build(
+        batch = StepBatch(
             input_ids,
             starts,
             query_lens,
             tables,
             plan.logits_rows,
             plan.sample_rows,
-            lora_slots if self.lora is not None else (),
+            lora_slots if self.lora is not None else [],
+            step.block_copies,
         )
-        self.copy_blocks(step.block_copies)
+        hidden, logits, inputs = self.forward_batch(batch)
+        if self.pooler is not None:
+            self.pooler.accumulate(step.scheduled, hidden, ends)
+        return self._sample(plan, logits, inputs)
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, batch: "StepBatch"
+    ) -> tuple[torch.Tensor, torch.Tensor | None, StepInputs]:
+        """One step's model work, on every rank: its block copies, the model (and the
+        draft) over its batch, and the logits of its `logits_rows`. Returns the hidden
+        states, the logits (None when it has no such rows, and on ranks other than 0) and
+        the device-side inputs."""
+        if self.workers is not None:
+            self.workers.call("forward_batch", batch)
+        inputs = self.buffers.build(
+            batch.input_ids,
+            batch.starts,
+            batch.query_lens,
+            batch.tables,
+            batch.logits_rows,
+            batch.sample_rows,
+            batch.lora_slots,
+        )
+        self.copy_blocks(batch.block_copies)
         hidden = self.run(inputs)
         if self.draft is not None:
-            self.draft.copy_blocks(step.block_copies)
+            self.draft.copy_blocks(batch.block_copies)
             self.draft.run(inputs)
-        return self._sample(plan, hidden, inputs)
+        logits = None
+        if batch.logits_rows:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+        return hidden, logits, inputs
 
     def _sample(
-        self, plan: "_SamplePlan", hidden: torch.Tensor, inputs: StepInputs
+        self, plan: "_SamplePlan", logits: torch.Tensor | None, inputs: StepInputs
     ) -> dict[Sequence, list[SampledToken]]:
         if not plan.sampling:
             return {}
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
         seeded = {
             item.seq: item.seq.generator.get_state()
             for item in plan.sampling
@@ -267,6 +312,21 @@ def sampling_failures(sampled: dict[Sequence, list[SampledToken]]) -> dict[str, 
         for token in tokens
         if token.error is not None
     }
+
+
+@dataclass
+class StepBatch:
+    """A step's batch as plain lists (see `StepBuffers.build`), what rank 0 broadcasts to
+    the other tensor-parallel ranks, and its copy-on-write block copies."""
+
+    input_ids: list[int]
+    starts: list[int]
+    query_lens: list[int]
+    tables: list[list[int]]
+    logits_rows: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)  # empty: no adapters
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -50,7 +50,10 @@ class ProcessLink:
             target=_run_core,
             args=(child_conn, config, placement, os.getpid(), log_level),
             name="pagefleet-engine-core",
-            daemon=True,
+            # A daemonic process may not start processes: a tensor-parallel core (rank 0)
+            # starts its workers, so it is not one (close() ends it all the same, and it
+            # dies with this process: PR_SET_PDEATHSIG).
+            daemon=config.tensor_parallel_size == 1,
         )
         self.process.start()
         child_conn.close()

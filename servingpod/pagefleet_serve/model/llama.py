@@ -40,6 +40,7 @@ from pagefleet_serve.model.linear import (
     use_int8_activations,
 )
 from pagefleet_serve.model.quant import QuantizedWeight
+from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, TensorParallel, check_shardable
 
 if TYPE_CHECKING:
     from pagefleet_serve.model.lora import LayerLoRA, LoRABatch
@@ -208,16 +209,27 @@ def make_norm(config: ModelConfig, size: int, backend: KernelBackend) -> RMSNorm
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: KernelBackend, layer: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: KernelBackend,
+        layer: int,
+        tp: TensorParallel = NO_PARALLEL,
+    ) -> None:
+        """`tp`: this rank's heads only (see model.tensor_parallel); o_proj's output is then
+        a partial sum, which the layer all-reduces."""
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        q_first, q_end = tp.q_heads(config.num_heads, config.num_kv_heads)
+        kv_first, kv_end = tp.kv_heads(config.num_heads, config.num_kv_heads)
+        self.num_heads = q_end - q_first
+        self.num_kv_heads = kv_end - kv_first
         self.head_dim = config.head_dim
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        q_size, kv_size = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        # Row-parallel: rank 0 alone adds the bias, once in the sum.
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias and tp.rank == 0)
         if config.qk_norm:  # over each head, or (OLMoE) over the whole projection
             whole = config.qk_norm_whole
             self.q_norm = make_norm(config, q_size if whole else config.head_dim, backend)
@@ -278,10 +290,16 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: KernelBackend, intermediate_size: int | None = None
+        self,
+        config: ModelConfig,
+        backend: KernelBackend,
+        intermediate_size: int | None = None,
+        tp: TensorParallel = NO_PARALLEL,
     ) -> None:
+        """`tp`: this rank's part of the intermediate size; the output is a partial sum."""
         super().__init__()
-        intermediate_size = intermediate_size or config.intermediate_size
+        first, end = tp.intermediate(intermediate_size or config.intermediate_size)
+        intermediate_size = end - first
         self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, config.hidden_size)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
@@ -341,9 +359,14 @@ class MoEBlock(nn.Module):
     k through the backend's fused MoE operator, their outputs weighted by the router; with
     a shared expert (Qwen2-MoE) every token also runs it, scaled by sigmoid(its gate)."""
 
-    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: KernelBackend, tp: TensorParallel = NO_PARALLEL
+    ) -> None:
+        """`tp`: this rank's part of every expert's intermediate size (the router is
+        replicated); the output is a partial sum."""
         super().__init__()
-        intermediate_size = config.moe_intermediate_size or config.intermediate_size
+        first, end = tp.intermediate(config.moe_intermediate_size or config.intermediate_size)
+        intermediate_size = end - first
         self.gate = Linear(config.hidden_size, config.num_experts)
         self.experts = MoEExperts(config.num_experts, config.hidden_size, intermediate_size)
         self.top_k = config.num_experts_per_tok
@@ -353,7 +376,7 @@ class MoEBlock(nn.Module):
         self.shared_expert: LlamaMLP | None = None
         if config.shared_expert_intermediate_size:
             size = config.shared_expert_intermediate_size
-            self.shared_expert = LlamaMLP(config, backend, intermediate_size=size)
+            self.shared_expert = LlamaMLP(config, backend, intermediate_size=size, tp=tp)
             self.shared_expert_gate = Linear(config.hidden_size, 1)
         self.fused_moe = backend.fused_moe or moe.fused_moe
         self.act_and_mul = backend.act_and_mul
@@ -387,11 +410,20 @@ class MoEBlock(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: KernelBackend, layer: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: KernelBackend,
+        layer: int,
+        tp: TensorParallel = NO_PARALLEL,
+    ) -> None:
         super().__init__()
         self.backend = backend
+        # The sum of the ranks' partial outputs of o_proj and of the MLP (identity at 1 rank).
+        self.all_reduce = tp.all_reduce
+        self.tensor_parallel = tp.parallel
         self.input_layernorm = make_norm(config, config.hidden_size, backend)
-        self.self_attn = LlamaAttention(config, backend, layer)
+        self.self_attn = LlamaAttention(config, backend, layer, tp)
         # Llama: the norm before the MLP. Gemma 2 (Hugging Face's names): the norm of the
         # attention output, with two more around the MLP.
         self.post_attention_layernorm = make_norm(config, config.hidden_size, backend)
@@ -400,9 +432,9 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, backend)
             self.post_feedforward_layernorm = make_norm(config, config.hidden_size, backend)
         self.mlp: LlamaMLP | MoEBlock = (
-            MoEBlock(config, backend)
+            MoEBlock(config, backend, tp)
             if config.layer_is_sparse(layer)
-            else LlamaMLP(config, backend)
+            else LlamaMLP(config, backend, tp=tp)
         )
 
     # The backend's fused form of the work around attention, bound to this layer's weights
@@ -424,8 +456,9 @@ class LlamaDecoderLayer(nn.Module):
     def bind_fused(self) -> None:
         """Bind the fused layer to the current weights: after loading, and again whenever
         its matmuls change (new tensors after `.to()`, int8 activations switched on). A
-        sparse layer has none: the fused kernel computes a dense MLP."""
-        if isinstance(self.mlp, LlamaMLP):
+        sparse layer has none: the fused kernel computes a dense MLP; nor has a tensor-
+        parallel one, whose partial sums are all-reduced between its ops."""
+        if isinstance(self.mlp, LlamaMLP) and not self.tensor_parallel:
             self.fused = bind_fused_layer(self, self.backend)
 
     def _apply(self, fn, recurse=True):
@@ -444,11 +477,12 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn.o_proj(attended)
         if lora is not None:
             lora.add("o_proj", h, attended)
+        h = self.all_reduce(h)
         if not self.sandwich_norms:
             x, normed = self.post_attention_layernorm.add(x, h)
-            return x + self._mlp(normed, lora)
+            return x + self.all_reduce(self._mlp(normed, lora))
         x, normed = self.pre_feedforward_layernorm.add(x, self.post_attention_layernorm(h))
-        return x + self.post_feedforward_layernorm(self._mlp(normed, lora))
+        return x + self.post_feedforward_layernorm(self.all_reduce(self._mlp(normed, lora)))
 
     def _mlp(self, x: torch.Tensor, lora: "LayerLoRA | None") -> torch.Tensor:
         """The MLP, with the adapters' deltas on a dense one (adapters of a sparse layer's
@@ -468,24 +502,32 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: KernelBackend | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: KernelBackend | None = None,
+        tp: TensorParallel = NO_PARALLEL,
+    ) -> None:
         """`backend`: the kernels (see pagefleet_serve.attention.get_kernel_backend); None:
-        the torch backend (a model built only to load or inspect weights)."""
+        the torch backend (a model built only to load or inspect weights). `tp`: this
+        rank's shard of the model (see model.tensor_parallel), loaded as such."""
         super().__init__()
+        check_shardable(tp.size, config.num_heads, config.num_kv_heads, config.qk_norm_whole)
         self.config = config
+        self.tp = tp
         self.backend = backend = torch_backend() if backend is None else backend
+        self.vocab_first, vocab_end = tp.vocab(config.vocab_size)
+        vocab = vocab_end - self.vocab_first
         # Given an (uninitialised) weight, Embedding skips its normal_ init, which on the meta
         # device imports torch._dynamo (~3 s of start-up); the checkpoint replaces it anyway.
         self.embed_tokens = nn.Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size),
+            vocab, config.hidden_size, _weight=torch.empty(vocab, config.hidden_size)
         )
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, backend, i) for i in range(config.num_layers)]
+            [LlamaDecoderLayer(config, backend, i, tp) for i in range(config.num_layers)]
         )
         self.norm = make_norm(config, config.hidden_size, backend)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.lm_head = LMHead(config.hidden_size, vocab)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._set_rope_frequencies(torch.device("cpu"))
@@ -518,7 +560,7 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionMetadata,
         lora: "LoRABatch | None" = None,  # the rows' LoRA adapters; None: no row has one
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         if self.config.scale_embeddings:  # the factor rounded to the dtype, as Gemma does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         rope = self._rope(positions, self._global_inv_freq(attn), x.dtype)
@@ -531,6 +573,16 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = local_rope if layer.self_attn.sliding_window else rope
             x = layer(x, cos, sin, kv_cache, attn, None if lora is None else lora.layer(index))
         return self.norm(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows; vocabulary-parallel, each rank's lookup of its own ids (zero
+        rows for the others') summed over the ranks."""
+        if not self.tp.parallel:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_first
+        inside = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(inside, local, 0)) * inside[:, None]
+        return self.tp.all_reduce(x)
 
     def prepack_linears(self) -> int:
         """Prepack every float linear layer for oneDNN on the CPU (see
@@ -589,8 +641,12 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = cos * factor, sin * factor
         return cos.to(dtype), sin.to(dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(rows, vocab) float32 logits; under tensor parallelism on rank 0 only (gathered
+        from every rank's part), None on the other ranks."""
+        logits = self.tp.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
+        if logits is None:
+            return None
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -644,9 +700,10 @@ class LlamaForCausalLM(nn.Module):
             layer.bind_fused()
 
     def _quantize_layer(self, path: str, weight: QuantizedWeight, weights: dict) -> None:
-        """Swap the Linear at `path` for the quantized layer of `weight` (and its bias)."""
+        """Swap the Linear at `path` for the quantized layer of `weight` (and its bias, left
+        in `weights` too: the new layer's parameter, loaded by name with the others)."""
         parent, _, attr = path.rpartition(".")
-        bias = weights.pop(path + ".bias", None)
+        bias = weights.get(path + ".bias")
         self.get_submodule(parent).register_module(
             attr, quantized_linear(weight, bias, self.backend)
         )

@@ -27,6 +27,7 @@ from pagefleet_serve.model import fp8
 from pagefleet_serve.model.llama import ModelConfig
 from pagefleet_serve.model.quant import QuantizedWeight, from_gguf, quantize_int8
 from pagefleet_serve.model.resolve import builtin_gguf_path, resolve_model_uri
+from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, SKIP, ShardPlan, TensorParallel, take
 from pagefleet_serve.model.uri import UnsupportedModelError
 
 __all__ = [
@@ -76,19 +77,26 @@ GGUF_KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")
 LINEAR_WEIGHTS = ("_proj.weight", "lm_head.weight")
 
 
-def load_model(uri: str, dtype: torch.dtype, quantization: str = "none") -> LoadedModel:
+def load_model(
+    uri: str, dtype: torch.dtype, quantization: str = "none", tp: TensorParallel = NO_PARALLEL
+) -> LoadedModel:
     """Resolve a model URI (downloading hf:// models) and load its weights and tokenizer.
 
     `quantization` (see pagefleet_serve.config.QUANTIZATIONS): auto keeps a GGUF's
     Q4_0/Q4_1/Q8_0 matrices quantized, none expands everything to `dtype`, int8 turns every
-    linear layer's matrix into int8 codes with one scale per output row."""
+    linear layer's matrix into int8 codes with one scale per output row, fp8 keeps a float8
+    checkpoint's matrices (scaled per tensor or per row) in float8. `tp`: only this rank's
+    shard of each weight is read (see model.tensor_parallel): safetensors slices, a GGUF's
+    rows or whole blocks of its columns."""
     local = resolve_model_uri(uri)
     if local.path is None:
-        loaded = _tiny_random(dtype)
+        loaded = _tiny_random(dtype, tp)
     elif local.path.is_dir():
-        loaded = _load_hf_dir(local.path, dtype, local.name)
+        loaded = _load_hf_dir(local.path, dtype, local.name, keep_fp8=quantization == "fp8", tp=tp)
     elif _is_gguf(local.path):
-        loaded = _load_gguf(local.path, dtype, local.name, keep_quantized=quantization == "auto")
+        loaded = _load_gguf(
+            local.path, dtype, local.name, keep_quantized=quantization == "auto", tp=tp
+        )
     else:
         raise UnsupportedModelError(f"{local.path} is not a GGUF file; supported: {SUPPORTED}")
     if quantization == "int8":
@@ -219,26 +227,50 @@ def _kept_quantized(tensor) -> bool:
     return tensor.tensor_type.name in GGUF_KEPT_QUANTIZED
 
 
-def _gguf_shape(tensor) -> tuple[int, ...]:
-    """The shape of a GGUF tensor's numbers (its data holds bytes when block-quantized)."""
+def _gguf_shape(tensor, data: np.ndarray | None = None) -> tuple[int, ...]:
+    """The shape of a GGUF tensor's numbers (its data holds bytes when block-quantized), or
+    of `data`, a part of its data."""
     import gguf
 
-    if tensor.data.dtype != np.uint8:
-        return tensor.data.shape
-    return gguf.quants.quant_shape_from_byte_shape(tensor.data.shape, tensor.tensor_type)
+    data = tensor.data if data is None else data
+    if data.dtype != np.uint8:
+        return data.shape
+    return gguf.quants.quant_shape_from_byte_shape(data.shape, tensor.tensor_type)
+
+
+def _gguf_part(tensor, plan: ShardPlan, name: str) -> np.ndarray:
+    """This rank's part of a GGUF tensor's data: whole rows, or whole blocks of its columns
+    (ValueError where a cut would split a block)."""
+    import gguf
+
+    cut = plan.slices(name, _gguf_shape(tensor))
+    data = tensor.data
+    if cut is None:
+        return data
+    dim, ranges = cut
+    if dim == data.ndim - 1 and data.dtype == np.uint8:  # columns, in bytes of whole blocks
+        block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        if any(first % block or end % block for first, end in ranges):
+            raise ValueError(
+                f"{tensor.name}: its columns {ranges} for tensor-parallel rank "
+                f"{plan.tp.rank} would split its {block}-weight quantized blocks"
+            )
+        ranges = [(a // block * block_bytes, b // block * block_bytes) for a, b in ranges]
+    return np.ascontiguousarray(take(data, dim, ranges, cat=np.concatenate))
 
 
 def _dequantize(
-    tensor, dtype: torch.dtype, offset: float, out: torch.Tensor | None = None
+    tensor, dtype: torch.dtype, offset: float, out: torch.Tensor | None = None, data=None
 ) -> torch.Tensor:
-    """A GGUF tensor expanded straight into `dtype` (into `out` when given), less `offset`
-    (Gemma's norms, in float32 before the rounding), a slice of rows at a time: the
-    float32 it passes through never holds more than one slice."""
+    """A GGUF tensor (or `data`, a part of its data) expanded straight into `dtype` (into
+    `out` when given), less `offset` (Gemma's norms, in float32 before the rounding), a
+    slice of rows at a time: the float32 it passes through never holds more than one
+    slice."""
     import gguf
 
-    data = tensor.data
+    data = tensor.data if data is None else data
     if out is None:
-        out = torch.empty(_gguf_shape(tensor), dtype=dtype)
+        out = torch.empty(_gguf_shape(tensor, data), dtype=dtype)
     for start in range(0, data.shape[0], _DEQUANTIZE_ROWS):
         part = gguf.quants.dequantize(data[start : start + _DEQUANTIZE_ROWS], tensor.tensor_type)
         part = np.require(part - offset if offset else part, requirements="W")
@@ -285,7 +317,21 @@ def _gguf_config(reader, arch: str) -> dict:
     return hf
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) -> LoadedModel:
+def _shard_plan(hf: dict, tp: TensorParallel) -> ShardPlan:
+    """Which part of each weight rank `tp` loads, from a config.json dict."""
+    num_heads = hf["num_attention_heads"]
+    num_kv_heads = hf.get("num_key_value_heads") or num_heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    return ShardPlan(tp, num_heads, num_kv_heads, head_dim)
+
+
+def _load_gguf(
+    path: Path,
+    dtype: torch.dtype,
+    name: str,
+    keep_quantized: bool,
+    tp: TensorParallel = NO_PARALLEL,
+) -> LoadedModel:
     import gguf
 
     from pagefleet_serve.model.gguf_file import GGUFFile
@@ -299,7 +345,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
             f"architectures: {GGUF_SUPPORTED} (any {SUPPORTED})"
         )
     hf = _gguf_config(reader, arch)
-    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    plan = _shard_plan(hf, tp)
+    full_heads = {"attn_q": plan.num_heads, "attn_k": plan.num_kv_heads}
+    q_first, q_end = tp.q_heads(plan.num_heads, plan.num_kv_heads)
+    kv_first, kv_end = tp.kv_heads(plan.num_heads, plan.num_kv_heads)
+    heads = {"attn_q": q_end - q_first, "attn_k": kv_end - kv_first}  # this rank's
     layer_names = _GGUF_NAMES | dict(spec.tensors)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     rope_freqs = None
@@ -327,25 +377,40 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
         for t in reader.tensors
         if keep_quantized and _kept_quantized(t) and len(t.data.shape) == 2
     }
+    vocab_size = next(_gguf_shape(t)[0] for t in reader.tensors if t.name == "token_embd.weight")
+    # This rank's part of each (None: none of it).
+    named = [t for t in reader.tensors if t.name in keys]
+    shapes = {keys[t.name]: plan.shape(keys[t.name], _gguf_shape(t)) for t in named}
+    unfused = {keys[t.name] for t in named if t.name not in kept}
     fused = FusedWeights(
-        {keys[t.name]: _gguf_shape(t) for t in reader.tensors if t.name in keys.keys() - kept},
+        {key: shape for key, shape in shapes.items() if key in unfused and shape is not None},
         dtype,
     )
     for tensor in reader.tensors:
         key = keys.get(tensor.name)
-        if key is None:
+        if key is None or shapes[key] is None:
             continue
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         permuted_heads = heads.get(kind) if spec.permuted_qk else None
         if tensor.name in kept:
-            data = tensor.data  # (rows, blocks' bytes): q/k rows reordered as whole rows
+            # (rows, blocks' bytes): q/k rows reordered as whole rows, this rank's heads'
             if permuted_heads:
-                data = data[_unpermute(np.arange(data.shape[0]), permuted_heads)]
+                rows = _unpermute(np.arange(tensor.data.shape[0]), full_heads[kind])
+                cut = plan.slices(key, _gguf_shape(tensor))
+                data = tensor.data[rows if cut is None else take(rows, *cut, cat=np.concatenate)]
+            else:
+                data = _gguf_part(tensor, plan, key)
             weights[key] = from_gguf(data, tensor.tensor_type.name)
         else:
             offset = spec.norm_offset if key.endswith("norm.weight") else 0.0
             destination = fused.destination(key, weights)
-            weight = _dequantize(tensor, dtype, offset, None if permuted_heads else destination)
+            weight = _dequantize(
+                tensor,
+                dtype,
+                offset,
+                None if permuted_heads else destination,
+                _gguf_part(tensor, plan, key),
+            )
             if permuted_heads:
                 weight = _unpermute(weight, permuted_heads)
             if destination is None:
@@ -360,7 +425,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, name: str, keep_quantized: bool) 
     if rope_freqs is not None:
         scaling = (("divisors", rope_freqs), ("rope_type", "freqs"))
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
-    hf["vocab_size"] = weights["embed_tokens.weight"].shape[0]
+    hf["vocab_size"] = vocab_size
     hf["bos_token_id"] = reader.fields.get("tokenizer.ggml.bos_token_id")
     config = _model_config(hf, scaling, () if eos is None else (eos,), weights)
     return LoadedModel(name, config, weights, _gguf_tokenizer(path, reader))
@@ -393,7 +458,13 @@ def _gguf_tokenizer(path: Path, reader=None):
 
 
 # -- Hugging Face directories -------------------------------------------------------------
-def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+def _load_hf_dir(
+    path: Path,
+    dtype: torch.dtype,
+    name: str,
+    keep_fp8: bool = False,
+    tp: TensorParallel = NO_PARALLEL,
+) -> LoadedModel:
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
@@ -406,7 +477,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         raise UnsupportedModelError(
             f"{path}: model_type {model_type!r} is not Llama-family; supported: {SUPPORTED}"
         )
-    scheme = None  # float8 weights with scales, dequantized as they stream (model/fp8.py)
+    # float8 weights with scales, dequantized as they stream or, with keep_fp8 and a scale
+    # per tensor or row, kept float8 (model/fp8.py)
+    scheme = None
     if hf.get("quantization_config"):
         try:
             scheme = fp8.fp8_scheme(hf["quantization_config"])
@@ -420,7 +493,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{path} has no *.safetensors weights; supported: {SUPPORTED}")
-    shapes = {}
+    plan = _shard_plan(hf, tp)
+    shapes = {}  # this rank's part of each weight
+    full_shapes = {}
     scales: dict[str, torch.Tensor] = {}  # a float8 weight's checkpoint name -> its scale
     for file in files:  # the headers only (and a float8 checkpoint's scales: small)
         with safe_open(file, "pt") as f:
@@ -428,19 +503,42 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
                 if scheme is not None and scheme.is_scale(k):
                     scales[scheme.weight_of(k)] = f.get_tensor(k)
                 elif scheme is None or not scheme.is_unused(k):
-                    shapes[_hf_name(k)] = tuple(f.get_slice(k).get_shape())
-    fused = FusedWeights(shapes, dtype)
-    weights: dict[str, torch.Tensor] = {}
+                    full = full_shapes[_hf_name(k)] = tuple(f.get_slice(k).get_shape())
+                    part = plan.shape(_hf_name(k), full)
+                    if part is not None:
+                        shapes[_hf_name(k)] = part
+    keep = keep_fp8 and scheme is not None and scheme.block is None
+    if keep and tp.parallel:
+        raise UnsupportedModelError(
+            f"{path}: float8 weights kept float8 are not split for tensor parallelism yet; "
+            "use quantization none (dequantized on load) or tensor_parallel_size 1"
+        )
+    # Stacked experts have no float8 product yet: dequantized like block-scaled weights.
+    kept = {_hf_name(k) for k in scales if ".experts." not in k} if keep else set()
+    # Kept float8 matrices are fused by the model (their scales come along); the rest here.
+    fused = FusedWeights({n: s for n, s in shapes.items() if n not in kept}, dtype)
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for file in files:  # one tensor at a time, each copied once into `dtype`
         with safe_open(file, "pt") as f:
             for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor_name = _hf_name(k)
                 if tensor_name not in shapes:  # a scale, read above, or unused
                     continue
-                tensor = f.get_tensor(k)
+                cut = plan.slices(tensor_name, full_shapes[tensor_name])
+                # A safetensors slice reads only this rank's part; a float8 weight is read
+                # whole, with its block scales, and cut once dequantized.
+                whole = cut is None or (scheme is not None and k in scales)
+                tensor = f.get_tensor(k) if whole else take(f.get_slice(k), *cut)
+                if tensor_name in kept:
+                    try:
+                        weights[tensor_name] = fp8.kept(k, tensor, scales[k], scheme)
+                    except fp8.Fp8FormatError as exc:
+                        raise UnsupportedModelError(f"{path}: {exc}") from exc
+                    continue
                 if scheme is not None and k in scales:
                     try:
                         tensor = fp8.dequantize(k, tensor, scales[k], scheme)
+                        tensor = tensor if cut is None else take(tensor, *cut)
                     except fp8.Fp8FormatError as exc:
                         raise UnsupportedModelError(f"{path}: {exc}") from exc
                 elif tensor.dtype == torch.float8_e4m3fn:
@@ -744,7 +842,7 @@ def _eos_token_ids(path: Path, hf: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _tiny_random(dtype: torch.dtype) -> LoadedModel:
+def _tiny_random(dtype: torch.dtype, tp: TensorParallel = NO_PARALLEL) -> LoadedModel:
     c = TINY_CONFIG
     generator = torch.Generator().manual_seed(0)
 
@@ -775,4 +873,11 @@ def _tiny_random(dtype: torch.dtype) -> LoadedModel:
                 p + "mlp.down_proj.weight": linear(c.hidden_size, c.intermediate_size),
             }
         )
+    plan = ShardPlan(tp, c.num_heads, c.num_kv_heads, c.head_dim)
+    for key in list(weights):  # generated whole (small), then cut
+        cut = plan.slices(key, weights[key].shape)
+        if cut == SKIP:
+            del weights[key]
+        elif cut is not None:
+            weights[key] = take(weights[key], *cut).contiguous()
     return LoadedModel("tiny-random", c, weights, None)

@@ -17,6 +17,7 @@ from pagefleet_serve.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    TASKS,
     EngineConfig,
     parse_bytes,
 )
@@ -53,6 +54,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "hf://org/name[@revision][/file.gguf] (downloaded into HF_HOME), a GGUF file or "
         "Hugging Face model directory (a path or file:///path), or builtin://smollm2-135m",
         default=engine("model"),
+    )
+    flag(
+        "--task",
+        "generate: sample text (/v1/completions, /v1/chat/completions); embed: pool each "
+        "prompt's final hidden states into a vector (/v1/embeddings); auto: embed for a "
+        "sentence-transformers checkpoint (modules.json with a Pooling module), else generate",
+        default=engine("task"),
+        choices=TASKS,
     )
     flag(
         "--served-model-name",
@@ -118,8 +127,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     flag(
         "--quantization",
-        "weights: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks quantized (CPU), none expands "
-        "them to --dtype, int8 is weight-only int8 with a scale per output row (CPU)",
+        "weights: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks quantized (CPU) and a float8 "
+        "checkpoint in float8 (CUDA), none expands them to --dtype, int8 is weight-only int8 "
+        "with a scale per output row (CPU), fp8 keeps float8 checkpoints in float8 (any device)",
         default=engine("quantization"),
         choices=QUANTIZATIONS,
     )
@@ -286,13 +296,65 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=server("allow_runtime_lora_updating"),
     )
     flag(
+        "--responses-store-max-entries",
+        "recent /v1/responses responses kept in this process for previous_response_id "
+        "(least recently used out first; 0: none kept, store is then always false)",
+        type=int,
+        default=server("responses_store_max_entries"),
+    )
+    flag(
+        "--responses-store-max-age",
+        "seconds a kept /v1/responses response can be continued by previous_response_id",
+        type=float,
+        default=server("responses_store_max_age"),
+    )
+    flag(
         "--tool-call-parser",
         "format of the model's tool calls, parsed into message.tool_calls",
         default=None,
         choices=tuple(TOOL_CALL_PARSERS),
     )
+    _add_parallel_flags(flag, engine)
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     parser.set_defaults(handler=run)
+
+
+def _add_parallel_flags(flag: EnvFlags, engine) -> None:
+    """vLLM's distributed flags (what the operator passes a parallel InferenceService)."""
+    flag(
+        "--tensor-parallel-size",
+        "split the model over this many ranks (processes over torch.distributed: one GPU "
+        "each, or on the CPU one group of --cpu-threads-bind's CPUs each)",
+        "-tp",
+        type=int,
+        default=engine("tensor_parallel_size"),
+    )
+    flag(
+        "--pipeline-parallel-size",
+        "stages of layers (not supported yet: 1)",
+        "-pp",
+        type=int,
+        default=engine("pipeline_parallel_size"),
+    )
+    flag("--nnodes", "nodes of the group (not supported yet: 1)", type=int, default=1)
+    flag("--node-rank", "this node's rank in the group", type=int, default=0)
+    flag(
+        "--master-addr",
+        "address of the ranks' rendezvous (rank 0's node)",
+        default=engine("master_addr"),
+    )
+    flag(
+        "--master-port",
+        "port of the ranks' rendezvous (default: a free one)",
+        type=int,
+        default=engine("master_port"),
+    )
+    flag(
+        "--headless",
+        "run only this node's engine worker ranks, no API server (multi-node; not supported yet)",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -323,7 +385,19 @@ def run(args: argparse.Namespace) -> int:
             lora_modules=tuple(args.lora_modules or ()),
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            task=args.task,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
         )
+        if args.headless:
+            raise ValueError(
+                "--headless runs the worker ranks of a node in a multi-node group (--nnodes "
+                "> 1), which is not supported yet"
+            )
         if args.allow_runtime_lora_updating and not config.enable_lora:
             raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
         settings = ServerSettings(
@@ -346,6 +420,8 @@ def run(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            responses_store_max_entries=args.responses_store_max_entries,
+            responses_store_max_age=args.responses_store_max_age,
         )
         placement = plan_placement(
             args.cpu_threads_bind, available_cpus(), cpu_quota(), omp_num_threads()

@@ -1,0 +1,260 @@
+"""Tensor-parallel ranks as processes over `torch.distributed` (gloo on the CPU, NCCL on
+CUDA): rank 0 lives in the engine's process with the scheduler; ranks 1..N-1 are spawned
+here, each loading its own shard of the model (`model.tensor_parallel`) and its own part
+of the KV cache (its key/value heads, over the same block ids: the block manager and the
+block tables stay rank 0's).
+
+Once per step rank 0 broadcasts the runner call it is about to make, with its plain
+inputs (`broadcast_object_list`); every rank then makes the same call, and their layers
+meet in the all-reduces. Nothing else crosses: no transport of our own.
+
+A worker never outlives rank 0's process (PR_SET_PDEATHSIG, as the core process does with
+the server) and ignores SIGTERM/SIGINT (rank 0 ends it: a shutdown call, then kill). A
+worker that dies closes its connections, so a collective of rank 0 fails at once; `watch`
+tells rank 0's owner even between steps.
+"""
+
+import datetime
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.cpu_placement import (
+    CpuPlacement,
+    available_cpus,
+    place_core_threads,
+    rank_placements,
+)
+from pagefleet_serve.engine.device import RunnerConfig, resolve_device
+from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, TensorParallel
+
+logger = logging.getLogger(__name__)
+
+# Rendezvous: how long the ranks have to find each other (a worker's spawn and imports).
+_RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
+# A worker waits for the next step as long as the server idles: no timeout of its own. A
+# dead rank closes its connections (its peers' collectives fail at once); a hung one is
+# found by the core's step timeout.
+_COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
+_JOIN_S = 10.0
+
+
+@dataclass(frozen=True)
+class RunnerCall:
+    """A `ModelRunner` method every worker calls with rank 0 (its args plain data)."""
+
+    method: str
+    args: tuple = ()
+
+
+_SHUTDOWN = RunnerCall("shutdown")
+# What a worker's runner may be asked to do.
+RUNNER_CALLS = ("allocate_kv_cache", "free_kv_cache", "forward_batch")
+
+
+class WorkerLost(RuntimeError):
+    """A tensor-parallel rank has died; the message names it."""
+
+
+def distributed_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device: the rank-th GPU counted from the configured one; the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def _join(store: dist.Store, rank: int, size: int, device: torch.device) -> None:
+    dist.init_process_group(
+        distributed_backend(device),
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=_COLLECTIVE_TIMEOUT,
+    )
+
+
+class Workers:
+    """Rank 0's side: starts ranks 1..N-1, has them make each runner call, ends them."""
+
+    def __init__(
+        self, config: EngineConfig, device: torch.device, placement: CpuPlacement | None
+    ) -> None:
+        """`placement`: the CPUs of every rank together (the engine core's plan), rank 0
+        then pinned to its group; None: workers share this process's CPUs, and rank 0's
+        threads are left as they are (an engine embedded in a caller's process)."""
+        self.size = config.tensor_parallel_size
+        ranks = rank_placements(placement or CpuPlacement(available_cpus(), None), self.size)
+        if placement is not None:
+            place_core_threads(ranks[0])
+        self._closing = False
+        # The store first, on a port it picks (or --master-port), then the workers.
+        store = dist.TCPStore(
+            config.master_addr,
+            config.master_port or 0,
+            self.size,
+            is_master=True,
+            timeout=_RENDEZVOUS_TIMEOUT,
+            wait_for_workers=False,
+        )
+        context = multiprocessing.get_context("spawn")
+        log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        self.processes = [
+            context.Process(
+                target=worker_main,
+                args=(rank, config, ranks[rank], os.getpid(), store.port, log_level),
+                name=f"pagefleet-tp-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, self.size)
+        ]
+        for process in self.processes:
+            process.start()
+        try:
+            _join(store, 0, self.size, device)
+        except BaseException:
+            self.close()
+            raise
+        self.tp = TensorParallel(0, self.size)
+        logger.info(
+            "tensor parallel: %d ranks over %s, workers %s",
+            self.size,
+            distributed_backend(device),
+            ", ".join(str(p.pid) for p in self.processes),
+        )
+
+    def call(self, method: str, *args) -> None:
+        """Have every worker's runner call `method(*args)` (rank 0 makes the same call)."""
+        try:
+            dist.broadcast_object_list([RunnerCall(method, args)], src=0)
+        except RuntimeError as exc:
+            reason = self.lost_reason() or f"tensor-parallel broadcast failed: {exc}"
+            raise WorkerLost(reason) from exc
+
+    def lost_reason(self) -> str | None:
+        """Which worker has exited, and how; None while all run."""
+        for rank, process in enumerate(self.processes, start=1):
+            code = process.exitcode
+            if code is None:
+                continue
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited ({code})"
+            return f"tensor-parallel rank {rank} (pid {process.pid}) {how}"
+        return None
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Call `on_lost(reason)`, from a thread of its own, when a worker exits unasked."""
+
+        def wait() -> None:
+            ready = multiprocessing.connection.wait([p.sentinel for p in self.processes])
+            for process in self.processes:
+                if process.sentinel in ready:
+                    # The sentinel closes as the process exits, a moment before it can be
+                    # reaped: wait for its exit status, which names the signal.
+                    process.join(timeout=2)
+            if not self._closing:
+                on_lost(self.lost_reason() or "a tensor-parallel rank has exited")
+
+        threading.Thread(target=wait, name="tensor-parallel-watch", daemon=True).start()
+
+    def close(self) -> None:
+        """End every worker (asked, then killed) and leave the process group."""
+        if self._closing:
+            return
+        self._closing = True
+        if dist.is_initialized():
+            if self.lost_reason() is None:
+                try:
+                    dist.broadcast_object_list([_SHUTDOWN], src=0)
+                except RuntimeError:
+                    logger.debug("could not ask the workers to stop", exc_info=True)
+        for process in self.processes:
+            process.join(_JOIN_S)
+            if process.is_alive():
+                logger.warning("tensor-parallel worker %d did not stop: killing it", process.pid)
+                process.kill()
+                process.join(_JOIN_S)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_workers(
+    config: EngineConfig, device: torch.device, placement: CpuPlacement | None
+) -> tuple[Workers | None, TensorParallel]:
+    """The workers of a tensor-parallel engine (None at one rank) and rank 0's place."""
+    if config.tensor_parallel_size == 1:
+        return None, NO_PARALLEL
+    workers = Workers(config, device, placement)
+    return workers, workers.tp
+
+
+# -- a worker ---------------------------------------------------------------------------
+def worker_main(
+    rank: int,
+    config: EngineConfig,
+    placement: CpuPlacement,
+    parent_pid: int,
+    port: int,
+    log_level: str,
+) -> None:
+    """A spawned rank: join the group, load this rank's shard, make every call rank 0
+    broadcasts until it says stop (or is gone)."""
+    from pagefleet_serve.engine.core_process import die_with_parent
+    from pagefleet_serve.engine.model_runner import ModelRunner
+    from pagefleet_serve.model.loader import load_model
+
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 ends it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s",
+    )
+    place_core_threads(placement)
+    size = config.tensor_parallel_size
+    device = rank_device(resolve_device(config.device), rank)
+    runner_config = RunnerConfig.of(replace(config, device=str(device)))  # made current
+    store = dist.TCPStore(
+        config.master_addr, port, size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT
+    )
+    _join(store, rank, size, device)
+    tp = TensorParallel(rank, size)
+    try:
+        loaded = load_model(
+            config.model, runner_config.dtype, runner_config.weight_quantization, tp
+        )
+        runner = ModelRunner(loaded, runner_config, tp=tp)
+        del loaded
+    except BaseException:  # noqa: BLE001 - rank 0 hears of it as this process's exit
+        logger.exception("tensor-parallel rank %d could not load %s", rank, config.model)
+        os._exit(1)
+    while True:
+        message: list = [None]
+        try:
+            dist.broadcast_object_list(message, src=0)
+        except RuntimeError:  # rank 0 is gone
+            os._exit(1)
+        call = message[0]
+        if call == _SHUTDOWN:
+            break
+        if call.method not in RUNNER_CALLS:
+            logger.error("tensor-parallel rank %d: unknown call %r", rank, call.method)
+            continue
+        try:
+            getattr(runner, call.method)(*call.args)
+        except Exception:  # noqa: BLE001 - rank 0 failed the same call (the same inputs)
+            logger.exception("tensor-parallel rank %d: %s failed", rank, call.method)
+    dist.destroy_process_group()
+    logging.shutdown()
+    os._exit(0)

@@ -1,0 +1,93 @@
+"""spec.parallelism over several nodes, with the operator as a process against the API
+emulator (test_operator_emulator.py): a LeaderWorkerSet where the cluster serves them,
+scaled through the InferenceService's scale subresource, ready when its groups are;
+Degraded, and the operator alive, where it does not."""
+
+from __future__ import annotations
+
+import apiserver_validation
+import kmock
+import pytest
+from test_operator_emulator import (
+    ISVC,
+    ApiServerEmulator,
+    condition,
+    declare_resources,
+    eventually,
+    isvc_path,
+    make_isvc,
+    run_operator,
+    stored,
+)
+from test_operator_parallelism import LWS_SCHEMA, TWO_NODES
+
+LWS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
+LWS_PATH = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/ml/leaderworkersets"
+
+pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]
+
+
+def declare_leader_worker_sets(server) -> None:
+    """LeaderWorkerSet's CRD installed: its resource, with status and scale subresources."""
+    server.resources[LWS] = kmock.ResourceInfo(
+        kind="LeaderWorkerSet",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+        subresources={"status", "scale"},
+    )
+
+
+async def test_a_multi_node_spec_becomes_a_leader_worker_set_and_scales(kmock, tmp_path):
+    declare_resources(kmock)
+    declare_leader_worker_sets(kmock)
+    async with run_operator(kmock, tmp_path, "--liveness", "") as operator:
+        created = await operator.call("POST", isvc_path(), make_isvc("big", TWO_NODES))
+        lws = await eventually(lambda: stored(kmock, LWS, "big"), what="LeaderWorkerSet")
+        (ref,) = lws["metadata"]["ownerReferences"]
+        assert (ref["uid"], ref["controller"]) == (created["metadata"]["uid"], True)
+        assert apiserver_validation.admit(LWS_SCHEMA, lws)[1] == []
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        assert lws["spec"]["replicas"] == 1
+        service = await eventually(lambda: stored(kmock, "v1/services", "big"), what="Service")
+        assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+        assert stored(kmock, "apps/v1/deployments", "big") is None
+
+        # `kubectl scale inferenceservice big --replicas 3`: three groups.
+        await operator.call("PATCH", isvc_path("big", "scale"), {"spec": {"replicas": 3}})
+        await eventually(
+            lambda: stored(kmock, LWS, "big")["spec"]["replicas"] == 3, what="3 groups"
+        )
+
+        # LeaderWorkerSet's controller reports the groups whose pods are all ready.
+        ready = {"observedGeneration": 2, "replicas": 3, "updatedReplicas": 3, "readyReplicas": 3}
+        await operator.call("PATCH", f"{LWS_PATH}/big/status", {"status": ready})
+        isvc = await eventually(
+            lambda: (
+                condition(stored(kmock, ISVC, "big"), "Ready").get("status") == "True"
+                and stored(kmock, ISVC, "big")
+            ),
+            what="Ready",
+        )
+        assert isvc["status"]["ready"] == "3/3"
+        assert condition(isvc, "ParallelismChecked")["reason"] == "ModelConfigNotRead"
+
+
+async def test_without_leader_worker_set_installed_the_service_is_degraded(kmock, tmp_path):
+    declare_resources(kmock)
+    async with run_operator(kmock, tmp_path, "--liveness", "") as operator:
+        await operator.call("POST", isvc_path(), make_isvc("big", TWO_NODES))
+        degraded = await eventually(
+            lambda: (
+                condition(stored(kmock, ISVC, "big"), "Degraded").get("status") == "True"
+                and condition(stored(kmock, ISVC, "big"), "Degraded")
+            ),
+            what="Degraded",
+        )
+        assert degraded["reason"] == "LeaderWorkerSetNotInstalled"
+        assert "LeaderWorkerSet" in degraded["message"]
+        # The operator lives on and serves other resources.
+        builtin = {"model": {"uri": "builtin://smollm2-135m"}}
+        await operator.call("POST", isvc_path(), make_isvc("small", builtin))
+        await eventually(lambda: stored(kmock, "apps/v1/deployments", "small"), what="Deployment")
+        assert operator.process.returncode is None
+        assert stored(kmock, "apps/v1/deployments", "big") is None

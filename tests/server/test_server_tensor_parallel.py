@@ -1,0 +1,96 @@
+"""`pagefleet serve --tensor-parallel-size 2` (two ranks over gloo): the openai SDK streams
+the same greedy text as one rank serves; a killed rank turns /health to 503 within 5 s,
+naming it, and the stream in flight ends with an error event; SIGTERM drains and takes
+every rank down. Bad parallel flags are refused with a readable message."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from server_harness import ServerProcess, assert_error, stream_then, wait_until
+from test_server_core_process import children, core_pid, health_within, is_running
+
+FLAGS = ("--max-model-len", "512", "--kv-cache-memory", "32MiB")
+BODY = {
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 24,
+    "temperature": 0,
+}
+
+
+def streamed_text(server: ServerProcess) -> str:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(model=model, **BODY, stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def ranks_of(server: ServerProcess) -> tuple[int, list[int]]:
+    """The core's pid (rank 0) and its workers' (ranks 1..)."""
+    core = core_pid(server)
+    workers = wait_until(lambda: children(core), 30, "the tensor-parallel workers")
+    return core, workers
+
+
+def test_two_ranks_stream_one_ranks_text_and_a_killed_rank_fails_the_engine():
+    one = ServerProcess(*FLAGS).wait_ready()
+    try:
+        expected = streamed_text(one)
+    finally:
+        one.stop()
+    server = ServerProcess(*FLAGS, "--tensor-parallel-size", "2").wait_ready()
+    try:
+        assert streamed_text(server) == expected and expected
+        core, workers = ranks_of(server)
+        assert len(workers) == 1
+        body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = stream_then(server.base_url, body, lambda: os.kill(workers[0], signal.SIGKILL))
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            unhealthy = health_within(client, 503, 5)
+        error = assert_error(unhealthy, 503, code="engine_unhealthy")
+        assert "tensor-parallel rank 1" in error["message"] and "SIGKILL" in error["message"]
+        assert events[-1] == "DONE"
+        assert "error" in events[-2], events[-3:]
+        wait_until(lambda: not is_running(core), 10, "rank 0's process to exit")
+    finally:
+        server.stop()
+
+
+def test_sigterm_takes_every_rank_down():
+    server = ServerProcess(
+        "--model", "builtin://tiny-random", *FLAGS, "-tp", "2", "--shutdown-timeout", "30"
+    ).wait_ready()
+    try:
+        core, workers = ranks_of(server)
+        body = {"prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True, "stream": True}
+        events = stream_then(server.base_url, body, lambda: server.signal(signal.SIGTERM))
+        assert events[-1] == "DONE" and not any("error" in e for e in events[:-1])
+        assert server.process.wait(timeout=60) == 0
+        for pid in [core, *workers]:
+            wait_until(lambda pid=pid: not is_running(pid), 15, f"process {pid} to exit")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--pipeline-parallel-size", "2"), "pipeline_parallel_size 2 is not supported yet"),
+        (("--nnodes", "2", "--node-rank", "1"), "across nodes is not supported yet"),
+        (("--headless",), "--headless runs the worker ranks"),
+        (("-tp", "0"), "tensor_parallel_size must be a positive integer"),
+    ],
+)
+def test_parallel_flags_that_cannot_run_are_refused(flags, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "pagefleet_serve.cli", "serve", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
