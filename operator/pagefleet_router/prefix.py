@@ -16,7 +16,11 @@ from collections.abc import Iterable
 
 def prompt_text(path: str, body: dict) -> str:
     """The part of a request body that forms the pod's prompt prefix, as text: the model
-    name first (a prefix is only shared within a model), then the prompt or messages."""
+    name first (a prefix is only shared within a model), then the prompt or messages.
+    An embedding's pod keeps no KV past the request (and runs without a prefix cache): it
+    has no prefix to follow, "" (it goes to the least loaded pod)."""
+    if path.endswith("/embeddings"):
+        return ""
     model = str(body.get("model", ""))
     if path.endswith("/chat/completions"):
         messages = body.get("messages")

@@ -1,4 +1,5 @@
-"""Offline batch use: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+"""Offline batch use: `LLM(model=...).generate(prompts, SamplingParams(...))`, or
+`LLM(model=...).embed(texts)` for an embedding model (task embed).
 
 The same three parts as a serving pod, in one thread: the frontend's `InputProcessor`
 (template, tokenize, validate), an `LLMEngine` stepped in process, and the frontend's
@@ -10,6 +11,7 @@ import itertools
 
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import LLMEngine
+from pagefleet_serve.frontend.embeddings import shape_embedding
 from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.frontend.output_processor import OutputProcessor
 from pagefleet_serve.messages import EngineStats, Request
@@ -73,6 +75,44 @@ class LLM:
                 final.finished = delta.finished
                 final.num_cached_tokens = delta.num_cached_tokens
                 final.metrics = delta.metrics
+        return [results[r.request_id] for r in requests]
+
+    def embed(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        dimensions: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[RequestOutput]:
+        """The embedding of every prompt (text, or a list of token ids), its vector in
+        `RequestOutput.embedding`, in prompt order; batched as `generate` batches.
+        `dimensions`: a Matryoshka model's vector cut to that size (renormalised).
+        ValueError for a model that generates, or for a bad prompt or `dimensions`."""
+        pooling = self.engine.pooling
+        if pooling is None:
+            raise ValueError(
+                f"embed: {self.engine.model_name} generates text; embeddings need an "
+                "embedding model (task embed)"
+            )
+        if dimensions is not None:
+            pooling.check_dimensions(dimensions)
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        requests = [
+            self.inputs.make_request(
+                f"offline-{next(self._ids)}", p, SamplingParams(), lora_name=lora_name, pooling=True
+            )
+            for p in prompts
+        ]  # validate all before queueing any
+        for request in requests:
+            self.add(request)
+        results: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.error:
+                    raise RuntimeError(f"the engine failed an embedding: {output.error}")
+                if output.finished:
+                    output.embedding = shape_embedding(output.embedding, pooling, dimensions)
+                    results[output.request_id] = output
         return [results[r.request_id] for r in requests]
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:

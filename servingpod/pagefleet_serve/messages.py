@@ -10,10 +10,11 @@ core's `CoreReady`; bump it when a message changes shape.
 
 from dataclasses import dataclass, field
 
+from pagefleet_serve.config import PoolingConfig
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 # -- the data both sides share ---------------------------------------------------------------
@@ -27,6 +28,9 @@ class Request:
     arrival_time: float
     # The LoRA adapter it runs with, by the name the core knows it by; None: the base model.
     lora_name: str | None = None
+    # True: an embedding request (an embed engine's only kind): prefilled, pooled, done;
+    # its output carries `embedding` and no tokens.
+    pooling: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,8 @@ class CoreReady:
     # The LoRA adapters it serves, and whether it can serve any (enable_lora).
     lora_adapters: tuple[LoRAAdapterInfo, ...] = ()
     lora_enabled: bool = False
+    # How an embed engine pools (its task is embed); None: it generates.
+    pooling: PoolingConfig | None = None
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request
+    # An embedding request's pooled vector (float32 values, normalised as the model says).
+    embedding: list[float] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -1,12 +1,14 @@
-"""schemathesis over the server's own OpenAPI schema of /v1/completions and
-/v1/chat/completions (request bodies generated from the pydantic models, valid and
-invalid, with a fixed seed and a bounded number of examples): no answer is a 5xx, and the
-server is healthy afterwards. A short context keeps every generation short. The server runs
-the priority policy, so that generated `priority` values are honoured, not refused."""
+"""schemathesis over the server's own OpenAPI schema of /v1/completions,
+/v1/chat/completions, /v1/responses and /v1/embeddings (request bodies generated from the pydantic models,
+valid and invalid, with a fixed seed and a bounded number of examples): no answer is a 5xx,
+and the server is healthy afterwards. A short context keeps every generation short. The
+server runs the priority policy, so that generated `priority` values are honoured, not
+refused. /v1/embeddings is fuzzed on a server of a tiny embedding model (task embed)."""
 
 import httpx
 import pytest
 import schemathesis
+from embedding_models import build_embedding_model
 from hypothesis import HealthCheck, given, seed, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -36,11 +38,29 @@ def server():
     running.stop()
 
 
-def test_the_schema_describes_both_request_bodies(server):
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory):
+    path = build_embedding_model(
+        tmp_path_factory.mktemp("embed"), pooling="mean", matryoshka_dimensions=[16, 64]
+    )
+    running = ThreadServer(
+        {}, model=str(path), max_num_seqs=4, max_model_len=48, kv_cache_memory_bytes=4 << 20
+    )
+    free = running.core.block_manager.num_free_blocks
+    yield running
+    assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 200
+    assert not running.core.has_unfinished_requests()
+    assert running.core.block_manager.num_free_blocks == free
+    running.stop()
+
+
+def test_the_schema_describes_the_request_bodies(server):
     document = httpx.get(f"{server.base_url}/openapi.json", timeout=10).json()
     for path, model, required in (
         ("/v1/completions", "CompletionRequest", "prompt"),
         ("/v1/chat/completions", "ChatCompletionRequest", "messages"),
+        ("/v1/embeddings", "EmbeddingRequest", "input"),
+        ("/v1/responses", "ResponsesRequest", "input"),
     ):
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
@@ -64,20 +84,28 @@ def test_priority_is_accepted_under_the_priority_policy(server):
 # schemathesis' pytest fixture loader does not run under pytest 9.2, so the operations'
 # strategies drive hypothesis here directly: valid bodies, then invalid ones.
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_no_request_body_gets_a_5xx(server, path, mode):
-    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+    examples = MAX_EXAMPLES
+    if (path, mode) == ("/v1/chat/completions", GenerationMode.POSITIVE):
+        examples = CHAT_POSITIVE_EXAMPLES
+    fuzz(server.base_url, path, mode, examples)
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_no_embeddings_body_gets_a_5xx(embed_server, mode):
+    fuzz(embed_server.base_url, "/v1/embeddings", mode, MAX_EXAMPLES)
+
+
+def fuzz(base_url: str, path: str, mode: GenerationMode, max_examples: int) -> None:
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
     (operation,) = [
         result.ok() for result in schema.include(path=path, method="POST").get_all_operations()
     ]
 
     @seed(20261130)
     @settings(
-        max_examples=(
-            CHAT_POSITIVE_EXAMPLES
-            if (path, mode) == ("/v1/chat/completions", GenerationMode.POSITIVE)
-            else MAX_EXAMPLES
-        ),
+        max_examples=max_examples,
         deadline=None,
         derandomize=True,
         database=None,

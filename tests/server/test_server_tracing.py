@@ -85,6 +85,23 @@ def test_without_traceparent_the_span_is_a_root(traced):
     assert span.parent_span_id == b"" and span.trace_id.hex() != TRACE_ID
 
 
+def test_a_responses_request_is_traced_with_its_usage(traced):
+    server, receiver = traced
+    response = httpx.post(
+        f"{server.base_url}/v1/responses",
+        json={"input": "Hi", "max_output_tokens": 3},
+        headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    (span,) = wait_until(lambda: list(receiver.spans), 10, "the span to be exported")
+    assert (span.name, span.trace_id.hex()) == ("llm_request", TRACE_ID)
+    found = attributes(span)
+    assert found["gen_ai.usage.prompt_tokens"] == usage["input_tokens"]
+    assert found["gen_ai.usage.completion_tokens"] == usage["output_tokens"] == 3
+
+
 def test_tracing_off_loads_no_opentelemetry_sdk():
     # FastAPI itself imports the opentelemetry API; the SDK and exporter cost the import
     # time and the background thread, and stay out unless tracing is on.

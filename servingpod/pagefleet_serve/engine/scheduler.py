@@ -17,6 +17,10 @@ A running sequence with a LoRA adapter holds one of the `max_loras` adapter slot
 (`LoRASlots`); a waiting request whose adapter finds none free stays waiting while the
 requests behind it are admitted, so the step's rows never read more adapters than there
 are slots.
+
+An embedding request (`Sequence.pooling`) follows the same rule up to the end of its
+prompt, in chunks batched with other prefills; it never samples, and the step that
+completes its prompt finishes it, freeing its blocks (the engine hands out its vector).
 """
 
 import bisect
@@ -39,6 +43,8 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's tokens (and so samples)."""
+        if self.seq.pooling:
+            return False
         end = self.seq.num_tokens + len(self.spec_token_ids)
         return self.seq.num_computed_tokens + self.num_new_tokens == end
 
@@ -213,6 +219,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self._release_lora(seq)
         seq.num_computed_tokens = 0
+        seq.pooled_chunks.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -235,6 +242,9 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
+            if seq.pooling:  # prefilled and pooled: done, its KV is not kept
+                self.finish(seq, "stop")
+                continue
             if seq.sibling_generators:
                 new_tokens += self._fork(seq, sampled[seq])
             else:

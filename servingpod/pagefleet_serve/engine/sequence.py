@@ -61,6 +61,11 @@ class Sequence:
     # base model), and the device slot holding it while the sequence runs.
     lora_id: int | None = None
     lora_slot: int | None = None
+    # An embedding request (see engine/pooler.py): no sampling; its prefill's final hidden
+    # states pooled per chunk, by the chunk's first position (a retried step rewrites its
+    # own chunk, a preemption clears them).
+    pooling: bool = False
+    pooled_chunks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def seq_id(self) -> tuple[str, int]:

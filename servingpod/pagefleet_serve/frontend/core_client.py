@@ -143,6 +143,8 @@ class EngineCoreClient:
         logger.info("engine ready %.1fs after the process started", self.startup_seconds["total"])
         # The LoRA adapters the core serves, by name, and whether it can serve any.
         self.lora_enabled = ready.lora_enabled
+        # How the core pools when it serves embeddings (task embed); None: it generates.
+        self.pooling = ready.pooling
         self.lora_adapters: dict[str, LoRAAdapterInfo] = {a.name: a for a in ready.lora_adapters}
         self._lora_changes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._link = link
@@ -170,13 +172,17 @@ class EngineCoreClient:
         prompt: str | list[int],
         params: SamplingParams,
         lora_name: str | None = None,
+        pooling: bool = False,
     ) -> Request:
         """Validate (and tokenize text, start compiling a structured output's constraint:
         await `grammar_compiled` before `add`); the core trusts what this returns.
-        `lora_name`: one of `lora_adapters` (None: the base model). ValueError."""
+        `lora_name`: one of `lora_adapters` (None: the base model); `pooling`: an
+        embedding request (for a core whose `pooling` is set). ValueError."""
         if lora_name is not None and lora_name not in self.lora_adapters:
             raise ValueError(f"the LoRA adapter {lora_name!r} is not loaded")
-        return self.inputs.make_request(request_id, prompt, params, lora_name=lora_name)
+        return self.inputs.make_request(
+            request_id, prompt, params, lora_name=lora_name, pooling=pooling
+        )
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Have the core read and serve an adapter (its files are read off the core's

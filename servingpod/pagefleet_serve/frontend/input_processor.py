@@ -98,21 +98,32 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         lora_name: str | None = None,
+        pooling: bool = False,
     ) -> Request:
         """Tokenize and validate (wait on `grammar_future` before queueing the request);
-        `lora_name`: the LoRA adapter it runs with (None: the base model). Raises
-        ValueError (ContextLengthError when it does not fit the context)."""
-        prompt_token_ids = self.tokenize(prompt) if prompt else []
+        `lora_name`: the LoRA adapter it runs with (None: the base model); `pooling`: an
+        embedding request, whose prompt alone must fit the context (text is tokenized with
+        the tokenizer's special tokens, as sentence-transformers does). Raises ValueError
+        (ContextLengthError when it does not fit the context)."""
+        prompt_token_ids = self.tokenize(prompt, add_special_tokens=pooling) if prompt else []
         limits = self.limits
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        self.check_fits(len(prompt_token_ids), params.max_tokens)  # cheap: first
+        # cheap: first
+        self.check_fits(len(prompt_token_ids), 0 if pooling else params.max_tokens)
         vocab = limits.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if params.n > limits.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
-        return Request(request_id, prompt_token_ids, params, arrival_time or time.time(), lora_name)
+        return Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            arrival_time or time.time(),
+            lora_name,
+            pooling,
+        )
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ContextLengthError when a prompt this long plus max_tokens exceeds the context

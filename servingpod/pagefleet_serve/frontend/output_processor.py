@@ -86,9 +86,9 @@ class OutputProcessor:
     def _add_text(self, state: RequestText, sample: CompletionOutput) -> bool:
         """Make the text of a sample's delta, ending the sample at a stop string; True when
         a stop string ended a sample the core still runs."""
-        if self.tokenizer is None:
-            return False
         request = state.request
+        if self.tokenizer is None or request.pooling:  # no text: token ids, or a vector
+            return False
         text = state.texts.get(sample.index)
         if text is None:
             text = SampleText(self.tokenizer, request.prompt_token_ids, request.params)

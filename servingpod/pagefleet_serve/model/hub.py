@@ -39,6 +39,7 @@ SERVING_FILES = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    "modules.json",  # sentence-transformers' layout: its Pooling module's config follows
 )
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _LOG_EVERY_S = 10.0
@@ -64,6 +65,10 @@ def select_files(repo_files: list[str], gguf_file: str | None) -> list[str]:
             )
         return [gguf_file]
     metadata = [f for f in SERVING_FILES if f in available]
+    # an embedding checkpoint's pooling (e.g. 1_Pooling/config.json, see model/pooling.py)
+    metadata += sorted(
+        f for f in repo_files if f.count("/") == 1 and f.endswith("_Pooling/config.json")
+    )
     if "config.json" not in available:
         raise ModelDownloadError(
             "the repository has no config.json; name one GGUF file instead: hf://org/name/file.gguf"

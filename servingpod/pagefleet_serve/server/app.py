@@ -17,7 +17,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagefleet_serve.server.embeddings_api import EmbeddingRequest, EmbeddingsEndpoint
 from pagefleet_serve.server.errors import APIError, server_error, unavailable
+from pagefleet_serve.server.fair_queue import ClientMiddleware
 from pagefleet_serve.server.lora_api import (
     LoadLoRAAdapterRequest,
     LoRAEndpoints,
@@ -31,6 +33,7 @@ from pagefleet_serve.server.openai_api import (
     read_json_body,
 )
 from pagefleet_serve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagefleet_serve.server.responses_api import ResponsesEndpoint, ResponsesRequest
 from pagefleet_serve.server.state import ServerState
 from pagefleet_serve.server.tokenize_api import (
     DetokenizeRequest,
@@ -59,6 +62,7 @@ def build_app(state: ServerState) -> FastAPI:
         redoc_url="/redoc" if docs else None,
     )
     app.state.server = state
+    app.add_middleware(ClientMiddleware)  # whose turn in the frontend thread (fair_queue)
     started = int(time.time())
 
     async def require_api_key(request: Request) -> None:
@@ -87,6 +91,8 @@ def build_app(state: ServerState) -> FastAPI:
     api = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
     completions = CompletionsEndpoint(state)
     chat = ChatCompletionsEndpoint(state)
+    embeddings = EmbeddingsEndpoint(state)
+    responses = ResponsesEndpoint(state)
 
     @api.get("/models")
     def models() -> dict:
@@ -99,6 +105,14 @@ def build_app(state: ServerState) -> FastAPI:
     @api.post("/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def create_chat_completion(raw: Request) -> Response:
         return await chat(raw)
+
+    @api.post("/responses", openapi_extra=_json_body(ResponsesRequest))
+    async def create_response(raw: Request) -> Response:
+        return await responses(raw)
+
+    @api.post("/embeddings", openapi_extra=_json_body(EmbeddingRequest))
+    async def create_embedding(raw: Request) -> Response:
+        return await embeddings(raw)
 
     bodies: tuple[type[BaseModel], ...] = ()
     if state.settings.allow_runtime_lora_updating:
@@ -136,7 +150,15 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(tokenizing)
     app.openapi = lambda: _openapi(
         app,
-        (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, *bodies),
+        (
+            CompletionRequest,
+            ChatCompletionRequest,
+            EmbeddingRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+            *bodies,
+        ),
     )
 
     @app.get("/health")
@@ -162,6 +184,14 @@ def build_app(state: ServerState) -> FastAPI:
     def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    _install_error_handlers(app)
+    install_tracing(app, state.settings.otlp_traces_endpoint)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's JSON: ours, FastAPI's validation, Starlette's, unexpected."""
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
@@ -181,9 +211,6 @@ def build_app(state: ServerState) -> FastAPI:
     async def unexpected_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return server_error("internal server error").response()
-
-    install_tracing(app, state.settings.otlp_traces_endpoint)
-    return app
 
 
 def _json_body(model: type[BaseModel]) -> dict:

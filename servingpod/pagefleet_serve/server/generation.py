@@ -37,6 +37,7 @@ class _EngineRequest:
     tracker: RequestTracker
     queued: bool = True  # accepted, no output yet (counts against the queue limit)
     done: bool = False
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
 
     @property
     def request_id(self) -> str:
@@ -61,6 +62,8 @@ class Generation:
         self._started = False
         self._cancel_reason: str | None = None
         self._closed = False
+        # Embedding requests' vectors, by prompt index, as they finish.
+        self.embeddings: dict[int, list[float]] = {}
 
     @property
     def num_choices(self) -> int:
@@ -69,6 +72,10 @@ class Generation:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(r.request.prompt_token_ids) for r in self.requests)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(r.num_cached_tokens for r in self.requests)
 
     async def stream(
         self, keepalive_s: float | None, coalesce_s: float
@@ -140,8 +147,11 @@ class Generation:
                 self.admission.release_slot()
             request.tracker.observe(item)
             request.done = item.finished
+            request.num_cached_tokens = max(request.num_cached_tokens, item.num_cached_tokens)
             if item.error:
                 raise RequestFailed(f"the engine failed while running this request: {item.error}")
+            if item.embedding is not None:
+                self.embeddings[request.prompt_index] = item.embedding
             for sample in item.outputs:
                 index = request.prompt_index * self.params.n + sample.index
                 delta = CompletionOutput(

@@ -196,6 +196,9 @@ class RequestTracker:
         label = m.model_name
         timing = output.metrics
         num_new = output.num_generated_tokens
+        if output.embedding is not None and not self.started:  # a prompt, pooled: no tokens
+            self.started = True
+            m.prompt_tokens.labels(label).inc(len(output.prompt_token_ids))
         if num_new:
             if not self.started:
                 self.started = True

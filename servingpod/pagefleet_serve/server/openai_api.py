@@ -99,11 +99,11 @@ class _Run:
         }
 
 
-class _Endpoint(abc.ABC):
-    request_model: type[_GenerationRequest]
-    id_prefix: str
-    object_name: str
-    chunk_object: str
+class PromptBounds:
+    """What every endpoint that reads prompts checks before tokenizing them: text longer
+    than the context could hold, alone or in a batch, is refused by its length; the
+    refusals name `prompt_param`."""
+
     prompt_param: str
 
     def __init__(self, state: ServerState) -> None:
@@ -112,6 +112,54 @@ class _Endpoint(abc.ABC):
         self.tokenizer = self.inputs.tokenizer
         self.max_model_len = self.inputs.limits.max_model_len
         self.max_prompt_chars = self.inputs.max_prompt_chars
+
+    def encode(self, text: str) -> list[int]:
+        self.check_tokenizer()
+        self.check_prompt_chars(len(text))
+        return self.inputs.tokenize(text)
+
+    def check_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise bad_request(
+                f"{self.prompt_param}: this model has no tokenizer; send token ids",
+                param=self.prompt_param,
+            )
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse text that cannot fit the context whatever its tokens, before tokenizing."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"{self.prompt_param}: {num_chars} characters cannot fit in this model's "
+                f"maximum context length of {self.max_model_len} tokens (at most "
+                f"{self.max_prompt_chars} characters can). Please reduce the length of the "
+                f"{self.prompt_param}.",
+                param=self.prompt_param,
+                code="context_length_exceeded",
+            )
+
+    def check_batch_chars(self, num_chars: int) -> None:
+        """Refuse a batch of prompts longer in all than MAX_BATCH_CONTEXTS contexts could
+        hold, before tokenizing any of them."""
+        limit = MAX_BATCH_CONTEXTS * self.max_prompt_chars
+        if num_chars > limit:
+            where = self.prompt_param
+            raise bad_request(
+                f"{where}: the batch's prompts have {num_chars} characters in all; at most "
+                f"{limit} are read in one request ({MAX_BATCH_CONTEXTS} times the "
+                f"{self.max_prompt_chars} one prompt may have). Send fewer or shorter prompts.",
+                param=where,
+                code="context_length_exceeded",
+            )
+
+
+class _Endpoint(PromptBounds, abc.ABC):
+    request_model: type[_GenerationRequest]
+    id_prefix: str
+    object_name: str
+    chunk_object: str
+
+    def __init__(self, state: ServerState) -> None:
+        super().__init__(state)
         self.token_text = state.engine.outputs.token_text
 
     async def __call__(self, raw: Request) -> Response:
@@ -167,6 +215,13 @@ class _Endpoint(abc.ABC):
         self, body: bytes, request_id: str
     ) -> tuple[_GenerationRequest, list[EngineRequest], ToolPlan | None]:
         """Body -> validated engine requests, one per prompt (frontend thread)."""
+        if self.state.engine.pooling is not None:
+            raise bad_request(
+                f"{self.state.settings.model_name} is an embedding model (task embed): it "
+                "generates no text; use /v1/embeddings",
+                param="model",
+                code="model_not_supported",
+            )
         request = parse(self.request_model, body)
         lora_name = self.state.check_model(request.model)
         request.check_supported()
@@ -215,40 +270,6 @@ class _Endpoint(abc.ABC):
         """One choice's entry in a whole response."""
 
     # -- shared ---------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise bad_request(
-                f"{self.prompt_param}: this model has no tokenizer; send token ids",
-                param=self.prompt_param,
-            )
-        self.check_prompt_chars(len(text))
-        return self.inputs.tokenize(text)
-
-    def check_prompt_chars(self, num_chars: int) -> None:
-        """Refuse text that cannot fit the context whatever its tokens, before tokenizing."""
-        if num_chars > self.max_prompt_chars:
-            raise bad_request(
-                f"{self.prompt_param}: {num_chars} characters cannot fit in this model's "
-                f"maximum context length of {self.max_model_len} tokens (at most "
-                f"{self.max_prompt_chars} characters can). Please reduce the length of the "
-                f"{self.prompt_param}.",
-                param=self.prompt_param,
-                code="context_length_exceeded",
-            )
-
-    def check_batch_chars(self, num_chars: int) -> None:
-        """Refuse a batch of prompts longer in all than MAX_BATCH_CONTEXTS contexts could
-        hold, before tokenizing any of them."""
-        limit = MAX_BATCH_CONTEXTS * self.max_prompt_chars
-        if num_chars > limit:
-            raise bad_request(
-                f"prompt: the batch's prompts have {num_chars} characters in all; at most "
-                f"{limit} are read in one request ({MAX_BATCH_CONTEXTS} times the "
-                f"{self.max_prompt_chars} one prompt may have). Send fewer or shorter prompts.",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-
     def envelope(self, run: _Run, chunk: bool) -> dict:
         return {
             "id": run.id,
@@ -258,24 +279,20 @@ class _Endpoint(abc.ABC):
         }
 
     async def _stream(self, run: _Run) -> AsyncIterator[str]:
-        settings = self.state.settings
         usage_field = {"usage": None} if run.request.include_usage else {}
         completion_tokens = 0
         try:
             for chunk in self.opening_chunks(run):
                 yield sse_event(self.envelope(run, chunk=True) | {"choices": [chunk]} | usage_field)
-            async for deltas in run.generation.stream(
-                settings.sse_keepalive_interval or None, settings.stream_coalesce_interval
-            ):
-                if not deltas:
+            async for delta in self.stream_deltas(run):
+                if delta is None:
                     yield KEEPALIVE
                     continue
-                for delta in deltas:
-                    completion_tokens += len(delta.token_ids)
-                    for choice in self.choice_chunks(run, delta):
-                        yield sse_event(
-                            self.envelope(run, chunk=True) | {"choices": [choice]} | usage_field
-                        )
+                completion_tokens += len(delta.token_ids)
+                for choice in self.choice_chunks(run, delta):
+                    yield sse_event(
+                        self.envelope(run, chunk=True) | {"choices": [choice]} | usage_field
+                    )
             if run.request.include_usage:
                 yield sse_event(
                     self.envelope(run, chunk=True)
@@ -287,6 +304,17 @@ class _Endpoint(abc.ABC):
             yield sse_event(unavailable(str(exc), code="server_shutting_down").body())
         yield DONE
 
+    async def stream_deltas(self, run: _Run) -> AsyncIterator[CompletionOutput | None]:
+        """A streamed run's choice deltas as they come; None: a keep-alive is due."""
+        settings = self.state.settings
+        async for deltas in run.generation.stream(
+            settings.sse_keepalive_interval or None, settings.stream_coalesce_interval
+        ):
+            if not deltas:
+                yield None
+            for delta in deltas:
+                yield delta
+
     async def _respond(self, run: _Run, raw: Request) -> Response:
         choices = [CompletionOutput(i) for i in range(run.generation.num_choices)]
 
@@ -295,24 +323,17 @@ class _Endpoint(abc.ABC):
                 for delta in deltas:
                     choices[delta.index].extend(delta)
 
-        try:
-            completed = await _unless_disconnected(raw, collect())
-        except RequestFailed as exc:
-            raise server_error(str(exc)) from None
-        except RequestCancelled as exc:
-            raise unavailable(str(exc), code="server_shutting_down") from None
-        finally:
-            run.generation.close()
-        if not completed:
+        if not await run_to_end(raw, run.generation, collect()):
             return Response(status_code=499)  # the client has gone; nobody reads this
+        return JSONResponse(self.response_body(run, choices))
+
+    def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
+        """The whole (non-stream) response of a finished run."""
         completion_tokens = sum(len(c.token_ids) for c in choices)
-        return JSONResponse(
-            self.envelope(run, chunk=False)
-            | {
-                "choices": [self.final_choice(run, c) for c in choices],
-                "usage": run.usage(completion_tokens),
-            }
-        )
+        return self.envelope(run, chunk=False) | {
+            "choices": [self.final_choice(run, c) for c in choices],
+            "usage": run.usage(completion_tokens),
+        }
 
     def _context_error(self, exc: ContextLengthError) -> APIError:
         where = "messages" if self.prompt_param == "messages" else "prompt"
@@ -568,6 +589,20 @@ def _body_too_large(limit: int) -> APIError:
         code="request_too_large",
         headers={"Connection": "close"},
     )
+
+
+async def run_to_end(raw: Request, generation: Generation, collect: Coroutine) -> bool:
+    """Run `collect` (which reads the generation's stream to its end) unless the client
+    disconnects first: True if it ran. The engine's failure is a 500, a drain's cancel a
+    503; the generation is closed either way."""
+    try:
+        return await _unless_disconnected(raw, collect)
+    except RequestFailed as exc:
+        raise server_error(str(exc)) from None
+    except RequestCancelled as exc:
+        raise unavailable(str(exc), code="server_shutting_down") from None
+    finally:
+        generation.close()
 
 
 async def _unless_disconnected(raw: Request, work: Coroutine) -> bool:

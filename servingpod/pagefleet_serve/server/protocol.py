@@ -54,6 +54,19 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[object], bool]] = {
 }
 
 
+def refuse_unsupported(body: BaseModel, fields: dict[str, Callable[[object], bool]]) -> None:
+    """400 naming the first extra field of `body` in `fields` whose value asks for
+    something."""
+    for name, value in (body.model_extra or {}).items():
+        asks_nothing = fields.get(name)
+        if asks_nothing is not None and not asks_nothing(value):
+            raise bad_request(
+                f"{name}: this server does not support {name}; remove it from the request",
+                param=name,
+                code="unsupported_field",
+            )
+
+
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: bool | None = None
@@ -150,14 +163,7 @@ class _GenerationRequest(BaseModel):
     def check_supported(self) -> None:
         """400 for a field this server would otherwise ignore although it asks for
         something."""
-        for name, value in (self.model_extra or {}).items():
-            asks_nothing = UNSUPPORTED_FIELDS.get(name)
-            if asks_nothing is not None and not asks_nothing(value):
-                raise bad_request(
-                    f"{name}: this server does not support {name}; remove it from the request",
-                    param=name,
-                    code="unsupported_field",
-                )
+        refuse_unsupported(self, UNSUPPORTED_FIELDS)
 
     def constraint(self) -> StructuredOutputs | None:
         """The structured-output constraint the request asks for; 400 for more than one."""

@@ -52,6 +52,10 @@ class ServerSettings:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, the adapters are those of --lora-modules.
     allow_runtime_lora_updating: bool = False
+    # /v1/responses keeps this many recent responses (least recently used out first) for
+    # `previous_response_id`, each for at most this many seconds; 0 entries: none kept.
+    responses_store_max_entries: int = 1024
+    responses_store_max_age: float = 3600.0
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -73,6 +77,14 @@ class ServerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.responses_store_max_entries < 0:
+            raise ValueError(
+                f"responses_store_max_entries must be >= 0, got {self.responses_store_max_entries}"
+            )
+        if self.responses_store_max_age <= 0:
+            raise ValueError(
+                f"responses_store_max_age must be > 0, got {self.responses_store_max_age}"
+            )
         if self.max_connections_per_client is not None and self.max_connections_per_client <= 0:
             raise ValueError(
                 f"max_connections_per_client must be > 0, got {self.max_connections_per_client}"

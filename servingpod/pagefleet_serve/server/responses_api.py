@@ -1,0 +1,576 @@
+"""/v1/responses, OpenAI's Responses API, on the chat path.
+
+A request's `instructions`, the conversation of its `previous_response_id` (kept in this
+process's `ResponseStore`) and its `input` items become chat messages; its flat function
+tools, `tool_choice`, `text.format` and `max_output_tokens` become their chat forms; then
+`ChatCompletionsEndpoint` templates, bounds, constrains and runs it as it runs a chat
+completion (same limits, errors, metrics and traces). Only the output is written the
+Responses way: output items (a message with `output_text`, `function_call`s), the usage
+with its details, and in a stream the Responses events, each with its `sequence_number`.
+
+What this server cannot do is refused by name (400): built-in tools, non-text input
+parts (images, files, audio), items other than messages, function calls and their
+outputs, and fields such as `background`, `reasoning`, `include` or `conversation`.
+"""
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from itertools import count
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag
+
+from pagefleet_serve.outputs import CompletionOutput
+from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.server.errors import APIError, bad_request
+from pagefleet_serve.server.generation import RequestCancelled, RequestFailed
+from pagefleet_serve.server.openai_api import KEEPALIVE, ChatCompletionsEndpoint, _Run
+from pagefleet_serve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ContentPart,
+    FunctionCall,
+    FunctionDefinition,
+    JSONSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCallMessage,
+    _absent,
+    refuse_unsupported,
+)
+from pagefleet_serve.server.response_store import ResponseStore
+from pagefleet_serve.server.state import ServerState
+from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, split_output
+
+_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+# Fields of the Responses API this server does not implement, with the values that ask
+# for nothing; any other value is a 400 naming the field.
+UNSUPPORTED_RESPONSES_FIELDS = {
+    "background": _absent(False),
+    "include": _absent([]),
+    "reasoning": _absent(),
+    "conversation": _absent(),
+    "prompt": _absent(),
+    "max_tool_calls": _absent(),
+    "truncation": _absent("disabled"),
+    "top_logprobs": _absent(0),
+    "context_management": _absent([]),
+}
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+TEXT_PART_TYPES = ("input_text", "output_text")
+
+
+def _kind(value: object, known: tuple[str, ...], default: str | None = None) -> str:
+    """The tag of an item or tool: its `type` when this server knows it, else "other"."""
+    kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in known else "other"
+
+
+class _Unsupported(BaseModel):
+    """An item or tool of a type this server does not take: kept to be refused by name."""
+
+    model_config = _OPEN
+    type: str
+
+
+class MessageItem(BaseModel):
+    model_config = _CONFIG
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+
+
+class FunctionCallItem(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ContentPart]
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[_Unsupported, Tag("other")],
+    # An item without a type is a message (OpenAI's "easy input message").
+    Discriminator(lambda v: _kind(v, INPUT_ITEM_TYPES, "message")),
+]
+
+
+class FunctionTool(FunctionDefinition):
+    """A function tool in the Responses API's flat shape."""
+
+    type: Literal["function"]
+
+
+ResponsesTool = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[_Unsupported, Tag("other")],
+    Discriminator(lambda v: _kind(v, ("function",))),
+]
+
+
+class FunctionToolChoice(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = _CONFIG
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = _CONFIG
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = _OPEN
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    priority: int | None = None  # vLLM's extra field, as on chat
+    # The conversation so far (the previous response's and this input, no instructions).
+    _conversation: list[ChatMessage] = PrivateAttr(default_factory=list)
+
+    def check_supported(self) -> None:
+        refuse_unsupported(self, UNSUPPORTED_RESPONSES_FIELDS)
+
+
+class ResponsesEndpoint(ChatCompletionsEndpoint):
+    request_model = ResponsesRequest  # type: ignore[assignment]
+    id_prefix = "resp"
+    object_name = "response"
+    prompt_param = "input"
+
+    def __init__(self, state: ServerState) -> None:
+        super().__init__(state)
+        settings = state.settings
+        self.store: ResponseStore[list[ChatMessage]] = ResponseStore(
+            settings.responses_store_max_entries, settings.responses_store_max_age
+        )
+
+    # -- input -------------------------------------------------------------------------------
+    def prepare(  # type: ignore[override]
+        self, request: ResponsesRequest
+    ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+        history = self._history(request.previous_response_id)
+        items = request.input
+        if isinstance(items, str):
+            items = [MessageItem(role="user", content=items)]
+        if not items:
+            raise bad_request("input: must not be empty", param="input")
+        request._conversation = history + _chat_messages(items)
+        messages = list(request._conversation)
+        if request.instructions:
+            messages.insert(0, ChatMessage(role="system", content=request.instructions))
+        chat = ChatCompletionRequest(
+            model=request.model,
+            messages=messages,
+            max_completion_tokens=request.max_output_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            tools=_chat_tools(request.tools),
+            tool_choice=_chat_tool_choice(request.tool_choice),
+            parallel_tool_calls=request.parallel_tool_calls,
+            response_format=_response_format(request.text),
+            priority=request.priority,
+        )
+        return super().prepare(chat)
+
+    def _history(self, response_id: str | None) -> list[ChatMessage]:
+        if response_id is None:
+            return []
+        conversation = self.store.get(response_id)
+        if conversation is None:
+            kept = "" if self.store.enabled else " (this server keeps no responses)"
+            raise APIError(
+                404,
+                f"Previous response with id '{response_id}' not found{kept}.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return conversation
+
+    # -- output ------------------------------------------------------------------------------
+    def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
+        [choice] = choices
+        status = _status(choice.finish_reason)
+        content, calls = split_output(run.tools, choice.text) if run.tools else (choice.text, [])
+        output = []
+        if content or not calls:
+            output.append(_message_item(_new_id("msg"), content or "", status))
+        output += [
+            _function_call_item(_new_id("fc"), c.id, c.name, c.arguments, "completed")
+            for c in calls
+        ]
+        self._keep(run, output)
+        return self._response(run, status, output, self._usage(run, len(choice.token_ids)))
+
+    async def _stream(self, run: _Run) -> AsyncIterator[str]:
+        numbers = count()
+
+        def event(kind: str, **fields) -> str:
+            payload = {"type": kind, "sequence_number": next(numbers), **fields}
+            data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+            return f"event: {kind}\ndata: {data}\n\n"
+
+        writer = _OutputWriter(run.tools)
+        yield event("response.created", response=self._response(run, "in_progress", [], None))
+        yield event("response.in_progress", response=self._response(run, "in_progress", [], None))
+        output_tokens = 0
+        try:
+            async for delta in self.stream_deltas(run):
+                if delta is None:
+                    yield KEEPALIVE
+                    continue
+                output_tokens += len(delta.token_ids)
+                for kind, fields in writer.feed(delta.text, delta.finish_reason):
+                    yield event(kind, **fields)
+            for kind, fields in writer.finish():
+                yield event(kind, **fields)
+        except (RequestFailed, RequestCancelled) as exc:
+            failed = self._response(run, "failed", writer.items(), None)
+            failed["error"] = {"code": "server_error", "message": str(exc)}
+            yield event("response.failed", response=failed)
+            return
+        output = writer.items()
+        self._keep(run, output)
+        usage = self._usage(run, output_tokens)
+        final = self._response(run, writer.status, output, usage)
+        done = "response.completed" if writer.status == "completed" else "response.incomplete"
+        yield event(done, response=final)
+
+    def _keep(self, run: _Run, output: list[dict]) -> None:
+        request: ResponsesRequest = run.request  # type: ignore[assignment]
+        if request.store is not False:
+            self.store.put(run.id, request._conversation + _output_messages(output))
+
+    def _usage(self, run: _Run, output_tokens: int) -> dict:
+        input_tokens = run.generation.num_prompt_tokens
+        return {
+            "input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": run.generation.num_cached_tokens},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},  # no reasoning models here
+            "total_tokens": input_tokens + output_tokens,
+        }
+
+    def _response(self, run: _Run, status: str, output: list[dict], usage: dict | None) -> dict:
+        request: ResponsesRequest = run.request  # type: ignore[assignment]
+        text_format = request.text.format if request.text and request.text.format else None
+        tool_choice = request.tool_choice
+        if tool_choice is None:
+            tool_choice = "auto" if request.tools else "none"
+        return {
+            "id": run.id,
+            "object": "response",
+            "created_at": run.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if status == "incomplete" else None
+            ),
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "metadata": request.metadata or {},
+            "model": run.model,
+            "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": request.previous_response_id,
+            "store": request.store is not False and self.store.enabled,
+            "temperature": request.temperature,
+            "text": {
+                "format": (
+                    text_format.model_dump(by_alias=True, exclude_none=True)
+                    if text_format
+                    else {"type": "text"}
+                )
+            },
+            "tool_choice": (
+                tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump()
+            ),
+            "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in request.tools or []],
+            "top_p": request.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": request.user,
+        }
+
+
+class _OutputWriter:
+    """One streamed response's output items as Responses events: text goes into a message
+    item, each tool call (as `ToolCallStream` finds them) into a function_call item whose
+    arguments come in fragments; a message ends where a call begins, everything at the
+    end."""
+
+    def __init__(self, tools: ToolPlan | None) -> None:
+        parser = tools is not None and tools.parser is not None
+        self.calls = ToolCallStream(tools) if parser else None  # type: ignore[arg-type]
+        self.output: list[dict] = []
+        self.open: set[int] = set()  # output indices not yet done
+        self.message: int | None = None  # the index of the message being written
+        self.by_call: dict[int, int] = {}  # tool call index -> output index
+        self.status = "completed"
+
+    def items(self) -> list[dict]:
+        return [dict(item) for item in self.output]
+
+    def feed(self, text: str, finish_reason: str | None) -> Iterator[tuple[str, dict]]:
+        if finish_reason is not None:
+            self.status = _status(finish_reason)
+        if self.calls is None:
+            deltas = [{"content": text}] if text else []
+        else:
+            deltas = self.calls.feed(text, finish_reason is not None)
+        for delta in deltas:
+            if delta.get("content"):
+                yield from self._text(delta["content"])
+            for call in delta.get("tool_calls", ()):
+                yield from self._call(call)
+
+    def finish(self) -> Iterator[tuple[str, dict]]:
+        if not self.output:  # no text, no calls: an empty message, as the whole response
+            yield from self._open_message()
+        for index in sorted(self.open):
+            yield from self._close(index)
+
+    def _text(self, text: str) -> Iterator[tuple[str, dict]]:
+        if self.message is None:
+            yield from self._open_message()
+        assert self.message is not None
+        item = self.output[self.message]
+        item["content"][0]["text"] += text
+        yield (
+            "response.output_text.delta",
+            self._where(self.message) | {"content_index": 0, "delta": text, "logprobs": []},
+        )
+
+    def _open_message(self) -> Iterator[tuple[str, dict]]:
+        index = self._add(_message_item(_new_id("msg"), "", "in_progress"))
+        self.message = index
+        yield (
+            "response.output_item.added",
+            {
+                "output_index": index,
+                "item": _message_item(self.output[index]["id"], "", "in_progress", parts=False),
+            },
+        )
+        yield (
+            "response.content_part.added",
+            self._where(index)
+            | {
+                "content_index": 0,
+                "part": _text_part(""),
+            },
+        )
+
+    def _call(self, call: dict) -> Iterator[tuple[str, dict]]:
+        function = call.get("function", {})
+        if "id" in call:  # a call begins: its name is whole
+            if self.message is not None:
+                yield from self._close(self.message)
+            item = _function_call_item(
+                _new_id("fc"), call["id"], function["name"], "", "in_progress"
+            )
+            index = self._add(item)
+            self.by_call[call["index"]] = index
+            yield "response.output_item.added", {"output_index": index, "item": dict(item)}
+        piece = function.get("arguments", "")
+        if piece:
+            index = self.by_call[call["index"]]
+            self.output[index]["arguments"] += piece
+            yield "response.function_call_arguments.delta", self._where(index) | {"delta": piece}
+
+    def _close(self, index: int) -> Iterator[tuple[str, dict]]:
+        self.open.discard(index)
+        item = self.output[index]
+        if item["type"] == "message":
+            self.message = None
+            text = item["content"][0]["text"]
+            where = self._where(index) | {"content_index": 0}
+            yield "response.output_text.done", where | {"text": text, "logprobs": []}
+            yield "response.content_part.done", where | {"part": _text_part(text)}
+            item["status"] = self.status
+        else:
+            done = self._where(index) | {"arguments": item["arguments"]}
+            yield "response.function_call_arguments.done", done
+            item["status"] = "completed" if self.status == "completed" else "incomplete"
+        yield "response.output_item.done", {"output_index": index, "item": dict(item)}
+
+    def _add(self, item: dict) -> int:
+        self.output.append(item)
+        self.open.add(len(self.output) - 1)
+        return len(self.output) - 1
+
+    def _where(self, index: int) -> dict:
+        return {"item_id": self.output[index]["id"], "output_index": index}
+
+
+# -- Responses shapes <-> chat shapes --------------------------------------------------------
+def _chat_messages(items: list) -> list[ChatMessage]:
+    """Input items -> chat messages: a function call joins the assistant turn before it
+    (parallel calls are one turn), its output is a tool message."""
+    messages: list[ChatMessage] = []
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        if isinstance(item, _Unsupported):
+            raise bad_request(
+                f"{where}: items of type {item.type!r} are not supported; this server takes "
+                f"{', '.join(INPUT_ITEM_TYPES)} items",
+                param="input",
+                code="unsupported_content",
+            )
+        if isinstance(item, MessageItem):
+            content = _text(item.content, where)
+            messages.append(ChatMessage(role=item.role, content=content))
+        elif isinstance(item, FunctionCallItem):
+            try:
+                json.loads(item.arguments)
+            except ValueError:
+                raise bad_request(f"{where}.arguments: not valid JSON", param="input") from None
+            call = ToolCallMessage(
+                id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
+            )
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        else:
+            content = _text(item.output, f"{where}.output")
+            messages.append(ChatMessage(role="tool", content=content, tool_call_id=item.call_id))
+    return messages
+
+
+def _text(content: str | list[ContentPart], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for position, part in enumerate(content):
+        if part.type not in TEXT_PART_TYPES or part.text is None:
+            raise bad_request(
+                f"{where}.content[{position}]: content parts of type {part.type!r} are not "
+                f"supported; this server reads {' and '.join(TEXT_PART_TYPES)} parts",
+                param="input",
+                code="unsupported_content",
+            )
+    return "\n".join(part.text or "" for part in content)
+
+
+def _chat_tools(tools: list | None) -> list[Tool] | None:
+    if tools is None:
+        return None
+    chat_tools = []
+    for index, tool in enumerate(tools):
+        if isinstance(tool, _Unsupported):
+            raise bad_request(
+                f"tools[{index}]: built-in tools ({tool.type!r}) are not supported; this "
+                "server calls function tools only",
+                param="tools",
+                code="unsupported_tool",
+            )
+        definition = FunctionDefinition.model_validate(
+            tool.model_dump(by_alias=True, exclude={"type"})
+        )
+        chat_tools.append(Tool(type="function", function=definition))
+    return chat_tools
+
+
+def _chat_tool_choice(choice) -> str | NamedToolChoice | None:
+    if isinstance(choice, FunctionToolChoice):
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    return choice
+
+
+def _response_format(text: TextConfig | None) -> ResponseFormat | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    if fmt.schema_ is None:
+        raise bad_request("text.format: schema is required for type json_schema", param="text")
+    schema = JSONSchemaFormat.model_validate(
+        {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
+    )
+    return ResponseFormat(type="json_schema", json_schema=schema)
+
+
+def _output_messages(output: list[dict]) -> list[ChatMessage]:
+    """A response's output items as the chat messages a continuation reads."""
+    return _chat_messages(
+        [
+            MessageItem(role="assistant", content=item["content"][0]["text"])
+            if item["type"] == "message"
+            else FunctionCallItem(
+                type="function_call",
+                call_id=item["call_id"],
+                name=item["name"],
+                arguments=item["arguments"] or "{}",
+            )
+            for item in output
+        ]
+    )
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str, status: str, parts: bool = True) -> dict:
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [_text_part(text)] if parts else [],
+    }
+
+
+def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
