@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: install serve test test-random durations mutation lint type-check format bench \
 	bench-quick bench-readme \
 	bench-peer-vllm bench-offline bench-kvquant bench-moe \
-	bench-kernels test-kernels test-kernels-aot test-kernels-gpu test-engine-slow e2e e2e-local
+	bench-kernels test-kernels test-kernels-aot test-kernels-gpu gpu-check test-engine-slow e2e e2e-local
 
 # The C++ CPU extensions are compiled here (into kernels/pagefleet_kernels/prebuilt/, for the
 # best CPU family this machine runs), never by an engine; after a change to their sources
@@ -106,6 +106,11 @@ test-kernels-aot: install
 
 test-kernels-gpu: install
 	$(PY) -m pytest -q -m gpu tests/kernels
+
+# On a lent GPU machine (no network, nothing installed): every GPU check and benchmark in
+# one go, results as JSON under $$OUT (see benchmarks/gpu_check.sh).
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 lint: install
 	$(VENV)/bin/ruff check servingpod kernels operator tests e2e benchmarks

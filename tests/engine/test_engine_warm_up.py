@@ -92,3 +92,43 @@ def test_on_cuda_the_warm_up_peak_is_measured_and_reserved():
     # The prefill's gate/up output alone, 2048 x 3072 in bfloat16, is 12 MiB.
     assert without - with_warm_up >= 12 << 20
     assert runner.kv_cache is None
+
+
+def _count_triton_compiles() -> list[str]:
+    """Names of the Triton kernels compiled (or loaded into memory) from now on: the cache
+    hook Triton calls on a kernel variant it has not got in memory (`triton.knobs` since
+    Triton 3.4, `JITFunction.cache_hook` before)."""
+    import triton
+
+    compiled: list[str] = []
+
+    def hook(*args, **kwargs) -> bool:
+        compiled.append(str(kwargs.get("key", kwargs.get("fn", "kernel"))))
+        return False  # go on compiling as usual
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs.runtime, "jit_cache_hook"):
+        knobs.runtime.jit_cache_hook = hook
+    else:
+        triton.runtime.jit.JITFunction.cache_hook = hook
+    return compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_no_triton_kernel_is_compiled_after_the_engine_is_ready():
+    """The warm-up runs every step shape a request can make, so that serving compiles
+    nothing: prefills of several lengths, decode batches of 1 to max_num_seqs, sampling
+    with and without penalties."""
+    from pagefleet_serve import LLM, SamplingParams
+
+    llm = LLM(model="builtin://smollm2-135m", device="cuda", max_num_seqs=16)
+    compiled = _count_triton_compiles()
+    prompts = [f"Count to {n}:" + " and" * (7 * n) for n in range(1, 13)]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0),
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, repetition_penalty=1.2),
+    ]
+    llm.generate(prompts, params[0])
+    llm.generate(prompts[:5], params[1])
+    assert compiled == []

@@ -62,14 +62,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+# CUDA devices whose float8 matmuls `quantization=auto` uses (Hopper and later).
+FP8_MIN_CAPABILITY = (9, 0)
+
+
 def weight_quantization(config: EngineConfig, device: torch.device) -> str:
     """The quantization the loader applies: the packed weight-only kernels are CPU ones, so
-    on CUDA `auto` expands (int8 is refused)."""
-    if device.type == "cpu" or config.quantization == "none":
+    on CUDA `auto` expands GGUF blocks (int8 is refused) and keeps float8 checkpoints in
+    float8 (fp8) where their products are fast: one device (float8 weights are not split
+    for tensor parallelism) of compute capability 9.0 or more (rowwise-scaled
+    `torch._scaled_mm`); elsewhere it dequantizes them."""
+    if device.type == "cpu" or config.quantization in ("none", "fp8"):
         return config.quantization
     if config.quantization == "int8":
         raise ValueError(f"quantization 'int8' runs on the CPU only, got device {device}")
-    return "none"
+    fast_fp8 = torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+    return "fp8" if fast_fp8 and config.tensor_parallel_size == 1 else "none"
 
 
 def activation_quantization(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:

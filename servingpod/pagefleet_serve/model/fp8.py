@@ -12,16 +12,21 @@ scale) and differ in the scale's name and shape:
   one per `weight_block_size` block of the matrix; despite its name the weight is
   `float8 * weight_scale_inv`.
 
-The loader dequantizes each weight as it streams the checkpoint (one tensor in float32 at
-a time), into the dtype the engine computes in: on every device the model then runs as the
-dequantized model does (FP8 matmuls on CUDA, with the weights kept in float8, are not built
-yet). Anything else in a `quantization_config` is refused by name.
+With `quantization="fp8"` (what `auto` means on CUDA) the per-tensor and per-channel
+formats stay float8: `kept` hands each weight over with a scale per output row, and
+`linear.Fp8Linear` multiplies it with `torch._scaled_mm`, the activations scaled to float8
+per token as they come (dynamic scales). Otherwise (the CPU's default, and block-scaled
+weights everywhere) the loader dequantizes each weight as it streams the checkpoint (one
+tensor in float32 at a time) into the dtype the engine computes in, and the model runs as
+the dequantized model does. Anything else in a `quantization_config` is refused by name.
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
+
+from pagefleet_serve.model.quant import QuantizedWeight
 
 # The scale of `<module>.weight`, by format.
 SCALE_SUFFIX = {
@@ -121,3 +126,31 @@ def dequantize(
         )
     per_element = scale.repeat_interleave(block_rows, 0)[:rows]
     return values * per_element.repeat_interleave(block_columns, 1)[:, :columns]
+
+
+def kept(
+    name: str, weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme
+) -> QuantizedWeight:
+    """`weight` left in float8 with one float32 scale per output row (a per-tensor scale
+    repeated), as `linear.Fp8Linear` multiplies it; block-scaled (`fp8`) weights are not
+    kept (their scales vary along the input too): `dequantize` them."""
+    if scheme.block is not None:
+        raise Fp8FormatError(f"{name}: block-scaled float8 weights are dequantized, not kept")
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise Fp8FormatError(f"{name} has a scale but is {weight.dtype}, not float8_e4m3fn")
+    rows, columns = weight.shape
+    scale = scale.to(torch.float32)
+    if scale.numel() == 1:
+        scale = scale.reshape(1, 1).expand(rows, 1)
+    elif scale.numel() != rows:
+        raise Fp8FormatError(
+            f"{name}: a scale of shape {tuple(scale.shape)} for a {tuple(weight.shape)} "
+            "weight is neither per tensor nor per output channel"
+        )
+    return QuantizedWeight(
+        codes=weight.contiguous(),
+        scale=scale.reshape(rows, 1).contiguous(),
+        zero=None,
+        bits=8,
+        group_size=columns,
+    )

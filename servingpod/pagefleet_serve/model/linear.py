@@ -4,6 +4,8 @@
 - `PrepackedLinear`: a float weight in oneDNN's blocked layout (CPU), made from a `Linear`
   by `prepack_linears`.
 - `Int8RowLinear`: int8 codes with one scale per output row (weight-only int8).
+- `Fp8Linear`: float8 e4m3 weights with a scale per output row (FP8 checkpoints kept in
+  float8), multiplied by `torch._scaled_mm`.
 - `Int4Linear`: 4-bit codes (GGUF's Q4_0/Q4_1); `Q8_0Linear`: GGUF's Q8_0, held as two
   4-bit parts (see `pagefleet_serve.model.quant`) plus, where the backend multiplies Q8_0
   codes itself, those codes.
@@ -45,6 +47,7 @@ DEQUANTIZE_ROWS = 64
 # are dequantized from this many rows on, where oneDNN's float GEMM pulls ahead (0.8 ms
 # against 0.4 at 32 rows). The fused decoder layer, made of those matmuls, takes fewer.
 DEQUANTIZE_ROWS_FLOAT32 = 16
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
@@ -136,7 +139,7 @@ def prepack_linears(model: nn.Module, backend: KernelBackend) -> int:
     return len(names)
 
 
-# -- quantized weights (CPU only) -----------------------------------------------------------
+# -- quantized weights (CPU only, float8 everywhere) ------------------------------------------
 class QuantizedLinear(nn.Module):
     """What the quantized formats share: their shape, the bias (added after the product),
     and no binding for a fused decoder layer unless the format has a native matmul."""
@@ -158,11 +161,63 @@ def quantized_linear(
 ) -> QuantizedLinear:
     """The layer of `weight`'s format. Its tensors are buffers, not parameters, and not in
     the state dict: built from the checkpoint's codes at load, never loaded by name."""
+    if weight.codes.dtype == torch.float8_e4m3fn:
+        return Fp8Linear(weight, bias)
     if weight.bits == 4:
         return Int4Linear(weight, bias, backend)
     if weight.group_size != weight.shape[1]:
         return Q8_0Linear(weight, bias, backend)
     return Int8RowLinear(weight, bias)
+
+
+class Fp8Linear(QuantizedLinear):
+    """float8 e4m3 weights with one float32 scale per output row (an FP8 checkpoint's, see
+    `pagefleet_serve.model.fp8`), multiplied in float8 by `torch._scaled_mm`: each row of
+    x is scaled into float8's range by its own absolute maximum first (dynamic per-token
+    scales, as the checkpoints' `dynamic` activations say), and the product is rescaled by
+    both scales in float32. CUDA's rowwise-scaled product writes bfloat16 only, so other
+    activation dtypes are computed in it there and cast; a shape the product does not take
+    (dimensions not multiples of 16 on CUDA) multiplies the dequantized weight. The codes
+    are held as uint8 bytes, so that `.to(dtype)` leaves them float8, and the scales stay
+    float32."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.register_buffer("codes", weight.codes.view(torch.uint8), persistent=False)
+        self.register_buffer("scale", weight.scale.reshape(1, -1).float(), persistent=False)
+
+    @property
+    def weight_fp8(self) -> torch.Tensor:
+        return self.codes.view(torch.float8_e4m3fn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.is_cuda and (self.in_features % 16 or self.out_features % 16):
+            w = self.weight_fp8.to(torch.float32) * self.scale.reshape(-1, 1)
+            y = F.linear(flat, w.to(flat.dtype))
+        else:
+            x_scale = flat.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+            x_fp8 = (flat.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            out_dtype = torch.bfloat16 if flat.is_cuda else flat.dtype
+            y = torch._scaled_mm(
+                x_fp8,
+                self.weight_fp8.t(),
+                scale_a=x_scale,
+                scale_b=self.scale,
+                out_dtype=out_dtype,
+            ).to(flat.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):  # .to(dtype) would round the scales
+        scale = self.scale
+        super()._apply(fn, recurse)
+        self.scale = scale.to(self.codes.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, float8 e4m3 per row"
 
 
 class Int8RowLinear(QuantizedLinear):
