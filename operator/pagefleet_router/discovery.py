@@ -55,20 +55,39 @@ class PodMetrics:
     num_requests_waiting: float
     num_requests_running: float
     kv_cache_usage: float
+    adapters: frozenset[str] = frozenset()
 
 
 def parse_pod_metrics(text: str) -> PodMetrics:
     """The load gauges from a pod's Prometheus text, summed over label sets (one per
-    served model name); a missing gauge is an error naming it."""
+    served model name), and the LoRA adapters its running and waiting requests use (the
+    comma-separated labels of vllm:lora_requests_info; absent when LoRA is off); a missing
+    gauge is an error naming it."""
     values: dict[str, float] = {}
+    # vllm:lora_requests_info per model: vLLM keeps every label set it ever exported, the
+    # newest (its value is the time) is the current one.
+    adapter_info: dict[str, tuple[float, set[str]]] = {}
     for family in text_string_to_metric_families(text):
         if family.name in POD_GAUGES:
             field = POD_GAUGES[family.name]
             values[field] = values.get(field, 0.0) + sum(s.value for s in family.samples)
+        elif family.name == names.LORA_REQUESTS_INFO:
+            for sample in family.samples:
+                model = sample.labels.get("model_name", "")
+                if model in adapter_info and adapter_info[model][0] >= sample.value:
+                    continue
+                names_in_use = {
+                    n
+                    for label in ("running_lora_adapters", "waiting_lora_adapters")
+                    for n in sample.labels.get(label, "").split(",")
+                    if n
+                }
+                adapter_info[model] = (sample.value, names_in_use)
     missing = [name for name, field in POD_GAUGES.items() if field not in values]
     if missing:
         raise ValueError(f"/metrics lacks {', '.join(missing)}")
-    return PodMetrics(**values)
+    adapters = frozenset().union(*(names for _, names in adapter_info.values()))
+    return PodMetrics(**values, adapters=adapters)
 
 
 # How long a pod that answered with a server error is routed around.
@@ -137,6 +156,7 @@ class PodRegistry:
                     metrics_age_s=now - at,
                     in_flight=in_flight,
                     failing=failing,
+                    adapters=metrics.adapters,
                 )
             )
         return states

@@ -7,6 +7,10 @@ that are under the load bound:
   2. "hash" / "bounded": the prompt's first block's home by rendezvous (highest random
      weight) hashing, or, when the home is at its bound, the next pod in that order;
   3. "load": no full block to hash, so the least loaded pod.
+A request for a LoRA adapter (its `model`) that some of those pods report in use
+(`vllm:lora_requests_info`) is placed among those pods alone, by the same steps: its
+reason is "adapter" unless a prefix match chose; other pods take it only when every
+holder is at its bound (it then loads the adapter there).
 The load bound is consistent hashing with bounded loads (Mirrokni et al.): a pod takes a
 new request only while its in-flight count stays within ceil(load_factor * mean), so one
 hot prefix spills over to the next pods in its hash order instead of piling onto one.
@@ -19,7 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-REASONS = ("prefix", "hash", "bounded", "load", "all_busy")
+REASONS = ("prefix", "adapter", "hash", "bounded", "load", "all_busy")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class PodState:
     in_flight: int = 0  # this router's requests to the pod right now
     # It answered a recent request with a server error: its prefixes go elsewhere.
     failing: bool = False
+    # The LoRA adapters of its running and waiting requests (vllm:lora_requests_info).
+    adapters: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,11 @@ def choose_pod(
     pods: Sequence[PodState],
     last_served: Callable[[bytes], str | None],
     config: PolicyConfig,
+    model: str | None = None,
 ) -> Decision | None:
     """The pod for a request whose prompt has these leading block hashes; None if no pod.
-    `last_served(block_hash)` names the pod that most recently served that block."""
+    `last_served(block_hash)` names the pod that most recently served that block; `model`
+    is the request's model (a LoRA adapter's name selects that adapter)."""
     if not pods:
         return None
     # A pod that answers with errors while its /metrics looks fine would keep every prompt
@@ -83,6 +91,9 @@ def choose_pod(
         return Decision(least_loaded(pool, use_metrics).url, "all_busy")
     bound = load_bound(open_pods, config.load_factor)
     within = {p.url: p for p in open_pods if p.in_flight + 1 <= bound}
+    holders = {url: p for url, p in within.items() if model is not None and model in p.adapters}
+    if holders:
+        within, open_pods = holders, list(holders.values())
     for block_hash in reversed(hashes):
         url = last_served(block_hash)
         if url in within:
@@ -90,8 +101,10 @@ def choose_pod(
     if hashes:
         order = rendezvous_order(hashes[0], [p.url for p in open_pods])
         url = next(u for u in order if u in within)
-        return Decision(url, "hash" if url == order[0] else "bounded")
-    return Decision(least_loaded(list(within.values()), use_metrics).url, "load")
+        reason = "adapter" if holders else "hash" if url == order[0] else "bounded"
+        return Decision(url, reason)
+    pod = least_loaded(list(within.values()), use_metrics)
+    return Decision(pod.url, "adapter" if holders else "load")
 
 
 def is_fresh(pod: PodState, config: PolicyConfig) -> bool:

@@ -41,6 +41,7 @@ _NOT_FORWARDED = frozenset(
 PROXIED_ROUTES = (
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/embeddings"),
     ("GET", "/v1/models"),
 )
 _ATTEMPTS = 2  # the first pod, then one other when the first fails before any byte
@@ -218,9 +219,11 @@ class Router:
             self._endpoints_changed.clear()
             await self._refresh()
 
-    def choose(self, hashes: list[bytes], exclude: set[str]) -> Decision | None:
+    def choose(
+        self, hashes: list[bytes], exclude: set[str], model: str | None = None
+    ) -> Decision | None:
         pods = [p for p in self.registry.states() if p.url not in exclude]
-        return choose_pod(hashes, pods, self.prefix_table.get, self.settings.policy)
+        return choose_pod(hashes, pods, self.prefix_table.get, self.settings.policy, model)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         if self.tracing is None:
@@ -244,10 +247,10 @@ class Router:
             finally:
                 if span is not None:
                     span.set_attribute("pagefleet.router.held_seconds", time.monotonic() - arrived)
-        hashes = self._prefix_hashes(request.path, body)
+        hashes, model = self._routing_key(request.path, body)
         tried: set[str] = set()
         for attempt in range(_ATTEMPTS):
-            decision = self.choose(hashes, exclude=tried)
+            decision = self.choose(hashes, exclude=tried, model=model)
             if decision is None:
                 break
             tried.add(decision.url)
@@ -342,10 +345,11 @@ class Router:
             raise _Refused(_closing(response)) from None
         return bytes(body)
 
-    def _prefix_hashes(self, path: str, body: bytes) -> list[bytes]:
-        """The prompt prefix's block hashes from the body's first prefix_scan_bytes; a
-        body that is not JSON, too deep or not an object has no prefix (the pod answers
-        it with its own error)."""
+    def _routing_key(self, path: str, body: bytes) -> tuple[list[bytes], str | None]:
+        """The prompt prefix's block hashes from the body's first prefix_scan_bytes, and
+        the requested model (an adapter's name routes by adapter); a body that is not
+        JSON, too deep or not an object has neither (the pod answers it with its own
+        error)."""
         scanned = body[: self.settings.prefix_scan_bytes]
         cut = len(scanned) < len(body)
         try:
@@ -355,11 +359,13 @@ class Router:
                 max_depth=_MAX_PREFIX_DEPTH,
             )
         except ValueError:  # UnicodeDecodeError included
-            return []
+            return [], None
         if not isinstance(payload, dict):
-            return []
+            return [], None
+        model = payload.get("model")
         text = prompt_text(path, payload)
-        return block_hashes(text, self.settings.block_chars, self.settings.max_prefix_blocks)
+        hashes = block_hashes(text, self.settings.block_chars, self.settings.max_prefix_blocks)
+        return hashes, model if isinstance(model, str) else None
 
     async def _open_upstream(
         self, request: web.Request, url: str, body: bytes, attempt: int

@@ -215,3 +215,59 @@ def test_config_json_without_qkv_bias_key_defaults_to_biases(tmp_path):
     hf.pop("qkv_bias", None)
     config_file.write_text(json.dumps(hf))
     assert load_model(str(tmp_path), torch.float32).config.qkv_bias
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """A Qwen3-MoE checkpoint and its transformers model (the reference)."""
+    path = tmp_path_factory.mktemp("qwen3-moe")
+    family, extra = ARCHITECTURES["qwen3-moe"]
+    return path, build(family, extra, path)
+
+
+def test_preempted_mixture_sequences_resume_with_their_tokens(qwen3_moe):
+    """Six sequences in a pool too small for them all: some are preempted (their blocks
+    freed) and recomputed; every one still gets transformers' greedy tokens."""
+    path, reference = qwen3_moe
+    # 4-token blocks; a sequence grows to ~37 + 48 tokens (22 blocks): 6 need 132 blocks.
+    probe = load(path)
+    bytes_per_block = probe.engine.runner.bytes_per_block
+    del probe
+    llm = load(path, kv_cache_memory_bytes=60 * bytes_per_block)
+    prompts = [PROMPTS[i % 3][: 37 - i] for i in range(6)]
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.stats().num_preemptions >= 1
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == reference_tokens(reference, prompt)
+    llm.engine.block_manager.check_no_leaks()
+
+
+def test_n_samples_of_a_mixture_share_the_prompt_and_draw_apart(qwen3_moe):
+    """n=3 greedy samples are the one greedy answer three times; seeded samples of n=3
+    differ from each other, and each is what the same request gives again."""
+    path, reference = qwen3_moe
+    llm = load(path)
+    prompt = PROMPTS[1]
+    greedy = SamplingParams(n=3, max_tokens=16, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([prompt], greedy)
+    expected = reference_tokens(reference, prompt, 16)
+    assert [o.token_ids for o in out.outputs] == [expected] * 3
+    seeded = SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    first, again = (llm.generate([prompt], seeded)[0] for _ in range(2))
+    samples = [o.token_ids for o in first.outputs]
+    assert len({tuple(s) for s in samples}) == 3
+    assert samples == [o.token_ids for o in again.outputs]
+
+
+def test_speculative_decoding_on_a_mixture_keeps_its_greedy_tokens(qwen3_moe):
+    """Prompt-lookup drafts verified by the mixture: the accepted tokens are the model's own
+    (transformers'), and some drafts are accepted (a prompt that repeats itself)."""
+    path, reference = qwen3_moe
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+    llm = load(path, speculative_config=ngram)
+    prompts = [PROMPTS[0][:12] * 3, PROMPTS[1]]
+    outs = llm.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == reference_tokens(reference, prompt)
+    spec = llm.engine.stats().spec_decode
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0

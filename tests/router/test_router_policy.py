@@ -10,13 +10,14 @@ CONFIG = PolicyConfig(max_queue_depth=4, load_factor=1.25, max_metrics_age_s=5)
 URLS = [f"http://pod-{i}:8000" for i in range(4)]
 
 
-def pod(url: str, waiting=0.0, kv=0.0, in_flight=0, age=0.5) -> PodState:
+def pod(url: str, waiting=0.0, kv=0.0, in_flight=0, age=0.5, adapters=()) -> PodState:
     return PodState(
         url=url,
         num_requests_waiting=waiting,
         kv_cache_usage=kv,
         metrics_age_s=age,
         in_flight=in_flight,
+        adapters=frozenset(adapters),
     )
 
 
@@ -103,6 +104,31 @@ def test_a_pod_whose_queue_is_over_the_limit_is_skipped_even_with_the_prefix():
     assert choose_pod(hashes, busy, table.get, CONFIG).url == URLS[1]
 
 
+def test_an_adapters_requests_go_to_the_pods_that_hold_it_within_the_load_bound():
+    keys = [hashes_of(f"{i:08d} adapter prompt") for i in range(40)]
+    holders = {URLS[1], URLS[3]}
+    pods = [pod(u, adapters={"sql"} if u in holders else ()) for u in URLS]
+    decisions = [choose_pod(k, pods, {}.get, CONFIG, model="sql") for k in keys]
+    assert {d.url for d in decisions} == holders  # spread over both holders, by hash
+    assert {d.reason for d in decisions} == {"adapter"}
+    # the base model and an adapter no pod holds route as before, over every pod
+    for model in ("base", "other"):
+        plain = [choose_pod(k, pods, {}.get, CONFIG, model=model) for k in keys]
+        assert plain == [choose_pod(k, pods, {}.get, CONFIG) for k in keys]
+        assert len({d.url for d in plain}) == 4
+    # a prefix another pod served does not pull the adapter's request off its holders
+    table = {h: URLS[0] for h in keys[0]}
+    assert choose_pod(keys[0], pods, table.get, CONFIG, model="sql").url in holders
+    # no full block: the least loaded holder
+    loaded = [pod(URLS[1], waiting=2, adapters={"sql"}), pod(URLS[3], adapters={"sql"})]
+    assert choose_pod([], [*loaded, pod(URLS[0])], {}.get, CONFIG, model="sql").url == URLS[3]
+    # holders at the load bound: the request spills to the other pods (which load it)
+    busy = [pod(u, in_flight=3 if u in holders else 0, adapters={"sql"} if u in holders else ())
+            for u in URLS]  # fmt: skip
+    spilled = choose_pod(keys[0], busy, {}.get, CONFIG, model="sql")
+    assert spilled.url not in holders and spilled.reason in ("hash", "bounded")
+
+
 def test_pods_appearing_and_vanishing_move_only_their_own_keys():
     keys = [hashes_of(f"{i:08d}")[0] for i in range(200)]
     before = {k: choose_pod([k], [pod(u) for u in URLS[:3]], {}.get, CONFIG).url for k in keys}
@@ -186,3 +212,25 @@ def test_pod_metrics_are_summed_over_model_names_and_a_missing_gauge_is_named():
 def test_policy_config_names_the_invalid_field(field, value):
     with pytest.raises(ValueError, match=field):
         PolicyConfig(**{field: value})
+
+
+def test_the_adapters_in_use_are_each_models_newest_lora_info_sample():
+    """vLLM keeps every label set of vllm:lora_requests_info it ever exported, valued by
+    the time it was current: only each model's newest one says what runs now."""
+    gauges = (
+        'vllm:num_requests_waiting{model_name="base"} 0\n'
+        'vllm:num_requests_running{model_name="base"} 2\n'
+        'vllm:kv_cache_usage_perc{model_name="base"} 0.1\n'
+    )
+    info = 'vllm:lora_requests_info{{max_lora="2",model_name="{}",running_lora_adapters="{}",waiting_lora_adapters="{}"}} {}\n'  # noqa: E501
+    text = gauges + "".join(
+        info.format(*row)
+        for row in [
+            ("base", "old,older", "", 100.0),
+            ("base", "sql", "chat", 250.0),  # the newest of base
+            ("base", "gone", "", 200.0),
+            ("other", "", "poet", 50.0),
+        ]
+    )
+    assert parse_pod_metrics(text).adapters == {"sql", "chat", "poet"}
+    assert parse_pod_metrics(gauges).adapters == frozenset()  # LoRA off: no info gauge

@@ -145,3 +145,45 @@ def test_more_messages_than_the_context_has_tokens_are_refused_before_the_templa
     error = assert_error(response, 400, code="context_length_exceeded", param="messages")
     assert f"{MAX_MODEL_LEN + 1} messages" in error["message"], error
     assert tokenized == []
+
+
+def test_one_clients_pile_of_expensive_bodies_does_not_queue_another_client_behind_it(
+    server, monkeypatch
+):
+    """Item 6's fairness: the frontend thread serves clients in turn. One client (this
+    loopback address) sends 6 requests whose tokenizing costs 0.3 s each; another client
+    (127.0.0.2) then sends one: it is served after at most the job running and one more of
+    the first client's, not after all 6 (first in, first out would put it last)."""
+    import concurrent.futures
+
+    inputs = server.engine.inputs
+    tokenize = inputs.tokenize
+
+    def expensive_tokenize(prompt, *args, **kwargs):
+        if "attacker" in prompt:
+            time.sleep(0.3)
+        return tokenize(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(inputs, "tokenize", expensive_tokenize)
+    url = f"{server.base_url}/v1/completions"
+    finished: list[str] = []
+
+    def send(name: str, local_address: str) -> None:
+        transport = httpx.HTTPTransport(local_address=local_address)
+        with httpx.Client(transport=transport, timeout=60) as client:
+            prompt = ("attacker " if name != "victim" else "") + "Hello"
+            response = client.post(url, json={"prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 200, response.text
+        finished.append(name)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        attackers = [pool.submit(send, f"attacker-{i}", "127.0.0.1") for i in range(6)]
+        wait_until(
+            lambda: sum(server.state._frontend.queued().values()) >= 4,
+            10,
+            "the attacker's requests to queue",
+        )
+        victim = pool.submit(send, "victim", "127.0.0.2")
+        for future in [*attackers, victim]:
+            future.result()
+    assert finished.index("victim") <= 2, finished

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import torch
+from pagefleet_router.discovery import parse_pod_metrics
 from server_harness import ServerProcess, assert_error, read_metrics
 
 # SmolLM2-135M: 30 layers, hidden 576, 9 heads and 3 KV heads of 64, MLP 1536.
@@ -164,11 +165,14 @@ def test_lora_requests_info_names_the_running_adapter(server, client):
     try:
         next(iter(stream))  # running now
         series = [k for k in read_metrics(server.base_url) if k.startswith(info)]
+        text = httpx.get(server.base_url + "/metrics", timeout=10).text
     finally:
         stream.close()
     assert series == [
         f'{info}{{max_lora="2",running_lora_adapters="adapter",waiting_lora_adapters=""}}'
     ]
+    # what the router reads of it: this pod holds "adapter" (routing by adapter)
+    assert parse_pod_metrics(text).adapters == {"adapter"}
 
 
 def test_load_and_unload_under_traffic(server, adapters):

@@ -235,3 +235,9 @@ class ThreadLink:
     def close(self) -> None:
         self.core.stop()
         self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.engine.close()  # its tensor-parallel workers, if any
+            # Let the engine (its model and KV pool) go though the client lives on: FastAPI
+            # keeps the endpoint functions of every app it built in a module-level cache,
+            # and through their closures the server state and this link.
+            self.engine = self.core.engine = None  # type: ignore[assignment]

@@ -1,16 +1,17 @@
 """What the server knows beyond the engine: admission (queue limit, draining), the
 requests in flight, which a graceful drain waits for and finally cancels, and the one
-worker thread where request bodies become token ids (off the event loop)."""
+worker thread where request bodies become token ids (off the event loop), shared between
+clients in turn (`fair_queue`)."""
 
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from pagefleet_serve import metric_names as names
 from pagefleet_serve.frontend.core_client import EngineCoreClient
 from pagefleet_serve.server.errors import APIError, unavailable
+from pagefleet_serve.server.fair_queue import FairExecutor, current_client
 from pagefleet_serve.server.metrics import ServerMetrics
 from pagefleet_serve.server.settings import ServerSettings
 
@@ -54,8 +55,8 @@ class ServerState:
         limit = settings.max_num_queued_requests
         self.max_num_queued = engine.default_max_num_queued if limit is None else limit
         # One thread: parsing, chat templates and tokenizers run there in turn (a fast
-        # tokenizer must not be used by two threads at once).
-        self._frontend = ThreadPoolExecutor(max_workers=1, thread_name_prefix="frontend")
+        # tokenizer must not be used by two threads at once), one job of each client's.
+        self._frontend = FairExecutor("frontend")
         self.metrics = ServerMetrics(
             settings.model_name,
             lambda: engine.stats,
@@ -68,11 +69,12 @@ class ServerState:
         return not self.draining and self.engine.is_healthy
 
     async def off_loop(self, work: Callable[[], T]) -> T:
-        """Run `work` (CPU-bound work on request content) in the frontend thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._frontend, work)
+        """Run `work` (CPU-bound work on request content) in the frontend thread, in the
+        turn of the client whose request is being handled."""
+        return await asyncio.wrap_future(self._frontend.submit(current_client(), work))
 
     def shutdown(self) -> None:
-        self._frontend.shutdown(wait=False, cancel_futures=True)
+        self._frontend.shutdown()
         self.engine.shutdown()
 
     def check_model(self, name: str | None) -> str | None:
