@@ -29,7 +29,7 @@ import torch
 from pagefleet_serve.engine.device import RunnerConfig, resolve_device
 from pagefleet_serve.engine.model_runner import ModelRunner
 from pagefleet_serve.model.llama import ModelConfig
-from pagefleet_serve.model.loader import TINY_CONFIG, LoadedModel
+from pagefleet_serve.model.loader import TINY_CONFIG, LoadedModel, random_weights
 
 SHAPES = {
     "8b": ModelConfig(
@@ -46,38 +46,6 @@ SHAPES = {
     "tiny": TINY_CONFIG,  # builtin://tiny-random's shape
 }
 BLOCK_SIZE = 16
-
-
-def random_weights(c: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict:
-    """Hugging Face names (without `model.`), made on the device one matrix at a time."""
-    generator = torch.Generator(device=device).manual_seed(0)
-
-    def matrix(rows: int, columns: int) -> torch.Tensor:
-        w = torch.randn(rows, columns, generator=generator, device=device, dtype=dtype)
-        return w.mul_(columns**-0.5)
-
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    weights = {
-        "embed_tokens.weight": matrix(c.vocab_size, c.hidden_size),
-        "norm.weight": torch.ones(c.hidden_size, device=device, dtype=dtype),
-        "lm_head.weight": matrix(c.vocab_size, c.hidden_size),
-    }
-    for i in range(c.num_layers):
-        p = f"layers.{i}."
-        weights |= {
-            p + "input_layernorm.weight": torch.ones(c.hidden_size, device=device, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(
-                c.hidden_size, device=device, dtype=dtype
-            ),
-            p + "self_attn.q_proj.weight": matrix(q, c.hidden_size),
-            p + "self_attn.k_proj.weight": matrix(kv, c.hidden_size),
-            p + "self_attn.v_proj.weight": matrix(kv, c.hidden_size),
-            p + "self_attn.o_proj.weight": matrix(c.hidden_size, q),
-            p + "mlp.gate_proj.weight": matrix(c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": matrix(c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": matrix(c.hidden_size, c.intermediate_size),
-        }
-    return weights
 
 
 def step_bytes(c: ModelConfig, batch: int, context: int, element: int) -> dict[str, int]:
@@ -168,7 +136,7 @@ def main() -> None:
         attention_backend=args.attention_backend,
         kv_cache_dtype="auto",
     )
-    weights = random_weights(config, device, dtype)
+    weights = random_weights(config, dtype, device)
     runner = ModelRunner(LoadedModel(args.shape, config, weights, None), runner_config)
     del weights
     backend = runner.model.backend.name

@@ -47,7 +47,7 @@ def test_the_decode_step_runs_and_writes_its_rows(tmp_path, monkeypatch):
 
 def test_the_random_weights_load_into_the_model_runner_and_give_finite_logits():
     config = bench.SHAPES["tiny"]
-    weights = bench.random_weights(config, torch.device("cpu"), torch.float32)
+    weights = bench.random_weights(config, torch.float32, torch.device("cpu"))
     runner = ModelRunner(
         LoadedModel("tiny", config, weights, None),
         RunnerConfig(torch.device("cpu"), torch.float32, bench.BLOCK_SIZE, "torch", "auto"),

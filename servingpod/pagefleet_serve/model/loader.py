@@ -842,28 +842,34 @@ def _eos_token_ids(path: Path, hf: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _tiny_random(dtype: torch.dtype, tp: TensorParallel = NO_PARALLEL) -> LoadedModel:
-    c = TINY_CONFIG
-    generator = torch.Generator().manual_seed(0)
+def random_weights(
+    c: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Random weights of a dense Llama of shape `c` (Hugging Face names without `model.`),
+    made on `device` one matrix at a time from a generator seeded 0: builtin://tiny-random's,
+    and the decode benchmark's at 8B shape."""
+    generator = torch.Generator(device=device).manual_seed(0)
 
     def linear(out_features: int, in_features: int) -> torch.Tensor:
-        w = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
-        return w.to(dtype)
+        w = torch.randn(out_features, in_features, generator=generator, device=device)
+        return (w / in_features**0.5).to(dtype)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(c.hidden_size, dtype=dtype, device=device)
 
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    embedding = torch.randn(c.vocab_size, c.hidden_size, generator=generator, device=device)
     weights = {
-        "embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=generator).to(
-            dtype
-        ),
-        "norm.weight": torch.ones(c.hidden_size, dtype=dtype),
+        "embed_tokens.weight": embedding.to(dtype),
+        "norm.weight": ones(),
         "lm_head.weight": linear(c.vocab_size, c.hidden_size),
     }
     for i in range(c.num_layers):
         p = f"layers.{i}."
         weights.update(
             {
-                p + "input_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype),
-                p + "post_attention_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype),
+                p + "input_layernorm.weight": ones(),
+                p + "post_attention_layernorm.weight": ones(),
                 p + "self_attn.q_proj.weight": linear(q_size, c.hidden_size),
                 p + "self_attn.k_proj.weight": linear(kv_size, c.hidden_size),
                 p + "self_attn.v_proj.weight": linear(kv_size, c.hidden_size),
@@ -873,6 +879,12 @@ def _tiny_random(dtype: torch.dtype, tp: TensorParallel = NO_PARALLEL) -> Loaded
                 p + "mlp.down_proj.weight": linear(c.hidden_size, c.intermediate_size),
             }
         )
+    return weights
+
+
+def _tiny_random(dtype: torch.dtype, tp: TensorParallel = NO_PARALLEL) -> LoadedModel:
+    c = TINY_CONFIG
+    weights = random_weights(c, dtype)
     plan = ShardPlan(tp, c.num_heads, c.num_kv_heads, c.head_dim)
     for key in list(weights):  # generated whole (small), then cut
         cut = plan.slices(key, weights[key].shape)
