@@ -29,6 +29,7 @@ RETRY_DELAY_SECONDS = 10
 # Periodic re-reconcile: puts back manual drift and notices e.g. a PVC created later.
 RESYNC_SECONDS = 60
 CRD_POLL_SECONDS = 5
+DELETE_POLL_SECONDS = 1
 MANAGED_DEPLOYMENTS = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 LWS_GROUP, LWS_VERSION = LWS_API_VERSION.split("/")
 
@@ -41,6 +42,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.persistence.finalizer = FINALIZER
+    # A resync timer mid-reconcile (a thread kopf cannot cancel) when the resource is
+    # deleted: kopf holds the finalizer until it ends, re-checking every cancellation_polling
+    # seconds, 60 by default, so `kubectl delete` took a minute more whenever a resync ran.
+    settings.background.cancellation_polling = DELETE_POLL_SECONDS
     # Our own Events say what happened; kopf's per-handler "succeeded" Events are noise.
     settings.posting.level = logging.WARNING
     # Only our known resources are watched: no CRD/Namespace access needed (see rbac.py).

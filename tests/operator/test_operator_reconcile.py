@@ -512,3 +512,14 @@ def test_each_reconcile_and_autoscaler_round_is_a_span(receiver, warnings):
     found = attributes(autoscale)
     assert found["pagefleet.replicas.decided"] == decision.replicas
     assert found["pagefleet.autoscaler.signal"] == decision.signal
+
+
+def test_a_deletion_held_by_a_running_resync_is_rechecked_within_seconds():
+    # A resync timer mid-reconcile when `kubectl delete` comes is a thread kopf cannot
+    # cancel; kopf keeps its finalizer until the thread ends, re-checking only every
+    # cancellation_polling seconds (60 by default: the local walk's 60 s deletion wait ran
+    # out behind one). The operator's setting is what kopf polls with.
+    settings = kopf.OperatorSettings()
+    assert settings.background.cancellation_polling == 60
+    handlers.configure(settings=settings, memo=memo_of(FakeKube(make_body(BUILTIN))))
+    assert settings.background.cancellation_polling <= 2
