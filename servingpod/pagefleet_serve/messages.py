@@ -14,7 +14,7 @@ from pagefleet_serve.config import PoolingConfig
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 # -- the data both sides share ---------------------------------------------------------------
@@ -31,6 +31,9 @@ class Request:
     # True: an embedding request (an embed engine's only kind): prefilled, pooled, done;
     # its output carries `embedding` and no tokens.
     pooling: bool = False
+    # Who sent it (the server: the peer's address; "" offline): the scheduler shares the
+    # batch's seats between clients (see engine/scheduler.py).
+    client: str = ""
 
 
 @dataclass(frozen=True)

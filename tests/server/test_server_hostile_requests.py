@@ -187,3 +187,49 @@ def test_one_clients_pile_of_expensive_bodies_does_not_queue_another_client_behi
         for future in [*attackers, victim]:
             future.result()
     assert finished.index("victim") <= 2, finished
+
+
+@pytest.mark.parametrize(
+    ("hog_address", "victim_address", "forwarded_for", "fair"),
+    [
+        ("127.0.0.1", "127.0.0.2", None, True),
+        # The router's X-Forwarded-For, from a peer in --forwarded-allow-ips (127.0.0.1 by
+        # default), names the client: two clients behind one proxy address.
+        ("127.0.0.1", "127.0.0.1", "10.1.2.3", True),
+        # From any other peer it is ignored: one client, first come first served.
+        ("127.0.0.2", "127.0.0.2", "10.1.2.3", False),
+    ],
+)
+def test_a_client_holding_every_seat_gives_one_to_another_client(
+    server, hog_address, victim_address, forwarded_for, fair
+):
+    """Item 7's fairness in the engine: one client's n=4 request takes all max_num_seqs=4
+    seats for a hundred steps; another client's request is admitted at once (one of the
+    first client's samples is preempted and recomputed), not after the n=4 ends. The n=4
+    request still completes whole."""
+    import concurrent.futures
+
+    url = f"{server.base_url}/v1/completions"
+    hog_body = {"prompt": "Once upon a time", "n": 4, "max_tokens": 160, "ignore_eos": True}
+    preemptions_before = server.core.scheduler.num_preemptions
+
+    def post(address, body, headers=None):
+        transport = httpx.HTTPTransport(local_address=address)
+        with httpx.Client(transport=transport, timeout=300) as client:
+            return client.post(url, json=body, headers=headers)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        hog = pool.submit(post, hog_address, hog_body)
+        wait_until(lambda: len(server.core.scheduler.running) == 4, 60, "the n=4 request to fork")
+        headers = {"X-Forwarded-For": forwarded_for} if forwarded_for else None
+        response = post(victim_address, {"prompt": "Hello", "max_tokens": 2}, headers)
+        assert response.status_code == 200, response.text
+        served_while_the_hog_ran = not hog.done()
+        answer = hog.result()
+    assert served_while_the_hog_ran is fair
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    assert len(choices) == 4
+    assert all(choice["finish_reason"] == "length" for choice in choices), choices
+    assert answer.json()["usage"]["completion_tokens"] == 4 * 160
+    assert (server.core.scheduler.num_preemptions > preemptions_before) is fair

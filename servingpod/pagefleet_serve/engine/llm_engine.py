@@ -351,6 +351,7 @@ class LLMEngine:
             sibling_generators=[generator(i) for i in range(1, params.n)],
             lora_id=lora_id,
             pooling=request.pooling,
+            client=request.client,
         )
         self.outputs.add_request(
             request.request_id, request.prompt_token_ids, params, request.arrival_time

@@ -3,7 +3,9 @@ each computes, under `max_num_seqs` and a token budget (`max_num_batched_tokens`
 
 One rule (as in vLLM v1): a sequence's `num_computed_tokens` catches up with its
 `num_tokens`. Running decodes go first, so a long prompt (prefilled in chunks) never
-starves them; then ongoing prefills; then waiting requests in (priority, arrival) order.
+starves them; then ongoing prefills; then waiting requests by priority, then the client
+holding the fewest of the batch's seats, then arrival (`_next_waiting`); a full batch gives
+seats to a client below its fair share (`_find_seats`).
 When blocks run out the newest running sequence is preempted: its blocks are freed and it
 is recomputed later (its full blocks usually survive in the prefix cache).
 
@@ -24,6 +26,7 @@ completes its prompt finishes it, freeing its blocks (the engine hands out its v
 """
 
 import bisect
+import collections
 from dataclasses import dataclass, field
 
 from pagefleet_serve.config import EngineConfig
@@ -151,15 +154,18 @@ class Scheduler:
 
         # Admit waiting requests, unless this step had to preempt (no room to grow); one
         # whose adapter finds no free slot waits, and those behind it are considered.
-        index = 0
-        while index < len(self.waiting) and budget > 0 and not preempted:
-            seq = self.waiting[index]
-            # A running prompt that has not forked yet will take num_samples seats.
-            seats = sum(s.num_samples for s in self.running)
-            if seats + seq.num_samples > self.max_num_seqs:
+        out_of_blocks = bool(preempted)
+        passed_over: set[Sequence] = set()
+        while budget > 0 and not out_of_blocks:
+            seq = self._next_waiting(passed_over)
+            if seq is None:
                 break
+            freed = self._find_seats(seq, scheduled, preempted)
+            if freed is None:
+                break
+            budget += freed
             if seq.lora_id is not None and not self.lora_slots.can_acquire(seq.lora_id):
-                index += 1
+                passed_over.add(seq)
                 continue
             prefix = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
@@ -173,7 +179,7 @@ class Scheduler:
             self.block_manager.count_prefix_lookup(seq.num_tokens, num_hit)
             if seq.num_preemptions == 0:
                 seq.num_prefix_hit_tokens = num_hit
-            self.waiting.pop(index)
+            self.waiting.remove(seq)
             self._acquire_lora(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -182,6 +188,71 @@ class Scheduler:
 
         loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
         return SchedulerOutput(list(scheduled.values()), preempted, loads)
+
+    # -- fairness between clients ----------------------------------------------------------
+    def _seats_held(self) -> collections.Counter[str]:
+        """Seats of the batch (`max_num_seqs`) each client's running sequences hold (a
+        prompt that has not forked yet holds its n)."""
+        held: collections.Counter[str] = collections.Counter()
+        for seq in self.running:
+            held[seq.client] += seq.num_samples
+        return held
+
+    def _next_waiting(self, passed_over: set[Sequence]) -> Sequence | None:
+        """The waiting sequence to admit next: by priority, then the client holding the
+        fewest seats, then arrival. With one client (offline, or every request from one
+        address) this is (priority, arrival) order."""
+        held = self._seats_held()
+        candidates = (s for s in self.waiting if s not in passed_over)
+        return min(
+            candidates, key=lambda s: (s.priority, held[s.client], s.arrival_order), default=None
+        )
+
+    def _find_seats(
+        self,
+        seq: Sequence,
+        scheduled: dict[Sequence, ScheduledSeq],
+        preempted: list[Sequence],
+    ) -> int | None:
+        """Make room for `seq`'s seats this step: returns the tokens of this step's budget
+        given back by the sequences preempted for it, or None when it must wait.
+
+        When the batch is full, a client below its fair share (`max_num_seqs` over the
+        clients running, it included) takes seats from the client holding the most, above
+        its share: that client's newest sequences of no better priority are preempted
+        (recomputed later, as for blocks). So one client's n=64 requests cannot keep
+        everyone else waiting in arrival order, and a request that would take more than
+        its client's share waits for free seats."""
+        seats = sum(s.num_samples for s in self.running)
+        if seats + seq.num_samples <= self.max_num_seqs:
+            return 0
+        held = self._seats_held()
+        share = self.max_num_seqs // len(held.keys() | {seq.client})
+        if held[seq.client] + seq.num_samples > share:
+            return None
+        plan: list[Sequence] = []  # chosen before any is preempted: all or none
+        while seats + seq.num_samples > self.max_num_seqs:
+            top, most = max(held.items(), key=lambda item: item[1])
+            if top == seq.client or most <= share:
+                return None
+            victims = [
+                s
+                for s in self.running
+                if s.client == top and s.priority >= seq.priority and s not in plan
+            ]
+            if not victims:
+                return None
+            victim = max(victims, key=lambda s: (s.sort_key, s.sample_index))
+            plan.append(victim)
+            held[top] -= victim.num_samples
+            seats -= victim.num_samples
+        freed = 0
+        for victim in plan:
+            if victim in scheduled:
+                freed += scheduled.pop(victim).num_new_tokens
+            self._preempt(victim)
+            preempted.append(victim)
+        return freed
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The proposed drafts a decoding sequence verifies this step: as many as fit the

@@ -66,6 +66,8 @@ class Sequence:
     # own chunk, a preemption clears them).
     pooling: bool = False
     pooled_chunks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Who sent the request (the peer's address; "" offline): the scheduler's fairness key.
+    client: str = ""
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -144,4 +146,5 @@ class Sequence:
             grammar=None if self.grammar is None else self.grammar.fork(self.output_token_ids),
             token_counts=None if self.token_counts is None else self.token_counts.fork(),
             lora_id=self.lora_id,
+            client=self.client,
         )

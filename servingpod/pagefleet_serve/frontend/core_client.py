@@ -173,15 +173,17 @@ class EngineCoreClient:
         params: SamplingParams,
         lora_name: str | None = None,
         pooling: bool = False,
+        client: str = "",
     ) -> Request:
         """Validate (and tokenize text, start compiling a structured output's constraint:
         await `grammar_compiled` before `add`); the core trusts what this returns.
         `lora_name`: one of `lora_adapters` (None: the base model); `pooling`: an
-        embedding request (for a core whose `pooling` is set). ValueError."""
+        embedding request (for a core whose `pooling` is set); `client`: who sent it, for
+        the scheduler's fairness between clients. ValueError."""
         if lora_name is not None and lora_name not in self.lora_adapters:
             raise ValueError(f"the LoRA adapter {lora_name!r} is not loaded")
         return self.inputs.make_request(
-            request_id, prompt, params, lora_name=lora_name, pooling=pooling
+            request_id, prompt, params, lora_name=lora_name, pooling=pooling, client=client
         )
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:

@@ -99,6 +99,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         lora_name: str | None = None,
         pooling: bool = False,
+        client: str = "",
     ) -> Request:
         """Tokenize and validate (wait on `grammar_future` before queueing the request);
         `lora_name`: the LoRA adapter it runs with (None: the base model); `pooling`: an
@@ -123,6 +124,7 @@ class InputProcessor:
             arrival_time or time.time(),
             lora_name,
             pooling,
+            client,
         )
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:

@@ -25,6 +25,7 @@ from pagefleet_serve.frontend.input_processor import ContextLengthError
 from pagefleet_serve.messages import Request as EngineRequest
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import bad_request, server_error
+from pagefleet_serve.server.fair_queue import current_client
 from pagefleet_serve.server.generation import Generation
 from pagefleet_serve.server.openai_api import PromptBounds, read_json_body, run_to_end
 from pagefleet_serve.server.protocol import _BODY_CONFIG, MAX_PROMPTS_PER_REQUEST, parse
@@ -106,7 +107,12 @@ class EmbeddingsEndpoint(PromptBounds):
             try:
                 engine_requests.append(
                     self.state.engine.make_request(
-                        f"{request_id}-{index}", prompt, _POOLING_PARAMS, lora_name, pooling=True
+                        f"{request_id}-{index}",
+                        prompt,
+                        _POOLING_PARAMS,
+                        lora_name,
+                        pooling=True,
+                        client=current_client(),
                     )
                 )
             except ContextLengthError as exc:

@@ -5,8 +5,9 @@ threads at once), so a client that sends many expensive bodies at once would mak
 other client wait behind all of them. `FairExecutor` keeps one queue per client and runs
 them in turn, one job from each client that has work: a victim waits behind at most one job
 of each other client, however many that client queued. The client is the peer's address,
-the key the compile queue's per-client budget uses too; `ClientMiddleware` records it for
-the request being handled (`current_client`), so that the endpoints need not pass it.
+the key the compile queue's per-client budget and the engine's scheduler use too;
+`ClientMiddleware` records it for the request being handled (`current_client`), and a job
+in the frontend thread runs as its client, so that the endpoints need not pass it.
 """
 
 import collections
@@ -73,24 +74,25 @@ class FairExecutor:
             self._queues.clear()
             self._lock.notify()
 
-    def _next(self) -> tuple[Callable[[], Any], Future] | None:
+    def _next(self) -> tuple[str, Callable[[], Any], Future] | None:
         with self._lock:
             while not self._queues and not self._closed:
                 self._lock.wait()
             if self._closed:
                 return None
             client, jobs = next(iter(self._queues.items()))
-            job = jobs.popleft()
+            work, future = jobs.popleft()
             del self._queues[client]
             if jobs:  # its next job waits for every other client's turn
                 self._queues[client] = jobs
-            return job
+            return client, work, future
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
-            work, future = job
+            client, work, future = job
             if not future.set_running_or_notify_cancel():
                 continue  # its caller stopped waiting
+            _CLIENT.set(client)  # the job sees its client, as its endpoint did
             try:
                 result = work()
             except BaseException as exc:  # handed to the caller, which re-raises it

@@ -33,6 +33,7 @@ from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.chat_template import render_chat, template_messages
 from pagefleet_serve.server.errors import APIError, bad_request, server_error, unavailable
+from pagefleet_serve.server.fair_queue import current_client
 from pagefleet_serve.server.generation import (
     Generation,
     RequestCancelled,
@@ -236,7 +237,9 @@ class _Endpoint(PromptBounds, abc.ABC):
             return (
                 request,
                 [
-                    self.state.engine.make_request(f"{request_id}-{i}", prompt, params, lora_name)
+                    self.state.engine.make_request(
+                        f"{request_id}-{i}", prompt, params, lora_name, client=current_client()
+                    )
                     for i, prompt in enumerate(prompts)
                 ],
                 tools,

@@ -230,6 +230,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
     )
     flag(
+        "--forwarded-allow-ips",
+        "comma-separated addresses or networks (or *) whose X-Forwarded-For header names "
+        "the client, as uvicorn's flag: set it to the router's or load balancer's so that "
+        "fairness between clients sees each client",
+        default=server("forwarded_allow_ips"),
+    )
+    flag(
         "--scheduling-policy",
         "fcfs: arrival order, requests may not set priority; priority: lower priority "
         "values run first",
@@ -414,6 +421,7 @@ def run(args: argparse.Namespace) -> int:
             body_read_timeout=args.body_read_timeout,
             limit_concurrency=args.limit_concurrency,
             max_connections_per_client=args.max_connections_per_client,
+            forwarded_allow_ips=args.forwarded_allow_ips,
             scheduling_policy=args.scheduling_policy,
             serve_docs=args.serve_docs,
             otlp_traces_endpoint=args.otlp_traces_endpoint,

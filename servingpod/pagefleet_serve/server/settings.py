@@ -38,6 +38,10 @@ class ServerSettings:
     # Connections one client address may hold open; more are closed at once. None: no cap
     # (the default: behind the router or a load balancer every client shares one address).
     max_connections_per_client: int | None = None
+    # Peers whose X-Forwarded-For names the client (uvicorn's --forwarded-allow-ips: a
+    # comma-separated list of addresses or networks, "*" for any): behind the router,
+    # which appends it, fairness between clients and the access log see the real client.
+    forwarded_allow_ips: str = "127.0.0.1"
     # fcfs: requests run in arrival order and `priority` is refused; priority: lower
     # `priority` values run first (vLLM's --scheduling-policy).
     scheduling_policy: str = "fcfs"
@@ -89,6 +93,8 @@ class ServerSettings:
             raise ValueError(
                 f"max_connections_per_client must be > 0, got {self.max_connections_per_client}"
             )
+        if not self.forwarded_allow_ips.strip():
+            raise ValueError("forwarded_allow_ips must name at least one address, or '*'")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {tuple(TOOL_CALL_PARSERS)}, "

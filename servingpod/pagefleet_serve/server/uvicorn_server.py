@@ -226,6 +226,8 @@ def create_server(
         log_config=None,
         log_level=log_level,
         timeout_graceful_shutdown=5,
+        proxy_headers=True,
+        forwarded_allow_ips=settings.forwarded_allow_ips,
         http=functools.partial(
             GuardedH11Protocol,
             header_timeout=settings.header_read_timeout,
