@@ -312,8 +312,10 @@ class EngineConfig:
     # of layers (not implemented yet: 1 only).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # The ranks' rendezvous (torch.distributed's TCP store) and, across nodes (not
-    # implemented yet: 1 only), vLLM's --nnodes / --node-rank; master_port None: a free one.
+    # The ranks' rendezvous (torch.distributed's TCP store, on rank 0's node) and, across
+    # nodes, vLLM's --nnodes / --node-rank: the tensor_parallel_size ranks split evenly
+    # over the nodes, node 0 holding rank 0 (the scheduler); master_port None: a free one
+    # (one node only: the other nodes must know it).
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -390,6 +392,11 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
 
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks on each node (node r holds ranks r*k .. r*k+k-1)."""
+        return self.tensor_parallel_size // self.nnodes
+
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             value = getattr(self, name)
@@ -400,16 +407,21 @@ class EngineConfig:
                 f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet: "
                 "only 1 (split a model over devices with tensor_parallel_size)"
             )
-        if self.nnodes > 1:
+        if self.tensor_parallel_size % self.nnodes:
             raise ValueError(
-                f"nnodes {self.nnodes}: serving one model across nodes is not supported yet; "
-                "use one node (nnodes 1) with tensor_parallel_size up to its devices"
+                f"tensor_parallel_size {self.tensor_parallel_size} must split evenly over "
+                f"nnodes {self.nnodes} (the same number of ranks on every node)"
             )
-        if self.node_rank != 0:
-            raise ValueError(f"node_rank must be 0 with nnodes 1, got {self.node_rank!r}")
+        rank = self.node_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes {self.nnodes}), got {rank!r}")
         port = self.master_port
         if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
             raise ValueError(f"master_port must be a port number (1-65535), got {port!r}")
+        if self.nnodes > 1 and port is None:
+            raise ValueError(
+                f"nnodes {self.nnodes} needs master_port: every node joins rank 0's node there"
+            )
         if self.tensor_parallel_size == 1:
             return
         # A rank's step is its layers' ops between all-reduces: no adapters' deltas (their

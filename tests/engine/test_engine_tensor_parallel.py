@@ -121,7 +121,9 @@ def test_each_rank_holds_half_of_the_split_weights(tmp_path):
     ("settings", "message"),
     [
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2 is not supported yet"),
-        ({"nnodes": 2}, "not supported yet"),
+        ({"nnodes": 2}, "must split evenly over nnodes 2"),
+        ({"nnodes": 2, "tensor_parallel_size": 2}, "needs master_port"),
+        ({"nnodes": 2, "tensor_parallel_size": 2, "node_rank": 2, "master_port": 1}, "node_rank"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
         ({"tensor_parallel_size": 2, "enable_lora": True}, "does not support enable_lora"),
     ],

@@ -150,7 +150,7 @@ def test_the_schema_check_catches_what_leader_worker_set_refuses():
 
 
 def test_the_two_node_example_is_a_leader_worker_set():
-    body = example_body("llama-405b-lws.yaml")
+    body = example_body("llama-70b-lws.yaml")
     spec = parse_spec(body["spec"], default_image=DEFAULT_IMAGE)
     lws = get_desired_objects(body, spec)["LeaderWorkerSet"]
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2

@@ -5,6 +5,7 @@ every rank down. Bad parallel flags are refused with a readable message."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -60,6 +61,50 @@ def test_two_ranks_stream_one_ranks_text_and_a_killed_rank_fails_the_engine():
         server.stop()
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_serve_one_ranks_text_and_a_lost_node_fails_the_engine():
+    """`--nnodes 2`: node 0 serves the API with rank 0, node 1 (`--headless`, another
+    process here as it is another pod of a LeaderWorkerSet group) runs rank 1; they meet
+    at node 0's --master-port. The greedy text is one rank's; node 1 gone, the next
+    request fails and /health turns 503."""
+    one = ServerProcess(*FLAGS).wait_ready()
+    try:
+        expected = streamed_text(one)
+    finally:
+        one.stop()
+    port = str(free_port())
+    group = ("-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
+    leader = ServerProcess(*FLAGS, *group)
+    env = {**os.environ, "PAGEFLEET_DTYPE": "float32"}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet_serve.cli", "serve", *FLAGS, *group]
+        + ["--node-rank", "1", "--headless"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        leader.wait_ready()
+        assert children(core_pid(leader)) == [], "node 0 holds rank 0 only"
+        assert streamed_text(leader) == expected and expected
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0, worker.stdout.read()
+        with httpx.Client(base_url=leader.base_url, timeout=60) as client:
+            failed = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+            assert failed.status_code >= 500, failed.text
+            unhealthy = health_within(client, 503, 10)
+        assert_error(unhealthy, 503, code="engine_unhealthy")
+    finally:
+        worker.kill()
+        leader.stop()
+
+
 def test_sigterm_takes_every_rank_down():
     server = ServerProcess(
         "--model", "builtin://tiny-random", *FLAGS, "-tp", "2", "--shutdown-timeout", "30"
@@ -80,8 +125,11 @@ def test_sigterm_takes_every_rank_down():
     ("flags", "message"),
     [
         (("--pipeline-parallel-size", "2"), "pipeline_parallel_size 2 is not supported yet"),
-        (("--nnodes", "2", "--node-rank", "1"), "across nodes is not supported yet"),
+        (("--nnodes", "2", "-tp", "2"), "nnodes 2 needs master_port"),
+        (("--nnodes", "2", "-tp", "3", "--master-port", "29500"), "must split evenly"),
+        (("--nnodes", "2", "--node-rank", "2", "-tp", "2", "--master-port", "29500"), "node_rank"),
         (("--headless",), "--headless runs the worker ranks"),
+        (("-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "29500"), "--headless"),
         (("-tp", "0"), "tensor_parallel_size must be a positive integer"),
     ],
 )

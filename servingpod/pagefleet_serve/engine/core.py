@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
+from pagefleet_serve.engine.parallel import WorkerLost
 from pagefleet_serve.messages import (
     AbortRequest,
     AddRequest,
@@ -96,6 +97,10 @@ class EngineCore:
             try:
                 outputs = self.engine.step()
                 failures = 0
+            except WorkerLost as exc:  # no step can run again
+                logger.error("engine failed: %s", exc)
+                self._fail(f"engine failed: {exc}")
+                return
             except Exception as exc:  # noqa: BLE001 - a step failure must not kill the loop
                 failures += 1
                 logger.exception("engine step failed (%d in a row)", failures)

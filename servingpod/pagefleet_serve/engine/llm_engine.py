@@ -25,7 +25,7 @@ from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.device import RunnerConfig, kv_cache_bytes
 from pagefleet_serve.engine.model_runner import ModelRunner, sampling_failures
 from pagefleet_serve.engine.output_tracker import OutputTracker
-from pagefleet_serve.engine.parallel import start_workers
+from pagefleet_serve.engine.parallel import WorkerLost, start_workers
 from pagefleet_serve.engine.pooler import Pooler, with_head
 from pagefleet_serve.engine.sampler import SampledToken, SamplingError
 from pagefleet_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -489,6 +489,8 @@ class LLMEngine:
         try:
             sampled = self.runner.execute(SchedulerOutput(items, []))
             return sampled, sampling_failures(sampled)  # each failed alone, nothing re-run
+        except WorkerLost:
+            raise  # no retry can run: the group's collectives are broken
         except Exception as exc:  # noqa: BLE001 - isolated below, raised by step() if total
             if len(items) == 1:
                 logger.error("request %s failed a step", items[0].seq.request_id, exc_info=exc)

@@ -15,7 +15,7 @@ from pagefleet_kernels.kv_cache import (
 
 from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.engine.device import RunnerConfig
-from pagefleet_serve.engine.parallel import Workers
+from pagefleet_serve.engine.parallel import Workers, is_collective_failure
 from pagefleet_serve.engine.pooler import Pooler
 from pagefleet_serve.engine.sampler import SampledToken, SampleRow, SamplingError, sample
 from pagefleet_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -268,7 +268,12 @@ class ModelRunner:
             batch.lora_slots,
         )
         self.copy_blocks(batch.block_copies)
-        hidden = self.run(inputs)
+        try:
+            hidden = self.run(inputs)
+        except Exception as exc:
+            if self.workers is not None and is_collective_failure(exc):
+                raise self.workers.lost(exc) from exc  # a peer left in an all-reduce
+            raise
         if self.draft is not None:
             self.draft.copy_blocks(batch.block_copies)
             self.draft.run(inputs)

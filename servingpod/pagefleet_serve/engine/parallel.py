@@ -12,6 +12,13 @@ A worker never outlives rank 0's process (PR_SET_PDEATHSIG, as the core process 
 the server) and ignores SIGTERM/SIGINT (rank 0 ends it: a shutdown call, then kill). A
 worker that dies closes its connections, so a collective of rank 0 fails at once; `watch`
 tells rank 0's owner even between steps.
+
+Across nodes (`nnodes` > 1, e.g. the pods of a LeaderWorkerSet group) each node holds
+`ranks_per_node` ranks: node 0 rank 0 and its local workers, as above; every other node
+runs only its workers (`run_headless`, `pagefleet serve --headless`), which join rank 0's
+store at `master_addr:master_port`. A remote rank that dies breaks the group's next
+collective (rank 0's step fails, and the engine reports it dead); its node's process
+exits with it, so a LeaderWorkerSet recreates the group.
 """
 
 import datetime
@@ -62,18 +69,28 @@ RUNNER_CALLS = ("allocate_kv_cache", "free_kv_cache", "forward_batch")
 
 
 class WorkerLost(RuntimeError):
-    """A tensor-parallel rank has died; the message names it."""
+    """A tensor-parallel rank has died or cannot be reached (the group's collectives are
+    broken: the engine cannot step again); the message names it when it is this node's."""
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective's transport failing (a peer rank gone), not the
+    step's own error: NCCL's DistBackendError, gloo's RuntimeError from its transport."""
+    if isinstance(exc, dist.DistBackendError):
+        return True
+    return isinstance(exc, RuntimeError) and "gloo/transport" in str(exc)
 
 
 def distributed_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank `rank`'s device: the rank-th GPU counted from the configured one; the CPU."""
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of a node's `local_rank`-th rank: that GPU counted from the configured
+    one; the CPU."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    return torch.device("cuda", (device.index or 0) + local_rank)
 
 
 def _join(store: dist.Store, rank: int, size: int, device: torch.device) -> None:
@@ -96,7 +113,8 @@ class Workers:
         then pinned to its group; None: workers share this process's CPUs, and rank 0's
         threads are left as they are (an engine embedded in a caller's process)."""
         self.size = config.tensor_parallel_size
-        ranks = rank_placements(placement or CpuPlacement(available_cpus(), None), self.size)
+        local = config.ranks_per_node  # node 0's: rank 0 and ranks 1..local-1
+        ranks = rank_placements(placement or CpuPlacement(available_cpus(), None), local)
         if placement is not None:
             place_core_threads(ranks[0])
         self._closing = False
@@ -109,19 +127,7 @@ class Workers:
             timeout=_RENDEZVOUS_TIMEOUT,
             wait_for_workers=False,
         )
-        context = multiprocessing.get_context("spawn")
-        log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-        self.processes = [
-            context.Process(
-                target=worker_main,
-                args=(rank, config, ranks[rank], os.getpid(), store.port, log_level),
-                name=f"pagefleet-tp-rank-{rank}",
-                daemon=True,
-            )
-            for rank in range(1, self.size)
-        ]
-        for process in self.processes:
-            process.start()
+        self.processes = _spawn_workers(config, range(1, local), ranks, store.port)
         try:
             _join(store, 0, self.size, device)
         except BaseException:
@@ -132,7 +138,7 @@ class Workers:
             "tensor parallel: %d ranks over %s, workers %s",
             self.size,
             distributed_backend(device),
-            ", ".join(str(p.pid) for p in self.processes),
+            ", ".join(str(p.pid) for p in self.processes) or "on other nodes",
         )
 
     def call(self, method: str, *args) -> None:
@@ -140,8 +146,14 @@ class Workers:
         try:
             dist.broadcast_object_list([RunnerCall(method, args)], src=0)
         except RuntimeError as exc:
-            reason = self.lost_reason() or f"tensor-parallel broadcast failed: {exc}"
-            raise WorkerLost(reason) from exc
+            raise self.lost(exc) from exc
+
+    def lost(self, exc: BaseException) -> WorkerLost:
+        """The WorkerLost for a failed collective: which rank of this node exited, or that
+        one (of another node's, or unreachable) is gone."""
+        return WorkerLost(
+            self.lost_reason() or f"a tensor-parallel rank is gone (a collective failed: {exc})"
+        )
 
     def lost_reason(self) -> str | None:
         """Which worker has exited, and how; None while all run."""
@@ -154,7 +166,10 @@ class Workers:
         return None
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
-        """Call `on_lost(reason)`, from a thread of its own, when a worker exits unasked."""
+        """Call `on_lost(reason)`, from a thread of its own, when a worker exits unasked
+        (this node's: another node's lost rank fails the next step's collectives)."""
+        if not self.processes:
+            return
 
         def wait() -> None:
             ready = multiprocessing.connection.wait([p.sentinel for p in self.processes])
@@ -199,9 +214,72 @@ def start_workers(
     return workers, workers.tp
 
 
+def _spawn_workers(
+    config: EngineConfig, local_ranks: range, placements: list[CpuPlacement], port: int
+) -> list[multiprocessing.process.BaseProcess]:
+    """Start this node's workers (their local ranks; global rank = node_rank *
+    ranks_per_node + local rank), joining the store at `master_addr:port`."""
+    context = multiprocessing.get_context("spawn")
+    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    first = config.node_rank * config.ranks_per_node
+    processes = [
+        context.Process(
+            target=worker_main,
+            args=(first + local, local, config, placements[local], os.getpid(), port, log_level),
+            name=f"pagefleet-tp-rank-{first + local}",
+            daemon=True,
+        )
+        for local in local_ranks
+    ]
+    for process in processes:
+        process.start()
+    return processes
+
+
+def run_headless(config: EngineConfig) -> int:
+    """A node other than rank 0's (`--headless`): run its workers until they end. Exit
+    status 0 when rank 0 shut them down, 1 when one failed or rank 0 was lost; SIGTERM
+    ends them (and so the group's collectives: a LeaderWorkerSet recreates the group)."""
+    local = config.ranks_per_node
+    placements = rank_placements(CpuPlacement(available_cpus(), None), local)
+    processes = _spawn_workers(config, range(local), placements, config.master_port or 0)
+    stopped = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        stopped.set()
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    logger.info(
+        "node %d of %d: tensor-parallel ranks %s joining %s:%s",
+        config.node_rank,
+        config.nnodes,
+        ", ".join(p.name.rsplit("-", 1)[1] for p in processes),
+        config.master_addr,
+        config.master_port,
+    )
+    # One rank gone ends the node: the others' next collective would fail anyway. Rank
+    # 0's shutdown reaches every worker at once; the others are given a moment, then ended.
+    multiprocessing.connection.wait([p.sentinel for p in processes])
+    for process in processes:
+        process.join(_JOIN_S)
+        if process.is_alive():
+            process.kill()
+            process.join(_JOIN_S)
+    if stopped.is_set() or all(p.exitcode == 0 for p in processes):
+        return 0
+    for process in processes:
+        logger.error("%s ended with exit status %s", process.name, process.exitcode)
+    return 1
+
+
 # -- a worker ---------------------------------------------------------------------------
 def worker_main(
     rank: int,
+    local_rank: int,
     config: EngineConfig,
     placement: CpuPlacement,
     parent_pid: int,
@@ -223,7 +301,7 @@ def worker_main(
     )
     place_core_threads(placement)
     size = config.tensor_parallel_size
-    device = rank_device(resolve_device(config.device), rank)
+    device = rank_device(resolve_device(config.device), local_rank)
     runner_config = RunnerConfig.of(replace(config, device=str(device)))  # made current
     store = dist.TCPStore(
         config.master_addr, port, size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT

@@ -343,8 +343,14 @@ def _add_parallel_flags(flag: EnvFlags, engine) -> None:
         type=int,
         default=engine("pipeline_parallel_size"),
     )
-    flag("--nnodes", "nodes of the group (not supported yet: 1)", type=int, default=1)
-    flag("--node-rank", "this node's rank in the group", type=int, default=0)
+    flag(
+        "--nnodes",
+        "nodes the tensor-parallel ranks are split over (each runs tensor-parallel-size / "
+        "nnodes of them; node 0 serves the API)",
+        type=int,
+        default=1,
+    )
+    flag("--node-rank", "this node's rank in the group (0: the API server's)", type=int, default=0)
     flag(
         "--master-addr",
         "address of the ranks' rendezvous (rank 0's node)",
@@ -352,13 +358,13 @@ def _add_parallel_flags(flag: EnvFlags, engine) -> None:
     )
     flag(
         "--master-port",
-        "port of the ranks' rendezvous (default: a free one)",
+        "port of the ranks' rendezvous (default: a free one; needed with --nnodes > 1)",
         type=int,
         default=engine("master_port"),
     )
     flag(
         "--headless",
-        "run only this node's engine worker ranks, no API server (multi-node; not supported yet)",
+        "run only this node's engine worker ranks, no API server (a node other than 0 of --nnodes)",
         action=argparse.BooleanOptionalAction,
         default=False,
     )
@@ -400,10 +406,10 @@ def run(args: argparse.Namespace) -> int:
             master_addr=args.master_addr,
             master_port=args.master_port,
         )
-        if args.headless:
+        if args.headless != (config.node_rank > 0):
             raise ValueError(
-                "--headless runs the worker ranks of a node in a multi-node group (--nnodes "
-                "> 1), which is not supported yet"
+                "--headless runs the worker ranks of a node other than 0 (--node-rank 1 .. "
+                "--nnodes - 1); node 0 serves the API"
             )
         if args.allow_runtime_lora_updating and not config.enable_lora:
             raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
@@ -437,6 +443,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
+    if args.headless:
+        from pagefleet_serve.engine.parallel import run_headless
+
+        return run_headless(config)
 
     from pagefleet_serve.frontend.core_client import start_core_process
     from pagefleet_serve.server.uvicorn_server import create_server
