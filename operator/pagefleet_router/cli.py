@@ -68,6 +68,13 @@ def get_parser() -> argparse.ArgumentParser:
         default=router.prefix_table_size,
     )
     flag(
+        "--response-table-size",
+        "/v1/responses ids remembered with the pod that answered them (previous_response_id "
+        "goes to that pod, whose store holds it)",
+        type=int,
+        default=router.response_table_size,
+    )
+    flag(
         "--max-queue-depth",
         "a pod with more waiting requests than this is skipped",
         type=float,
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             block_chars=args.block_chars,
             max_prefix_blocks=args.max_prefix_blocks,
             prefix_table_size=args.prefix_table_size,
+            response_table_size=args.response_table_size,
             connect_timeout_s=args.connect_timeout,
             max_held_requests=args.max_held_requests,
             hold_timeout_s=args.hold_timeout,

@@ -1,8 +1,12 @@
 """The routing policy, a pure function: (a prompt's block hashes, the pods' states, which
-pod last served each block) -> a pod and the reason it was chosen.
+pod last served each block, which pod holds the stored response the request names) -> a
+pod and the reason it was chosen.
 
-Order of preference, among pods with fresh metrics whose queue is not over the limit and
-that are under the load bound:
+A request that names a stored response (/v1/responses' `previous_response_id`, or GET or
+DELETE of one) goes to the pod that answered it, whatever its load or errors: the store
+is per pod, and any other pod answers 404 ("response"). Otherwise, in order of
+preference, among pods with fresh metrics whose queue is not over the limit and that are
+under the load bound:
   1. "prefix": the pod that most recently served the longest matching prefix;
   2. "hash" / "bounded": the prompt's first block's home by rendezvous (highest random
      weight) hashing, or, when the home is at its bound, the next pod in that order;
@@ -23,7 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-REASONS = ("prefix", "adapter", "hash", "bounded", "load", "all_busy")
+REASONS = ("response", "prefix", "adapter", "hash", "bounded", "load", "all_busy")
 
 
 @dataclass(frozen=True)
@@ -70,12 +74,16 @@ def choose_pod(
     last_served: Callable[[bytes], str | None],
     config: PolicyConfig,
     model: str | None = None,
+    response_holder: str | None = None,
 ) -> Decision | None:
     """The pod for a request whose prompt has these leading block hashes; None if no pod.
     `last_served(block_hash)` names the pod that most recently served that block; `model`
-    is the request's model (a LoRA adapter's name selects that adapter)."""
+    is the request's model (a LoRA adapter's name selects that adapter);
+    `response_holder` the pod that answered the stored response the request names."""
     if not pods:
         return None
+    if response_holder is not None and any(p.url == response_holder for p in pods):
+        return Decision(response_holder, "response")
     # A pod that answers with errors while its /metrics looks fine would keep every prompt
     # whose prefix it served; it takes traffic again only when every pod is failing.
     pods = [p for p in pods if not p.failing] or list(pods)

@@ -10,31 +10,40 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
-from collections.abc import Iterable
+
+from .pod_table import PodTable
 
 
 def prompt_text(path: str, body: dict) -> str:
     """The part of a request body that forms the pod's prompt prefix, as text: the model
-    name first (a prefix is only shared within a model), then the prompt or messages.
+    name first (a prefix is only shared within a model), then the prompt, the messages or
+    a response's instructions and input.
     An embedding's pod keeps no KV past the request (and runs without a prefix cache): it
     has no prefix to follow, "" (it goes to the least loaded pod)."""
     if path.endswith("/embeddings"):
         return ""
     model = str(body.get("model", ""))
     if path.endswith("/chat/completions"):
-        messages = body.get("messages")
-        parts = (
-            [_message_text(m) for m in messages if isinstance(m, dict)]
-            if isinstance(messages, list)
-            else []
-        )
-        return model + "\n" + "".join(parts)
+        return model + "\n" + _messages_text(body.get("messages"))
+    if path.endswith("/responses"):
+        # The pod's chat prompt: instructions as the system message, then the input.
+        items = body.get("input")
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        instructions = body.get("instructions")
+        system = [{"role": "system", "content": instructions}] if instructions else []
+        return model + "\n" + _messages_text(system + (items if isinstance(items, list) else []))
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # a one-prompt batch shares the prefix of that prompt
     text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
     return model + "\n" + text
+
+
+def _messages_text(messages: object) -> str:
+    if not isinstance(messages, list):
+        return ""
+    return "".join(_message_text(m) for m in messages if isinstance(m, dict))
 
 
 def _message_text(message: dict) -> str:
@@ -57,30 +66,6 @@ def block_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
     return hashes
 
 
-class PrefixTable:
+class PrefixTable(PodTable[bytes]):
     """block hash -> the pod that most recently served a prompt containing that block,
     bounded by evicting the least recently served block."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"prefix table capacity must be at least 1, got {capacity}")
-        self.capacity = capacity
-        self._pods: OrderedDict[bytes, str] = OrderedDict()
-
-    def get(self, block_hash: bytes) -> str | None:
-        return self._pods.get(block_hash)
-
-    def record(self, hashes: Iterable[bytes], pod: str) -> None:
-        for block_hash in hashes:
-            self._pods[block_hash] = pod
-            self._pods.move_to_end(block_hash)
-        while len(self._pods) > self.capacity:
-            self._pods.popitem(last=False)
-
-    def forget_pod(self, pod: str) -> None:
-        """Drop a vanished pod's entries: its cache went with it."""
-        for block_hash in [h for h, p in self._pods.items() if p == pod]:
-            del self._pods[block_hash]
-
-    def __len__(self) -> int:
-        return len(self._pods)

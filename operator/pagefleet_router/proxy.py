@@ -1,5 +1,10 @@
 """The router's HTTP side (aiohttp): the OpenAI routes forwarded to the pod the policy
-picks, bytes relayed as they arrive, and the router's own /health, /ready, /metrics."""
+picks, bytes relayed as they arrive, and the router's own /health, /ready, /metrics.
+
+A /v1/responses response's id is read from the first bytes relayed (the response's JSON,
+or its stream's `response.created` event, starts with it) and remembered with its pod, so
+that a request naming it (`previous_response_id`, GET or DELETE /v1/responses/{id}) goes
+to the pod whose store holds it."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,6 +23,7 @@ from aiohttp import web
 from .bounded_json import parse_prefix
 from .discovery import Discovery, PodRegistry, ScrapeSettings, refresh
 from .metrics import RouterMetrics
+from .pod_table import PodTable
 from .policy import Decision, PolicyConfig, choose_pod, is_fresh
 from .prefix import PrefixTable, block_hashes, prompt_text
 from .tracing import RequestTracing
@@ -42,12 +49,27 @@ PROXIED_ROUTES = (
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/embeddings"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
     ("GET", "/v1/models"),
 )
 _ATTEMPTS = 2  # the first pod, then one other when the first fails before any byte
 # Prompt parts nest a few levels (messages, content parts); the prefix code serializes
 # nested parts again, so deeper bodies get no prefix rather than a deep recursion.
 _MAX_PREFIX_DEPTH = 32
+# A response's id is the first "id" of its JSON and of its stream's first event, ahead of
+# its instructions and output: a few hundred bytes in.
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
+_RESPONSE_ID_SCAN_BYTES = 4096
+_PREVIOUS_RESPONSE_ID = re.compile(rb'"previous_response_id"\s*:\s*"([^"\\]{1,256})"')
+
+
+@dataclass(frozen=True)
+class RoutingKey:
+    hashes: list[bytes]  # the prompt prefix's block hashes
+    model: str | None  # the requested model (an adapter's name routes by adapter)
+    response_id: str | None  # the stored response the request continues, reads or deletes
 
 
 @dataclass(frozen=True)
@@ -59,6 +81,7 @@ class RouterSettings:
     block_chars: int = 128
     max_prefix_blocks: int = 64
     prefix_table_size: int = 100_000
+    response_table_size: int = 100_000
     connect_timeout_s: float = 5.0
     # While no pod is ready and a waker is set (scale from zero): how many requests wait
     # for the first pod, and for how long.
@@ -79,6 +102,7 @@ class RouterSettings:
             "block_chars",
             "max_prefix_blocks",
             "prefix_table_size",
+            "response_table_size",
             "max_request_body_bytes",
             "prefix_scan_bytes",
         ):
@@ -136,6 +160,8 @@ class Router:
         self.tracing = tracing
         self.registry = PodRegistry()
         self.prefix_table = PrefixTable(settings.prefix_table_size)
+        # response id -> the pod that answered it (whose store holds it)
+        self.response_pods: PodTable[str] = PodTable(settings.response_table_size)
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self._scrape_task: asyncio.Task | None = None
@@ -202,6 +228,7 @@ class Router:
             return
         for url in vanished:
             self.prefix_table.forget_pod(url)
+            self.response_pods.forget_pod(url)
         if self._has_fresh_pod():
             self._pod_ready.set()
         else:
@@ -219,11 +246,12 @@ class Router:
             self._endpoints_changed.clear()
             await self._refresh()
 
-    def choose(
-        self, hashes: list[bytes], exclude: set[str], model: str | None = None
-    ) -> Decision | None:
+    def choose(self, key: RoutingKey, exclude: set[str]) -> Decision | None:
         pods = [p for p in self.registry.states() if p.url not in exclude]
-        return choose_pod(hashes, pods, self.prefix_table.get, self.settings.policy, model)
+        holder = self.response_pods.get(key.response_id) if key.response_id else None
+        return choose_pod(
+            key.hashes, pods, self.prefix_table.get, self.settings.policy, key.model, holder
+        )
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         if self.tracing is None:
@@ -247,10 +275,10 @@ class Router:
             finally:
                 if span is not None:
                     span.set_attribute("pagefleet.router.held_seconds", time.monotonic() - arrived)
-        hashes, model = self._routing_key(request.path, body)
+        key = self._routing_key(request, body)
         tried: set[str] = set()
         for attempt in range(_ATTEMPTS):
-            decision = self.choose(hashes, exclude=tried, model=model)
+            decision = self.choose(key, exclude=tried)
             if decision is None:
                 break
             tried.add(decision.url)
@@ -271,9 +299,12 @@ class Router:
                 self.registry.record_answer(decision.url, upstream.status)
                 try:
                     if upstream.status == 200:
-                        self.prefix_table.record(hashes, decision.url)
+                        self.prefix_table.record(key.hashes, decision.url)
+                        if request.method == "DELETE" and key.response_id:
+                            self.response_pods.forget(key.response_id)
                     self.metrics.routing_time.observe(time.monotonic() - arrived)
-                    return await self._relay(request, upstream, decision.url)
+                    learn = upstream.status == 200 and request.path == "/v1/responses"
+                    return await self._relay(request, upstream, decision.url, learn)
                 finally:
                     upstream.close()  # a no-op once released; else the pod sees a disconnect
             except _UpstreamUnavailable:
@@ -345,11 +376,13 @@ class Router:
             raise _Refused(_closing(response)) from None
         return bytes(body)
 
-    def _routing_key(self, path: str, body: bytes) -> tuple[list[bytes], str | None]:
-        """The prompt prefix's block hashes from the body's first prefix_scan_bytes, and
-        the requested model (an adapter's name routes by adapter); a body that is not
-        JSON, too deep or not an object has neither (the pod answers it with its own
-        error)."""
+    def _routing_key(self, request: web.Request, body: bytes) -> RoutingKey:
+        """The prompt prefix's block hashes from the body's first prefix_scan_bytes, the
+        requested model, and the stored response the request names (in its path, or a
+        body's `previous_response_id`); a body that is not JSON, too deep or not an object
+        has no prefix or model (the pod answers it with its own error)."""
+        if "response_id" in request.match_info:  # GET or DELETE /v1/responses/{id}
+            return RoutingKey([], None, request.match_info["response_id"])
         scanned = body[: self.settings.prefix_scan_bytes]
         cut = len(scanned) < len(body)
         try:
@@ -359,13 +392,17 @@ class Router:
                 max_depth=_MAX_PREFIX_DEPTH,
             )
         except ValueError:  # UnicodeDecodeError included
-            return [], None
+            return RoutingKey([], None, None)
         if not isinstance(payload, dict):
-            return [], None
+            return RoutingKey([], None, None)
         model = payload.get("model")
-        text = prompt_text(path, payload)
+        text = prompt_text(request.path, payload)
         hashes = block_hashes(text, self.settings.block_chars, self.settings.max_prefix_blocks)
-        return hashes, model if isinstance(model, str) else None
+        return RoutingKey(
+            hashes,
+            model if isinstance(model, str) else None,
+            _previous_response_id(request.path, payload, body if cut else None),
+        )
 
     async def _open_upstream(
         self, request: web.Request, url: str, body: bytes, attempt: int
@@ -392,12 +429,19 @@ class Router:
         return upstream
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, url: str
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        url: str,
+        learn_response_id: bool = False,
     ) -> web.StreamResponse:
+        """Relay the pod's answer; with `learn_response_id`, remember the pod of the
+        response id its first bytes carry."""
         self.metrics.requests.labels(url, str(upstream.status)).inc()
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED}
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)
+        head = b"" if learn_response_id else None
         chunks = upstream.content.iter_any()
         while True:
             try:
@@ -411,6 +455,13 @@ class Router:
             ):
                 await self._upstream_failed(response, upstream, url)
                 return response
+            if head is not None:
+                head += chunk[: _RESPONSE_ID_SCAN_BYTES - len(head)]
+                found = _RESPONSE_ID.search(head)
+                if found:
+                    self.response_pods.record([found.group(1).decode(errors="replace")], url)
+                if found or len(head) >= _RESPONSE_ID_SCAN_BYTES:
+                    head = None
             try:
                 await response.write(chunk)
             except ConnectionResetError:
@@ -449,6 +500,19 @@ class Router:
             sum(is_fresh(p, self.settings.policy) for p in states)
         )
         return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+
+def _previous_response_id(path: str, payload: dict, cut_body: bytes | None) -> str | None:
+    """A /v1/responses body's `previous_response_id`, from its parsed prefix; from the
+    whole body when the prefix was cut (a long `input` comes first, as the SDK sends)."""
+    if path != "/v1/responses":
+        return None
+    if cut_body is None:
+        found = payload.get("previous_response_id")
+        return found if isinstance(found, str) else None
+    at = cut_body.find(b'"previous_response_id"')  # a plain scan, not a regex one
+    match = _PREVIOUS_RESPONSE_ID.match(cut_body, at) if at >= 0 else None
+    return match.group(1).decode(errors="replace") if match else None
 
 
 def _error(status: int, message: str, code: str, kind: str = "server_error") -> web.Response:

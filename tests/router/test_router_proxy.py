@@ -1,7 +1,9 @@
 """`pagefleet router` in front of two real `pagefleet serve` processes on loopback: SSE
 streamed through with the openai SDK, Authorization forwarded, a client disconnect
-reaching the pod, a prefix kept on one pod (the pods' own prefix-cache counters), a pod
-failing before its first byte (retried) and after it (an error event).
+reaching the pod, a prefix kept on one pod (the pods' own prefix-cache counters), a
+/v1/responses conversation kept on the pod whose store holds it (the SDK's create, stream,
+retrieve and delete), a pod failing before its first byte (retried) and after it (an
+error event).
 
 A pod "fails" by cutting a loopback TCP relay the router knows that pod by: the bytes are
 the real pod's, and the pod process lives on for the other tests."""
@@ -238,6 +240,47 @@ def test_requests_sharing_a_prefix_land_on_one_pod(pods, start_router):
     # five later requests each found the shared prefix (~60 tokens) in that pod's cache
     assert gained[home] >= 5 * 48 and gained[1 - home] == 0, gained
     assert metrics['pagefleet:router_routing_decisions_total{reason="prefix"}'] == 5
+
+
+def test_a_responses_conversation_stays_on_the_pod_that_stores_it_with_the_openai_sdk(
+    pods, start_router
+):
+    urls = [p.base_url for p in pods]
+    router = start_router(urls)
+    client = openai.OpenAI(base_url=f"{router.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+    def homed_on(url: str, topic: str) -> str:
+        """An input the prefix policy alone would send to `url`."""
+        for i in range(200):
+            text = f"Question {i}: tell me one short fact about {topic}, please. " * 2
+            body = {"model": MODEL, "input": text}
+            hashes = block_hashes(prompt_text("/v1/responses", body), BLOCK_CHARS, 64)
+            if rendezvous_order(hashes[0], urls)[0] == url:
+                return text
+        raise AssertionError(f"no input hashes to {url}")
+
+    turn = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    first = client.responses.create(input=homed_on(urls[0], "tides"), **turn)
+    # The later turns are homed on the other pod, whose store does not hold the first.
+    with client.responses.stream(
+        input=homed_on(urls[1], "waves"), previous_response_id=first.id, **turn
+    ) as stream:
+        second = list(stream)[-1].response
+    third = client.responses.create(
+        input=homed_on(urls[1], "storms"), previous_response_id=second.id, **turn
+    )
+    # Each turn's prompt holds the ones before it.
+    assert third.usage.input_tokens > second.usage.input_tokens > first.usage.input_tokens
+    assert client.responses.retrieve(third.id).output_text == third.output_text
+    client.responses.delete(first.id)
+    metrics = router.metrics()
+    per_pod = [
+        metrics.get(f'pagefleet:router_requests_total{{code="200",pod="{url}"}}', 0) for url in urls
+    ]
+    assert per_pod == [5, 0]
+    assert metrics['pagefleet:router_routing_decisions_total{reason="response"}'] == 4
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
 
 
 def test_a_pod_failing_before_its_first_byte_is_retried_and_after_it_ends_the_stream(

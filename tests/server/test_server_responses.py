@@ -2,9 +2,11 @@
 (`pagefleet serve` with the built-in model): text whole and streamed (events parsed by the
 SDK's own stream helper), greedy text equal to /v1/chat/completions' for the same messages,
 forced function calls whole and streamed, a tool result sent back, `.parse()` with a
-pydantic model, a conversation continued by `previous_response_id`, `store: false`, and
-the refusals (unknown id 404, unsupported parts 400). The store's own bounds are tested on
-`ResponseStore` with a fake clock."""
+pydantic model, a conversation continued by `previous_response_id`, `store: false`, a
+stored response read back and deleted (`responses.retrieve`, `responses.delete`), ids in
+OpenAI's shapes, and the refusals (unknown id 404, unsupported parts 400, errors naming
+the Responses fields). The store's own bounds are tested on `ResponseStore` with a fake
+clock."""
 
 import json
 
@@ -42,7 +44,7 @@ def test_text_whole_and_streamed_agree_and_stream_events_are_in_order(client):
     whole = client.responses.create(
         model=MODEL_NAME, input="Name a colour.", max_output_tokens=12, temperature=0
     )
-    assert whole.object == "response" and whole.id.startswith("resp-")
+    assert whole.object == "response" and whole.id.startswith("resp_")
     assert whole.status in ("completed", "incomplete")
     [message] = whole.output
     assert message.type == "message" and message.role == "assistant"
@@ -169,6 +171,110 @@ def test_forced_function_call_whole_and_streamed(client, tool_choice):
     )
     assert answer.output[0].type == "message" and answer.output_text
     assert answer.usage.input_tokens > whole.usage.input_tokens
+
+
+def test_ids_have_openai_s_shapes_whole_and_streamed(client):
+    def check(response) -> None:
+        assert response.id.startswith("resp_")
+        for item in response.output:
+            if item.type == "message":
+                assert item.id.startswith("msg_")
+            else:
+                assert item.id.startswith("fc_") and item.call_id.startswith("call_")
+
+    ask = {"input": ASK, "tools": [WEATHER], "max_output_tokens": 60, "temperature": 0}
+    for tool_choice in ("none", "required"):
+        whole = client.responses.create(model=MODEL_NAME, tool_choice=tool_choice, **ask)
+        check(whole)
+        with client.responses.stream(model=MODEL_NAME, tool_choice=tool_choice, **ask) as stream:
+            events = list(stream)
+        check(events[-1].response)
+        assert {e.response.id for e in events if hasattr(e, "response")} == {events[-1].response.id}
+        item_ids = {e.item.id for e in events if e.type == "response.output_item.added"}
+        assert item_ids == {item.id for item in events[-1].response.output}
+
+
+def test_a_stored_response_is_retrieved_and_deleted(client, server):
+    base = f"{server.base_url}/v1/responses"
+    body = {"input": "Name a colour.", "max_output_tokens": 8, "temperature": 0}
+    created = httpx.post(base, json=body, timeout=60)
+    assert created.status_code == 200, created.text
+    response_id = created.json()["id"]
+    retrieved = httpx.get(f"{base}/{response_id}", timeout=30)
+    assert retrieved.status_code == 200 and retrieved.json() == created.json()
+    assert (
+        client.responses.retrieve(response_id).output_text
+        == created.json()["output"][0]["content"][0]["text"]
+    )
+
+    # A streamed response is kept as its last event has it.
+    with client.responses.stream(model=MODEL_NAME, **body) as stream:
+        final = list(stream)[-1].response
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+    assert client.responses.delete(response_id) is None  # the SDK returns nothing...
+    deleted = httpx.delete(f"{base}/{final.id}", timeout=30)  # ...OpenAI's body is this
+    assert deleted.status_code == 200
+    assert deleted.json() == {"id": final.id, "object": "response", "deleted": True}
+    for gone in (response_id, final.id):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(gone)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model=MODEL_NAME, input="Again.", previous_response_id=gone)
+        continued = httpx.post(
+            base, json={"input": "Again.", "previous_response_id": gone}, timeout=30
+        )
+        assert_error(continued, 404, "previous_response_not_found", "previous_response_id")
+        error = assert_error(httpx.get(f"{base}/{gone}", timeout=30), 404, "response_not_found")
+        assert gone in error["message"]
+        assert_error(httpx.delete(f"{base}/{gone}", timeout=30), 404, "response_not_found")
+
+    unstored = client.responses.create(model=MODEL_NAME, store=False, **body)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    kept = client.responses.create(model=MODEL_NAME, **body)
+    again = httpx.get(f"{base}/{kept.id}", params={"stream": "true"}, timeout=30)
+    assert_error(again, 400, param="stream")
+
+
+@pytest.mark.parametrize(
+    "body, param, starts",
+    [
+        (  # refused as the request is read
+            {
+                "input": ASK,
+                "text": {"format": {"type": "json_schema", "name": "c", "schema": {}}},
+                "tools": [WEATHER],
+                "tool_choice": "required",
+            },
+            "text",
+            "text.format: cannot be combined with tool_choice",
+        ),
+        (  # refused as its grammar compiles, after the request was read
+            {
+                "input": "Hi.",
+                "text": {
+                    "format": {
+                        "type": "json_schema",
+                        "name": "s",
+                        "schema": {"type": "string", "pattern": "(("},
+                    }
+                },
+            },
+            "text",
+            "text.format: ",
+        ),
+        ({"input": "Hi.", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ],
+)
+def test_errors_name_the_responses_fields_not_the_chat_ones(server, body, param, starts):
+    response = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=30)
+    error = assert_error(response, 400, param=param)
+    assert error["message"].startswith(starts), error
+    assert "response_format" not in error["message"] and "max_tokens" not in error["message"]
 
 
 def test_parse_with_a_pydantic_model_gives_a_parsed_object(client):
@@ -301,6 +407,17 @@ def test_store_forgets_entries_older_than_its_age_bound():
     clock.now = 95
     store.put("c", "C")  # b, expired at the cold end, goes
     assert store.ids() == ["c"]
+
+
+def test_store_deletes_an_entry_once_and_not_an_expired_one():
+    clock = _Clock()
+    store: ResponseStore[str] = ResponseStore(max_entries=10, max_age_s=60, clock=clock)
+    store.put("a", "A")
+    store.put("b", "B")
+    assert store.delete("a") and store.get("a") is None and store.ids() == ["b"]
+    assert not store.delete("a") and not store.delete("unknown")
+    clock.now = 61
+    assert not store.delete("b") and store.ids() == []
 
 
 def test_store_with_no_entries_is_off():

@@ -110,6 +110,14 @@ def build_app(state: ServerState) -> FastAPI:
     async def create_response(raw: Request) -> Response:
         return await responses(raw)
 
+    @api.get("/responses/{response_id}")
+    def retrieve_response(response_id: str, raw: Request) -> Response:
+        return responses.retrieve(response_id, raw)
+
+    @api.delete("/responses/{response_id}")
+    def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
+
     @api.post("/embeddings", openapi_extra=_json_body(EmbeddingRequest))
     async def create_embedding(raw: Request) -> Response:
         return await embeddings(raw)

@@ -1,11 +1,13 @@
 """The recent responses of /v1/responses that a later request may continue by
-`previous_response_id`: per process, bounded in entries (least recently used first out)
-and in age (an entry older than `max_age_s` is gone, whether used or not).
+`previous_response_id`, read back (GET /v1/responses/{id}) or delete: per process, bounded
+in entries (least recently used first out) and in age (an entry older than `max_age_s` is
+gone, whether used or not).
 
-Each entry holds a response's whole conversation (its input items, those of the responses
-it continued, and its output), so that continuing one needs only that one entry: evicting
-an older response never breaks a later one. An entry is at most a context's worth of
-prompt plus its output, so the store holds about `max_entries` contexts of text at most.
+Each entry holds a response as it was answered and its whole conversation (its input
+items, those of the responses it continued, and its output), so that continuing one needs
+only that one entry: evicting an older response never breaks a later one. An entry is at
+most a context's worth of prompt plus its output (twice over: as chat messages and as the
+response's JSON), so the store holds about `max_entries` contexts of text at most.
 """
 
 import threading
@@ -72,6 +74,12 @@ class ResponseStore(Generic[T]):
             self._entries.move_to_end(response_id)
             self._drop_expired_lru(now)
             return entry.value
+
+    def delete(self, response_id: str) -> bool:
+        """Forget an entry; False if it was unknown, evicted or expired."""
+        with self._lock:
+            entry = self._entries.pop(response_id, None)
+            return entry is not None and self._clock() - entry.stored_at <= self.max_age_s
 
     def ids(self) -> list[str]:
         """The ids held, least recently used first."""

@@ -8,19 +8,29 @@ completion (same limits, errors, metrics and traces). Only the output is written
 Responses way: output items (a message with `output_text`, `function_call`s), the usage
 with its details, and in a stream the Responses events, each with its `sequence_number`.
 
+A response is kept (unless `store` is false) for `previous_response_id`, GET and DELETE
+/v1/responses/{id}; ids are OpenAI's shapes (`resp_`, `msg_`, `fc_`, calls `call_`). An
+error the chat path raises names the Responses field the client sent (`text.format`, not
+`response_format`).
+
 What this server cannot do is refused by name (400): built-in tools, non-text input
 parts (images, files, audio), items other than messages, function calls and their
 outputs, and fields such as `background`, `reasoning`, `include` or `conversation`.
 """
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from itertools import count
 from typing import Annotated, Literal
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag
 
+from pagefleet_serve.messages import Request as EngineRequest
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import APIError, bad_request
@@ -60,6 +70,14 @@ UNSUPPORTED_RESPONSES_FIELDS = {
     "truncation": _absent("disabled"),
     "top_logprobs": _absent(0),
     "context_management": _absent([]),
+}
+# The chat fields a request's own become (see `ResponsesEndpoint.prepare`): the chat path's
+# errors that name one name the Responses field instead, as (param, name in the message).
+CHAT_FIELDS = {
+    "response_format": ("text", "text.format"),
+    "max_completion_tokens": ("max_output_tokens", "max_output_tokens"),
+    "max_tokens": ("max_output_tokens", "max_output_tokens"),
+    "messages": ("input", "input"),
 }
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
 TEXT_PART_TYPES = ("input_text", "output_text")
@@ -167,6 +185,12 @@ class ResponsesRequest(BaseModel):
         refuse_unsupported(self, UNSUPPORTED_RESPONSES_FIELDS)
 
 
+@dataclass(frozen=True)
+class _Stored:
+    response: dict  # the response's JSON as it was answered (the final one, streamed)
+    conversation: list[ChatMessage]  # what a continuation's prompt starts with
+
+
 class ResponsesEndpoint(ChatCompletionsEndpoint):
     request_model = ResponsesRequest  # type: ignore[assignment]
     id_prefix = "resp"
@@ -176,8 +200,35 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
     def __init__(self, state: ServerState) -> None:
         super().__init__(state)
         settings = state.settings
-        self.store: ResponseStore[list[ChatMessage]] = ResponseStore(
+        self.store: ResponseStore[_Stored] = ResponseStore(
             settings.responses_store_max_entries, settings.responses_store_max_age
+        )
+
+    # -- GET and DELETE /v1/responses/{response_id} -----------------------------------------
+    def retrieve(self, response_id: str, raw: Request) -> Response:
+        if raw.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise bad_request(
+                "stream: this server does not stream a stored response again; retrieve it "
+                "without stream",
+                param="stream",
+            )
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise self._not_found(response_id)
+        return JSONResponse(stored.response)
+
+    def delete(self, response_id: str) -> Response:
+        if not self.store.delete(response_id):
+            raise self._not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    def _not_found(
+        self, response_id: str, param: str | None = None, code: str = "response_not_found"
+    ) -> APIError:
+        what = "Previous response" if param == "previous_response_id" else "Response"
+        kept = "" if self.store.enabled else " (this server keeps no responses)"
+        return APIError(
+            404, f"{what} with id '{response_id}' not found{kept}.", param=param, code=code
         )
 
     # -- input -------------------------------------------------------------------------------
@@ -206,21 +257,27 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             response_format=_response_format(request.text),
             priority=request.priority,
         )
-        return super().prepare(chat)
+        try:
+            return super().prepare(chat)
+        except APIError as exc:
+            raise _responses_error(exc) from None
+
+    async def _grammar_compiled(self, raw: Request, engine_request: EngineRequest) -> bool:
+        # The constraint compiles under its chat field's name (response_format).
+        try:
+            return await super()._grammar_compiled(raw, engine_request)
+        except APIError as exc:
+            raise _responses_error(exc) from None
 
     def _history(self, response_id: str | None) -> list[ChatMessage]:
         if response_id is None:
             return []
-        conversation = self.store.get(response_id)
-        if conversation is None:
-            kept = "" if self.store.enabled else " (this server keeps no responses)"
-            raise APIError(
-                404,
-                f"Previous response with id '{response_id}' not found{kept}.",
-                param="previous_response_id",
-                code="previous_response_not_found",
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise self._not_found(
+                response_id, "previous_response_id", "previous_response_not_found"
             )
-        return conversation
+        return stored.conversation
 
     # -- output ------------------------------------------------------------------------------
     def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
@@ -234,8 +291,9 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             _function_call_item(_new_id("fc"), c.id, c.name, c.arguments, "completed")
             for c in calls
         ]
-        self._keep(run, output)
-        return self._response(run, status, output, self._usage(run, len(choice.token_ids)))
+        body = self._response(run, status, output, self._usage(run, len(choice.token_ids)))
+        self._keep(run, body)
+        return body
 
     async def _stream(self, run: _Run) -> AsyncIterator[str]:
         numbers = count()
@@ -264,17 +322,17 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             failed["error"] = {"code": "server_error", "message": str(exc)}
             yield event("response.failed", response=failed)
             return
-        output = writer.items()
-        self._keep(run, output)
         usage = self._usage(run, output_tokens)
-        final = self._response(run, writer.status, output, usage)
+        final = self._response(run, writer.status, writer.items(), usage)
+        self._keep(run, final)
         done = "response.completed" if writer.status == "completed" else "response.incomplete"
         yield event(done, response=final)
 
-    def _keep(self, run: _Run, output: list[dict]) -> None:
+    def _keep(self, run: _Run, response: dict) -> None:
         request: ResponsesRequest = run.request  # type: ignore[assignment]
         if request.store is not False:
-            self.store.put(run.id, request._conversation + _output_messages(output))
+            conversation = request._conversation + _output_messages(response["output"])
+            self.store.put(response["id"], _Stored(response, conversation))
 
     def _usage(self, run: _Run, output_tokens: int) -> dict:
         input_tokens = run.generation.num_prompt_tokens
@@ -293,7 +351,7 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
         if tool_choice is None:
             tool_choice = "auto" if request.tools else "none"
         return {
-            "id": run.id,
+            "id": _response_id(run),
             "object": "response",
             "created_at": run.created,
             "status": status,
@@ -543,12 +601,33 @@ def _output_messages(output: list[dict]) -> list[ChatMessage]:
     )
 
 
+def _responses_error(exc: APIError) -> APIError:
+    """A chat-path error naming a chat field (its param, or the field its message leads
+    with) -> the same error naming the Responses field."""
+    leading = re.match(rf"(?:{'|'.join(CHAT_FIELDS)})\b", exc.message)
+    chat_param = exc.param or (leading.group() if leading else None)
+    param = CHAT_FIELDS[chat_param][0] if chat_param in CHAT_FIELDS else exc.param
+    message = exc.message
+    if leading:
+        message = CHAT_FIELDS[leading.group()][1] + message[leading.end() :]
+    message = re.sub(r"\bresponse_format\b", CHAT_FIELDS["response_format"][1], message)
+    if (param, message) == (exc.param, exc.message):
+        return exc
+    return APIError(exc.status_code, message, exc.type, param, exc.code, exc.headers)
+
+
 def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _response_id(run: _Run) -> str:
+    """OpenAI's `resp_<hex>` for the run's `resp-<hex>` (the chat path's id, which its
+    engine requests and traces carry)."""
+    return "resp_" + run.id.removeprefix("resp-")
 
 
 def _text_part(text: str) -> dict:
