@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pagefleet_serve.config import GGUF_ARCHITECTURE_NAMES, HF_MODEL_TYPES
-from pagefleet_serve.model import fp8
+from pagefleet_serve.model import fp8, safetensors_reader
 from pagefleet_serve.model.llama import ModelConfig
 from pagefleet_serve.model.quant import QuantizedWeight, from_gguf, quantize_int8
 from pagefleet_serve.model.resolve import builtin_gguf_path, resolve_model_uri
@@ -518,39 +518,42 @@ def _load_hf_dir(
     # Kept float8 matrices are fused by the model (their scales come along); the rest here.
     fused = FusedWeights({n: s for n, s in shapes.items() if n not in kept}, dtype)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    for file in files:  # one tensor at a time, each copied once into `dtype`
-        with safe_open(file, "pt") as f:
-            for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensor_name = _hf_name(k)
-                if tensor_name not in shapes:  # a scale, read above, or unused
-                    continue
-                cut = plan.slices(tensor_name, full_shapes[tensor_name])
-                # A safetensors slice reads only this rank's part; a float8 weight is read
-                # whole, with its block scales, and cut once dequantized.
-                whole = cut is None or (scheme is not None and k in scales)
-                tensor = f.get_tensor(k) if whole else take(f.get_slice(k), *cut)
-                if tensor_name in kept:
-                    try:
-                        weights[tensor_name] = fp8.kept(k, tensor, scales[k], scheme)
-                    except fp8.Fp8FormatError as exc:
-                        raise UnsupportedModelError(f"{path}: {exc}") from exc
-                    continue
-                if scheme is not None and k in scales:
-                    try:
-                        tensor = fp8.dequantize(k, tensor, scales[k], scheme)
-                        tensor = tensor if cut is None else take(tensor, *cut)
-                    except fp8.Fp8FormatError as exc:
-                        raise UnsupportedModelError(f"{path}: {exc}") from exc
-                elif tensor.dtype == torch.float8_e4m3fn:
-                    raise UnsupportedModelError(f"{path}: {k} is float8 and has no scale")
-                destination = fused.destination(tensor_name, weights)
-                if destination is None:
-                    # A copy even in the file's dtype: a view would keep the whole file
-                    # mapped (and its pages resident) while any one of its tensors lives,
-                    # e.g. a norm's weight after prepacking has replaced the matrices.
-                    weights[tensor_name] = tensor.to(dtype, copy=True)
-                else:
-                    destination.copy_(tensor)
+    if scheme is None and not tp.parallel:
+        _read_whole_tensors(path, files, shapes, fused, weights, dtype)
+    else:  # a rank's slices, float8 weights and their scales: through safetensors' slices
+        for file in files:  # one tensor at a time, each copied once into `dtype`
+            with safe_open(file, "pt") as f:
+                for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensor_name = _hf_name(k)
+                    if tensor_name not in shapes:  # a scale, read above, or unused
+                        continue
+                    cut = plan.slices(tensor_name, full_shapes[tensor_name])
+                    # A safetensors slice reads only this rank's part; a float8 weight is read
+                    # whole, with its block scales, and cut once dequantized.
+                    whole = cut is None or (scheme is not None and k in scales)
+                    tensor = f.get_tensor(k) if whole else take(f.get_slice(k), *cut)
+                    if tensor_name in kept:
+                        try:
+                            weights[tensor_name] = fp8.kept(k, tensor, scales[k], scheme)
+                        except fp8.Fp8FormatError as exc:
+                            raise UnsupportedModelError(f"{path}: {exc}") from exc
+                        continue
+                    if scheme is not None and k in scales:
+                        try:
+                            tensor = fp8.dequantize(k, tensor, scales[k], scheme)
+                            tensor = tensor if cut is None else take(tensor, *cut)
+                        except fp8.Fp8FormatError as exc:
+                            raise UnsupportedModelError(f"{path}: {exc}") from exc
+                    elif tensor.dtype == torch.float8_e4m3fn:
+                        raise UnsupportedModelError(f"{path}: {k} is float8 and has no scale")
+                    destination = fused.destination(tensor_name, weights)
+                    if destination is None:
+                        # A copy even in the file's dtype: a view would keep the whole file
+                        # mapped (and its pages resident) while any one of its tensors lives,
+                        # e.g. a norm's weight after prepacking has replaced the matrices.
+                        weights[tensor_name] = tensor.to(dtype, copy=True)
+                    else:
+                        destination.copy_(tensor)
     config = _model_config(hf, _rope_scaling(hf, path), _eos_token_ids(path, hf), weights)
     tokenizer = None
     if any(
@@ -558,6 +561,34 @@ def _load_hf_dir(
     ):
         tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(name, config, weights, tokenizer)
+
+
+def _read_whole_tensors(
+    path: Path,
+    files: list[Path],
+    shapes: dict[str, tuple[int, ...]],
+    fused: "FusedWeights",
+    weights: dict,
+    dtype: torch.dtype,
+) -> None:
+    """Every tensor of `shapes` read whole, once, straight into its place in `weights` (a
+    fused matrix's rows or its own tensor of `dtype`), the shards in parallel."""
+
+    def place(entry: safetensors_reader.Entry) -> torch.Tensor | None:
+        name = _hf_name(entry.name)
+        if name not in shapes:
+            return None
+        if entry.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise UnsupportedModelError(f"{path}: {entry.name} is float8 and has no scale")
+        destination = fused.destination(name, weights)
+        if destination is None:
+            destination = weights[name] = torch.empty(entry.shape, dtype=dtype)
+        return destination
+
+    try:
+        safetensors_reader.read_files(files, place)
+    except safetensors_reader.SafetensorsFormatError as exc:
+        raise UnsupportedModelError(str(exc)) from None
 
 
 # Hugging Face's separate projections -> the fused one LlamaForCausalLM multiplies by, and
