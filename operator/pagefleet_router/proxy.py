@@ -43,8 +43,17 @@ _NOT_FORWARDED = frozenset(
         "upgrade",
         "host",
         "content-length",
+        "x-forwarded-for",  # appended to (`forwarded_for`)
     }
 )
+
+
+def forwarded_for(request: web.Request) -> str:
+    """X-Forwarded-For for the pod: what the client's proxies said, then the client's own
+    address (the pod trusts the router's entry, the last, with --forwarded-allow-ips, and
+    shares its batch fairly between the clients it names)."""
+    chain = [v.strip() for v in request.headers.getall("X-Forwarded-For", []) if v.strip()]
+    return ", ".join([*chain, request.remote or "unknown"])
 PROXIED_ROUTES = (
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
@@ -408,6 +417,7 @@ class Router:
         self, request: web.Request, url: str, body: bytes, attempt: int
     ) -> aiohttp.ClientResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        headers["X-Forwarded-For"] = forwarded_for(request)
         if self.tracing is not None:
             self.tracing.inject(headers)
         try:

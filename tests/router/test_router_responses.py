@@ -223,3 +223,31 @@ def test_a_response_s_prefix_is_its_instructions_and_input_as_the_chat_prompt_re
     assert prompt_text("/v1/responses", responses) == text
     assert prompt_text("/v1/responses", as_items) == text
     assert prompt_text("/v1/responses", {"model": "m", "input": 3}) == "m\n"
+
+
+class EchoPod(Pod):
+    """A pod that answers a completion with the X-Forwarded-For it was sent."""
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"forwarded_for": request.headers.getall("X-Forwarded-For", [])})
+
+
+@pytest.mark.asyncio
+async def test_the_pod_is_told_the_client_after_the_clients_own_proxies():
+    """The pods share their batch fairly between clients; behind the router every request
+    comes from the router's address, so the router appends the client's to
+    X-Forwarded-For (the pod trusts the last entry, the router's, with
+    --forwarded-allow-ips)."""
+    async with running_router([EchoPod()]) as (url, _router):
+        connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+        async with aiohttp.ClientSession(url, connector=connector) as session:
+            plain = await send(session, "POST", "/v1/responses", json={"input": "hi"})
+            proxied = await send(
+                session,
+                "POST",
+                "/v1/responses",
+                json={"input": "hi"},
+                headers={"X-Forwarded-For": "203.0.113.7"},
+            )
+    assert plain["forwarded_for"] == ["127.0.0.2"]
+    assert proxied["forwarded_for"] == ["203.0.113.7, 127.0.0.2"]
