@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .adapters import SUFFIX as ADAPTERS_SUFFIX
+from .adapters import get_adapters_config_map
 from .deployment import get_deployment
 from .ingress import get_ingress
 from .lws import get_leader_worker_set
@@ -23,8 +25,10 @@ from .spec import InferenceServiceSpec
 
 # Slot -> (kind, suffix of the resource's name), in the order they are created. Slots,
 # not kinds: with the router one resource owns two Deployments and two Services. The
-# router's identity comes before the Deployment that runs as it.
+# router's identity comes before the Deployment that runs as it, the adapters' ConfigMap
+# before the pods that mount it.
 MANAGED_OBJECTS: dict[str, tuple[str, str]] = {
+    "AdaptersConfigMap": ("ConfigMap", ADAPTERS_SUFFIX),
     "Deployment": ("Deployment", ""),
     # Instead of the Deployment when a replica spans several nodes (spec.parallelism).
     "LeaderWorkerSet": ("LeaderWorkerSet", ""),
@@ -46,6 +50,7 @@ def get_desired_objects(
     body: dict[str, Any], spec: InferenceServiceSpec
 ) -> dict[str, dict[str, Any] | None]:
     return {
+        "AdaptersConfigMap": get_adapters_config_map(body, spec),
         "Deployment": get_deployment(body, spec),
         "LeaderWorkerSet": get_leader_worker_set(body, spec),
         "Service": get_service(body, spec),

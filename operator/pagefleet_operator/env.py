@@ -10,6 +10,7 @@ from typing import Any
 
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR
 
+from .adapters import FILE_PATH as ADAPTERS_FILE_PATH
 from .names import HTTP_PORT
 from .spec import InferenceServiceSpec
 
@@ -50,9 +51,10 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         **spec.engine.settings,
     }
     if spec.adapters:
-        # Served from start-up: changing them changes the pod template, and the pods roll.
+        # A file of the mounted ConfigMap (adapters.py), not the adapters themselves: the
+        # pods apply a change on their own, and the template, hence the pods, stay.
         flags["enable-lora"] = True
-        flags["lora-modules"] = " ".join(f"{a.name}={a.uri}" for a in spec.adapters)
+        flags["lora-modules-file"] = ADAPTERS_FILE_PATH
     env = [
         {"name": get_flag_env_name(flag), "value": _format(value)} for flag, value in flags.items()
     ]

@@ -29,6 +29,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ReplicaSet": ("apps/v1", "replicasets"),
     "Pod": ("v1", "pods"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
+    # spec.adapters, read by the serving pods from a mounted file.
+    "ConfigMap": ("v1", "configmaps"),
     # spec.router: the router's identity, and the pods it discovers.
     "ServiceAccount": ("v1", "serviceaccounts"),
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),

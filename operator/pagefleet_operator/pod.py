@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .adapters import get_adapters_volume
 from .env import CACHE_DIR, MODEL_MOUNT_DIR, get_env
 from .names import (
     CONTAINER_NAME,
@@ -36,8 +37,9 @@ MASTER_PORT_NAME = "dist"
 ROLES = ("server", "leader", "worker")
 
 
-def get_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
-    """Volumes and their mounts: model cache, scratch /tmp, and a pvc:// model's claim."""
+def get_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+    """Volumes and their mounts: model cache, scratch /tmp, a pvc:// model's claim, and
+    the adapters' ConfigMap."""
     if spec.model_cache_pvc:
         cache = {"persistentVolumeClaim": {"claimName": spec.model_cache_pvc}}
     elif spec.model_cache_size_limit:
@@ -60,6 +62,10 @@ def get_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
             }
         )
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True})
+    if spec.adapters:
+        volume, mount = get_adapters_volume(name)
+        volumes.append(volume)
+        mounts.append(mount)
     if spec.parallelism.world_size > 1:
         shm = {"medium": "Memory", "sizeLimit": spec.parallelism.shm_size_limit}
         volumes.append({"name": "dshm", "emptyDir": shm})
@@ -118,8 +124,8 @@ def _http_probe(path: str, period: int, failures: int, timeout: int = 5) -> dict
     }
 
 
-def get_container(spec: InferenceServiceSpec, role: str = "server") -> dict[str, Any]:
-    _, mounts = get_volumes(spec)
+def get_container(name: str, spec: InferenceServiceSpec, role: str = "server") -> dict[str, Any]:
+    _, mounts = get_volumes(name, spec)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.engine.image,
@@ -175,9 +181,9 @@ def get_pod_security_context(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 def get_pod_template(name: str, spec: InferenceServiceSpec, role: str = "server") -> dict[str, Any]:
     """The pod template, labelled with a hash of itself so any spec change rolls the pods."""
-    volumes, _ = get_volumes(spec)
+    volumes, _ = get_volumes(name, spec)
     pod_spec: dict[str, Any] = {
-        "containers": [get_container(spec, role)],
+        "containers": [get_container(name, spec, role)],
         "volumes": volumes,
         # Serving pods never talk to the API server.
         "automountServiceAccountToken": False,

@@ -85,6 +85,12 @@ RULES: list[dict[str, Any]] = [
     # Deployment's ReplicaSets); claims are checked before pods need them.
     {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    # spec.adapters: the ConfigMap the serving pods read them from (deleted when they go).
+    {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # Leader election (leader.py): the Lease of each watched namespace, or the cluster's.

@@ -54,6 +54,8 @@ def forwarded_for(request: web.Request) -> str:
     shares its batch fairly between the clients it names)."""
     chain = [v.strip() for v in request.headers.getall("X-Forwarded-For", []) if v.strip()]
     return ", ".join([*chain, request.remote or "unknown"])
+
+
 PROXIED_ROUTES = (
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),

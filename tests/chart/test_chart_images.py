@@ -112,7 +112,7 @@ def test_serving_entrypoint_is_the_pods_command_and_starts():
     entrypoint = json.loads(arguments(SERVING, "ENTRYPOINT")[-1])
     example = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
     spec = parse_spec(example["spec"], default_image=DEFAULT_IMAGE)
-    assert entrypoint == pod.get_container(spec)["command"]  # what the operator runs
+    assert entrypoint == pod.get_container("demo", spec)["command"]  # what the operator runs
     assert arguments(SERVING, "EXPOSE") == [str(names.HTTP_PORT)]
     result = subprocess.run(
         [str(VENV_BIN / entrypoint[0]), *entrypoint[1:], "--help"],

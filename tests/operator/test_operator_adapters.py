@@ -1,18 +1,21 @@
-"""spec.adapters: LoRA adapters the pods serve from start-up. The CRD admits them (unique
-DNS-1123 names, the engine's URI forms), the operator checks them again and passes them to
-the pods as --enable-lora / --lora-modules (a pvc:// one on the model's claim as its mounted
-path), and a change of adapters rolls the pods."""
+"""spec.adapters: LoRA adapters the pods serve. The CRD admits them (unique DNS-1123
+names, the engine's URI forms), the operator checks them again and writes them into the
+`<name>-adapters` ConfigMap (a pvc:// one on the model's claim as its mounted path), which
+the pods mount and read with --enable-lora --lora-modules-file; a change of adapters
+changes the ConfigMap only, never the pod template (the pods apply it without a restart).
+"""
 
 from __future__ import annotations
 
 import apiserver_validation
 import pytest
 from operator_samples import CRD_PATH, DEFAULT_IMAGE, load_yaml, make_body
+from pagefleet_operator.adapters import get_adapters_config_map
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.env import get_env
-from pagefleet_operator.names import TEMPLATE_HASH_LABEL
 from pagefleet_operator.spec import AdapterSpec, SpecError, parse_spec
-from pagefleet_serve.config import EngineConfig, LoRAModule
+from pagefleet_serve.config import LoRAModule
+from pagefleet_serve.server.lora_file_watcher import parse_lora_modules_file
 
 SCHEMA = load_yaml(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 MODEL = {"uri": "pvc://weights/llama"}
@@ -30,7 +33,12 @@ def env_of(spec: dict) -> dict:
     return {e["name"]: e.get("value") for e in get_env(parsed(spec))}
 
 
-def test_adapters_become_the_engines_lora_flags():
+def template(adapters: list) -> dict:
+    body = make_body({"model": MODEL, "adapters": adapters})
+    return get_deployment(body, parsed(body["spec"]))["spec"]["template"]
+
+
+def test_adapters_become_a_configmap_the_pods_read():
     spec = {"model": MODEL, "adapters": ADAPTERS, "engine": {"maxLoras": 2, "maxLoraRank": 32}}
     assert parsed(spec).adapters == (
         AdapterSpec("sql", "hf://org/sql-lora@v2"),
@@ -39,26 +47,35 @@ def test_adapters_become_the_engines_lora_flags():
     env = env_of(spec)
     assert env["PAGEFLEET_ENABLE_LORA"] == "true"
     assert env["PAGEFLEET_MAX_LORAS"] == "2" and env["PAGEFLEET_MAX_LORA_RANK"] == "32"
-    modules = env["PAGEFLEET_LORA_MODULES"]
-    assert modules == "sql=hf://org/sql-lora@v2 support=file:///mnt/models/adapters/support"
-    # What the pod's flag parsing makes of the variable (EnvFlags splits on spaces/commas).
-    config = EngineConfig(enable_lora=True, lora_modules=tuple(modules.split()))
-    assert config.lora_modules[1] == LoRAModule("support", "file:///mnt/models/adapters/support")
+    assert env["PAGEFLEET_LORA_MODULES_FILE"] == "/etc/pagefleet/adapters/adapters.json"
+    assert "PAGEFLEET_LORA_MODULES" not in env
+
+    body = make_body(spec)
+    config_map = get_adapters_config_map(body, parsed(spec))
+    assert config_map["metadata"]["name"] == "demo-adapters"
+    assert config_map["metadata"]["ownerReferences"][0]["uid"] == body["metadata"]["uid"]
+    # What the pod makes of the file: the same adapters, through the same checks.
+    content = config_map["data"]["adapters.json"].encode()
+    assert parse_lora_modules_file(content, "adapters.json") == (
+        LoRAModule("sql", "hf://org/sql-lora@v2"),
+        LoRAModule("support", "file:///mnt/models/adapters/support"),
+    )
+    pod = template(ADAPTERS)["spec"]
+    assert {"name": "adapters", "configMap": {"name": "demo-adapters"}} in pod["volumes"]
+    mount = {"name": "adapters", "mountPath": "/etc/pagefleet/adapters", "readOnly": True}
+    assert mount in pod["containers"][0]["volumeMounts"]  # the directory: no subPath
 
 
-def test_no_adapters_no_lora_flags():
+def test_no_adapters_no_lora_flags_and_no_configmap():
     env = env_of({"model": MODEL})
-    assert "PAGEFLEET_ENABLE_LORA" not in env and "PAGEFLEET_LORA_MODULES" not in env
+    assert "PAGEFLEET_ENABLE_LORA" not in env and "PAGEFLEET_LORA_MODULES_FILE" not in env
+    assert get_adapters_config_map(make_body({"model": MODEL}), parsed({"model": MODEL})) is None
+    assert all(v["name"] != "adapters" for v in template([])["spec"]["volumes"])
 
 
-def test_changing_the_adapters_rolls_the_pods():
-    def template_hash(adapters):
-        body = make_body({"model": MODEL, "adapters": adapters})
-        labels = get_deployment(body, parsed(body["spec"]))["spec"]["template"]["metadata"]
-        return labels["labels"][TEMPLATE_HASH_LABEL]
-
-    assert template_hash(ADAPTERS) != template_hash(ADAPTERS[:1]) != template_hash([])
-    assert template_hash(ADAPTERS) == template_hash([dict(a) for a in ADAPTERS])
+def test_changing_the_adapters_leaves_the_pod_template_alone():
+    assert template(ADAPTERS) == template(ADAPTERS[:1]) == template(ADAPTERS[::-1])
+    assert template(ADAPTERS)["metadata"] != template([])["metadata"]  # adapters on: a rollout
 
 
 @pytest.mark.parametrize(

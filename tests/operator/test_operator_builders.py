@@ -390,6 +390,7 @@ def test_without_router_no_router_objects_and_the_service_selects_the_pods():
     body = make_body(BUILTIN)
     desired = get_desired_objects(body, parsed(body))
     assert [slot for slot, obj in desired.items() if obj is None] == [
+        "AdaptersConfigMap",
         "LeaderWorkerSet",
         "Ingress",
         "PodDisruptionBudget",

@@ -254,6 +254,7 @@ def declare_resources(server) -> None:
         ("v1/pods", "Pod"),
         ("v1/events", "Event"),
         ("v1/persistentvolumeclaims", "PersistentVolumeClaim"),
+        ("v1/configmaps", "ConfigMap"),
         ("networking.k8s.io/v1/ingresses", "Ingress"),
         ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
         ("v1/serviceaccounts", "ServiceAccount"),
@@ -493,6 +494,50 @@ async def test_lifecycle_against_the_api_emulator(kmock, operator):
     # kopf releases its finalizer with a resourceVersion-guarded JSON patch; a race with a
     # status write costs it a 422 and a retry, hence the longer wait.
     await eventually(lambda: stored(kmock, ISVC, "chat") is None, timeout=40, what="deletion")
+
+
+async def test_adapters_change_without_restarting_the_pods(kmock, operator):
+    """spec.adapters: the ConfigMap the pods re-read comes with the Deployment; a change of
+    adapters rewrites it and leaves the Deployment unwritten (its pods keep running); with
+    the last adapter gone the ConfigMap is deleted and the pods lose its volume."""
+    sql = {"name": "sql", "uri": "hf://org/sql-lora"}
+    support = {"name": "support", "uri": "hf://org/support-lora@v2"}
+    spec = {"model": {"uri": "builtin://smollm2-135m"}, "replicas": 1, "adapters": [sql]}
+    created = await operator.call("POST", isvc_path(), make_isvc("chat", spec))
+
+    def adapters_file():
+        config_map = stored(kmock, "v1/configmaps", "chat-adapters")
+        return config_map and json.loads(config_map["data"]["adapters.json"])
+
+    def reconciled():
+        isvc = stored(kmock, ISVC, "chat")
+        status = isvc.get("status") or {}
+        return status.get("observedGeneration") == isvc["metadata"]["generation"]
+
+    await eventually(lambda: adapters_file() == [sql], what="the adapters' ConfigMap")
+    (ref,) = stored(kmock, "v1/configmaps", "chat-adapters")["metadata"]["ownerReferences"]
+    assert (ref["uid"], ref["controller"]) == (created["metadata"]["uid"], True)
+    deployment = await eventually(
+        lambda: stored(kmock, "apps/v1/deployments", "chat"), what="deployment"
+    )
+    pod = deployment["spec"]["template"]["spec"]
+    assert {"name": "adapters", "configMap": {"name": "chat-adapters"}} in pod["volumes"]
+    await eventually(reconciled, what="status of the first generation")
+    version = stored(kmock, "apps/v1/deployments", "chat")["metadata"]["resourceVersion"]
+
+    for adapters in ([sql, support], [support]):
+        await operator.call("PATCH", isvc_path("chat"), {"spec": {"adapters": adapters}})
+        await eventually(lambda a=adapters: adapters_file() == a, what=f"adapters {adapters}")
+        await eventually(reconciled, what="status of the new generation")
+        live = stored(kmock, "apps/v1/deployments", "chat")
+        assert live["metadata"]["resourceVersion"] == version  # no write: no rollout
+
+    await operator.call("PATCH", isvc_path("chat"), {"spec": {"adapters": None}})
+    await eventually(
+        lambda: stored(kmock, "v1/configmaps", "chat-adapters") is None, what="deletion"
+    )
+    live = stored(kmock, "apps/v1/deployments", "chat")
+    assert all(v["name"] != "adapters" for v in live["spec"]["template"]["spec"]["volumes"])
 
 
 async def test_autoscaler_against_loopback_pods(kmock, operator):

@@ -98,7 +98,7 @@ def test_pvc_paths_with_dots_in_names_are_fine():
 
 
 def test_tmp_has_a_size_limit():
-    volumes, _ = get_volumes(parse_spec(BUILTIN, default_image=DEFAULT_IMAGE))
+    volumes, _ = get_volumes("demo", parse_spec(BUILTIN, default_image=DEFAULT_IMAGE))
     tmp = next(v for v in volumes if v["name"] == "tmp")
     assert tmp["emptyDir"]["sizeLimit"]
 

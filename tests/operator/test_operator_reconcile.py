@@ -8,6 +8,7 @@ import asyncio
 import copy
 import functools
 import itertools
+import json
 import logging
 
 import kopf
@@ -163,6 +164,51 @@ def test_replicas_add_and_remove_the_pdb():
     run(kube)
     assert ("delete", "PodDisruptionBudget", "demo") in kube.writes
     assert kube.get("PodDisruptionBudget", "ml", "demo") is None
+
+
+def test_adapter_changes_update_the_configmap_and_leave_the_pods_alone():
+    """spec.adapters live in `<name>-adapters`, which the pods re-read: adding, removing
+    or replacing one rewrites the ConfigMap and leaves the pod template byte-identical
+    (no rollout); no adapters left, the ConfigMap goes (and the flag and volume with it)."""
+    first = {"name": "sql", "uri": "hf://org/sql-lora"}
+    kube = FakeKube(make_body({**BUILTIN, "adapters": [first]}))
+    outcome = run(kube)
+    assert [(c.verb, c.kind, c.name) for c in outcome.changes][:2] == [
+        ("created", "ConfigMap", "demo-adapters"),
+        ("created", "Deployment", "demo"),
+    ]
+    config_map = kube.get("ConfigMap", "ml", "demo-adapters")
+    assert config_map["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+
+    def adapters_file():
+        return json.loads(kube.get("ConfigMap", "ml", "demo-adapters")["data"]["adapters.json"])
+
+    def pod_template() -> str:
+        deployment = kube.get("Deployment", "ml", "demo")
+        return json.dumps(deployment["spec"]["template"], sort_keys=True)
+
+    assert adapters_file() == [first]
+    template = pod_template()
+    assert "hf://org/sql-lora" not in template  # nor a hash of the adapters: the label
+    spec = kube.objects[("InferenceService", "ml", "demo")]["spec"]
+    for adapters in (
+        [first, {"name": "support", "uri": "hf://org/support"}],
+        [{"name": "support", "uri": "hf://org/support@v2"}],
+    ):
+        spec["adapters"] = adapters
+        run(kube)
+        assert [w for w in kube.writes if w[0] != "status"] == [
+            ("apply", "ConfigMap", "demo-adapters")
+        ]
+        assert adapters_file() == adapters
+        assert pod_template() == template
+
+    del spec["adapters"]
+    run(kube)
+    writes = [w for w in kube.writes if w[0] != "status"]
+    assert writes == [("apply", "Deployment", "demo"), ("delete", "ConfigMap", "demo-adapters")]
+    assert kube.get("ConfigMap", "ml", "demo-adapters") is None
+    assert "adapters" not in pod_template()
 
 
 @pytest.mark.parametrize(

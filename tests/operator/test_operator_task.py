@@ -44,7 +44,7 @@ def test_the_crd_enum_is_the_engines_tasks_but_auto():
 def test_embed_becomes_the_pods_task_flag():
     spec = parse_spec({"model": MODEL, "task": "embed"}, default_image=DEFAULT_IMAGE)
     assert spec.task == "embed"
-    args = get_container(spec)["args"]
+    args = get_container("demo", spec)["args"]
     assert args[args.index("--task") + 1] == "embed"
     # What the pod's own parser makes of them.
     from pagefleet_serve.cli import build_parser
@@ -58,7 +58,7 @@ def test_generate_leaves_the_pods_flags_as_they_were():
     explicit = parse_spec({"model": MODEL, "task": "generate"}, default_image=DEFAULT_IMAGE)
     assert default.task == explicit.task == "generate"
     for spec in (default, explicit):
-        assert "--task" not in get_container(spec).get("args", [])
+        assert "--task" not in get_container("demo", spec).get("args", [])
 
 
 def test_a_bad_task_is_a_spec_error_naming_the_field():

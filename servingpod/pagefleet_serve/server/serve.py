@@ -19,6 +19,7 @@ from pagefleet_serve.config import (
     QUANTIZATIONS,
     TASKS,
     EngineConfig,
+    LoRAModule,
     parse_bytes,
 )
 from pagefleet_serve.cpu_placement import (
@@ -28,6 +29,7 @@ from pagefleet_serve.cpu_placement import (
     place_frontend,
     plan_placement,
 )
+from pagefleet_serve.server import lora_file_watcher
 from pagefleet_serve.server.settings import SCHEDULING_POLICIES, ServerSettings
 from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -283,6 +285,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
     )
     flag(
+        "--lora-modules-file",
+        'a JSON file listing LoRA adapters as [{"name": ..., "uri": ...}] (uris as '
+        "--lora-modules' paths): served from start-up, then re-read every "
+        "--lora-modules-file-poll-interval seconds, adapters added and removed without a "
+        "restart (needs --enable-lora)",
+        default=None,
+    )
+    flag(
+        "--lora-modules-file-poll-interval",
+        "seconds between two reads of --lora-modules-file",
+        type=float,
+        default=lora_file_watcher.POLL_INTERVAL_S,
+    )
+    flag(
         "--max-loras",
         "LoRA adapters resident on the device at once (a step reads at most this many; "
         "requests for others wait for a slot)",
@@ -375,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        lora_file = _read_lora_modules_file(args)
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
@@ -395,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
             speculative_config=args.speculative_config,
             structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
             enable_lora=args.enable_lora,
-            lora_modules=tuple(args.lora_modules or ()),
+            lora_modules=tuple(args.lora_modules or ()) + (lora_file[1] if lora_file else ()),
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             task=args.task,
@@ -466,12 +483,31 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.served_model_name:
         settings = dataclasses.replace(settings, served_model_names=(engine.model_name,))
-    server = create_server(settings, engine, args.log_level)
+    watcher = None
+    if lora_file is not None:
+        watcher = lora_file_watcher.LoRAFileWatcher(
+            args.lora_modules_file, engine, *lora_file, args.lora_modules_file_poll_interval
+        )
+    server = create_server(settings, engine, args.log_level, watcher)
     try:
         server.run()
     finally:
         engine.shutdown()  # idempotent: the app's lifespan has usually done it
     return 1 if server.force_exit else 0
+
+
+def _read_lora_modules_file(
+    args: argparse.Namespace,
+) -> tuple[bytes, tuple[LoRAModule, ...]] | None:
+    """--lora-modules-file's content and adapters at start (None without the flag);
+    ValueError: the file is unreadable or malformed, or LoRA is off."""
+    if args.lora_modules_file is None:
+        return None
+    if not args.enable_lora:
+        raise ValueError("--lora-modules-file needs --enable-lora")
+    # Checked here, before the model loads, though the watcher starts after.
+    lora_file_watcher.check_poll_interval(args.lora_modules_file_poll_interval)
+    return lora_file_watcher.read_lora_modules_file(args.lora_modules_file)
 
 
 @contextlib.contextmanager

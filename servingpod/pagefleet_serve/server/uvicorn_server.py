@@ -19,6 +19,7 @@ pod is told apart from a dead one.
 
 import asyncio
 import collections
+import contextlib
 import functools
 import json
 import logging
@@ -30,6 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagefleet_serve.frontend.core_client import EngineCoreClient
 from pagefleet_serve.server.app import build_app
 from pagefleet_serve.server.errors import APIError, unavailable
+from pagefleet_serve.server.lora_file_watcher import LoRAFileWatcher
 from pagefleet_serve.server.settings import ServerSettings
 from pagefleet_serve.server.state import ServerState
 
@@ -171,16 +173,27 @@ class GuardedH11Protocol(H11Protocol):
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    """`lora_file_watcher` (--lora-modules-file) polls on the server's loop while it serves."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        lora_file_watcher: LoRAFileWatcher | None = None,
+    ) -> None:
         super().__init__(config)
         self.state = state
+        self.lora_file_watcher = lora_file_watcher
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
+            if self.lora_file_watcher is not None:
+                self._watch_task = asyncio.ensure_future(self.lora_file_watcher.run())
             settings = self.state.settings
             logger.info(
                 "serving %s on http://%s:%d",
@@ -188,6 +201,14 @@ class DrainingServer(uvicorn.Server):
                 settings.host,
                 self.bound_port,
             )
+
+    async def shutdown(self, sockets=None) -> None:
+        # Before the app's lifespan ends, which shuts the engine down.
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        await super().shutdown(sockets)
 
     @property
     def bound_port(self) -> int:
@@ -215,7 +236,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def create_server(
-    settings: ServerSettings, engine: EngineCoreClient, log_level: str = "info"
+    settings: ServerSettings,
+    engine: EngineCoreClient,
+    log_level: str = "info",
+    lora_file_watcher: LoRAFileWatcher | None = None,
 ) -> DrainingServer:
     """A ready-to-run server for an engine (`.run()`; tests run it in a thread)."""
     state = ServerState(settings, engine)
@@ -236,4 +260,4 @@ def create_server(
             per_client=collections.Counter(),
         ),
     )
-    return DrainingServer(config, state)
+    return DrainingServer(config, state, lora_file_watcher)
