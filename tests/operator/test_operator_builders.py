@@ -318,6 +318,11 @@ def matches(selector: dict, labels: dict) -> bool:
     return selector.items() <= labels.items()
 
 
+def test_behind_the_router_the_pods_take_the_client_from_x_forwarded_for():
+    assert env_of(make_body(ROUTED))["PAGEFLEET_FORWARDED_ALLOW_IPS"] == "*"
+    assert "PAGEFLEET_FORWARDED_ALLOW_IPS" not in env_of(make_body(BUILTIN))
+
+
 def test_router_takes_the_service_and_the_pods_get_a_headless_one():
     body = make_body(ROUTED)
     desired = get_desired_objects(body, parsed(body))
