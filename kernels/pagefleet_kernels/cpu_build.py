@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         for (extension, family), future in futures.items():
             try:
                 print(f"{extension} ({family}): {future.result()}")
-            except Exception as exc:  # the compiler's own output is above
+            except Exception as exc:  # noqa: BLE001 - the compiler's own output is above
                 failed.append(f"{extension} ({family}): {exc}")
     for line in failed:
         print(f"build failed: {line}", file=sys.stderr)

@@ -104,7 +104,7 @@ def grouped_fused_moe(
     where it takes no such rows; `act_and_mul` the backend's. The experts' weights may also
     be sequences of per-expert matrices in the layout `linear` reads (oneDNN's prepacked
     ones, see `pagefleet_serve.model.llama.MoEExperts.prepack`)."""
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)  # (T * k,) pair indices by expert
     tokens = order // top_k

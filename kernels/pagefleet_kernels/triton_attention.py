@@ -395,9 +395,12 @@ def _check_cache(key_cache, value_cache, key_scale, value_scale, num_kv_heads, h
                 )
             if scale.stride() != key_scale.stride() or scale.stride(2) != 1:
                 raise ValueError("key_scale and value_scale need equal strides, heads contiguous")
-        if key_cache.dtype == torch.float8_e4m3fn and key_cache.is_cuda:
-            if torch.cuda.get_device_capability(key_cache.device) < (8, 9):
-                raise ValueError("an fp8 KV cache needs compute capability 8.9+; use int8")
+        if (
+            key_cache.dtype == torch.float8_e4m3fn
+            and key_cache.is_cuda
+            and torch.cuda.get_device_capability(key_cache.device) < (8, 9)
+        ):
+            raise ValueError("an fp8 KV cache needs compute capability 8.9+; use int8")
     elif key_scale is not None or value_scale is not None:
         raise ValueError(f"a {key_cache.dtype} cache takes no scales")
 

@@ -97,7 +97,7 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(s * s, axis=1) / size + eps)  # (BLOCK_R,)
     normed = s * inv_rms[:, None]  # (BLOCK_R, BLOCK_N)
     weight = tl.load(weight_ptr + offs, mask=offs < size, other=0.0).to(tl.float32)[None, :]
-    if UNIT_OFFSET:  # Gemma: (1 + weight) in float32, one rounding
+    if UNIT_OFFSET:  # noqa: SIM108 - Triton's constexpr branch; Gemma: (1 + weight), one rounding
         y = normed * (1.0 + weight)
     else:  # Hugging Face's: the normed value rounded before the weight multiplies it
         y = weight * _round(normed, dtype).to(tl.float32)

@@ -73,7 +73,7 @@ def get_metrics_url(pod: Mapping[str, Any]) -> str:
 
 
 class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, PLR0913
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
         raise urllib.error.HTTPError(
             req.full_url, code, f"redirect to {newurl} refused", headers, fp
         )

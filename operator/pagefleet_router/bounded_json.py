@@ -39,7 +39,7 @@ class _Cut(Exception):
 class _Open:
     """An array or object being filled, and for an object the key whose value is next."""
 
-    __slots__ = ("value", "key")
+    __slots__ = ("key", "value")
 
     def __init__(self, value: list | dict) -> None:
         self.value = value

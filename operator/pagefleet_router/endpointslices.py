@@ -90,7 +90,7 @@ class EndpointSliceDiscovery:
             except _Expired:
                 logger.info("EndpointSlice watch expired (410 Gone); listing again")
                 resource_version = None
-            except Exception as exc:  # any trouble: keep the pods known, retry shortly
+            except Exception as exc:  # noqa: BLE001 - any trouble: keep the pods known, retry shortly
                 logger.warning("watching EndpointSlices of %s failed: %s", self.service, exc)
                 await asyncio.sleep(self.retry_delay_s)
 
@@ -189,7 +189,7 @@ def _pump(response: Any, loop: asyncio.AbstractEventLoop, lines: asyncio.Queue) 
     try:
         for line in _nonempty(response):
             put(line)
-    except Exception as exc:  # handed over: raised where the watch is followed
+    except Exception as exc:  # noqa: BLE001 - handed over: raised where the watch is followed
         put(exc)
     else:
         put(None)

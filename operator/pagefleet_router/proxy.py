@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
@@ -87,8 +87,8 @@ class RoutingKey:
 class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: PolicyConfig = PolicyConfig()
-    scrape: ScrapeSettings = ScrapeSettings()
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    scrape: ScrapeSettings = field(default_factory=ScrapeSettings)
     block_chars: int = 128
     max_prefix_blocks: int = 64
     prefix_table_size: int = 100_000

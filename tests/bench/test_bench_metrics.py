@@ -86,7 +86,7 @@ def test_chat_deltas_are_text_too():
 
 
 @pytest.mark.parametrize(
-    "bad_line, expected",
+    ("bad_line", "expected"),
     [
         (data({"error": {"message": "engine died", "code": 500}}), "engine died"),
         ('error: {"message": "slot unavailable"}\n', "slot unavailable"),

@@ -13,7 +13,7 @@ import yaml
 # a missing install is an error, elsewhere these tests are skipped.
 if sys.platform != "linux":
     pytest.skip("helm-python-sdk is installed on Linux only", allow_module_level=True)
-import helm_python as helm  # noqa: E402
+import helm_python as helm
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "charts" / "pagefleet"

@@ -22,7 +22,7 @@ LIST_PATH = "/apis/pagefleet.dev/v1alpha1/namespaces/ml/inferenceservices"
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):  # http.server's name
         if self.path == "/healthz":
             status, body = 200, {"status": "ok"}
         elif self.path == LIST_PATH and self.headers["Authorization"] == f"Bearer {TOKEN}":
@@ -96,5 +96,5 @@ def test_fails_naming_the_namespace_when_the_api_refuses(check, monkeypatch):
 def test_fails_naming_the_url_when_the_operator_is_down(check, monkeypatch):
     monkeypatch.setattr(check, "DEADLINE_SECONDS", 0)
     monkeypatch.setenv("OPERATOR_HEALTH_URL", "http://127.0.0.1:9/healthz")
-    with pytest.raises(SystemExit, match="127.0.0.1:9/healthz did not answer"):
+    with pytest.raises(SystemExit, match=r"127\.0\.0\.1:9/healthz did not answer"):
         check.main()

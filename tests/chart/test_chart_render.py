@@ -191,7 +191,7 @@ def test_an_existing_service_account_is_used_and_required():
     objects = render(OVERRIDES["external-account"])
     assert find(objects, "ServiceAccount") == []
     assert the(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
-    with pytest.raises(helm.HelmError, match="serviceAccount.name is required"):
+    with pytest.raises(helm.HelmError, match=r"serviceAccount\.name is required"):
         render({"serviceAccount": {"create": False}})
 
 

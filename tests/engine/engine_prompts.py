@@ -17,7 +17,7 @@ QUESTIONS = [
     "Écris une phrase sur la mer en hiver.",
     "Was ist die Hauptstadt von Österreich?",
     "用一句话介绍一下长城。",
-    "日本の首都はどこですか？",
+    "日本の首都はどこですか？",  # noqa: RUF001 - Japanese text's own question mark
     "Что такое фотосинтез? Ответь кратко.",
     "Write a Python function that reverses a string.",
     "What is 17 multiplied by 23?",

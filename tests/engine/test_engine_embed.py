@@ -153,7 +153,7 @@ def test_an_unserved_pooling_mode_is_refused_naming_its_file(tmp_path):
     pooling_file = path / "1_Pooling" / "config.json"
     config = json.loads(pooling_file.read_text())
     pooling_file.write_text(json.dumps(config | {"pooling_mode_max_tokens": True}))
-    with pytest.raises(UnsupportedModelError, match="1_Pooling/config.json.*pooling_mode_max"):
+    with pytest.raises(UnsupportedModelError, match=r"1_Pooling/config\.json.*pooling_mode_max"):
         load(path)
 
 

@@ -114,7 +114,7 @@ def test_gguf_of_another_architecture_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="architecture .falcon. is not supported"):
+    with pytest.raises(UnsupportedModelError, match=r"architecture .falcon. is not supported"):
         load_model(f"file://{path}", torch.float32)
 
 

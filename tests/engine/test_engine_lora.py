@@ -278,7 +278,7 @@ def test_adapters_that_cannot_be_served_are_refused(checkpoint, llm, tmp_path):
         engine.load_lora("missing", str(missing))
     with pytest.raises(LoRAError, match="nowhere does not exist"):
         engine.load_lora("nowhere", str(tmp_path / "nowhere"))
-    with pytest.raises(LoRAError, match="is not a directory holding adapter_config.json"):
+    with pytest.raises(LoRAError, match=r"is not a directory holding adapter_config\.json"):
         engine.load_lora("a-file", str(missing / "adapter_config.json"))
     with pytest.raises(LoRAError, match="'every' has already been loaded"):
         engine.load_lora("every", str(adapters["every"]))

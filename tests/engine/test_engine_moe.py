@@ -30,7 +30,7 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=T
 
 def saved_names(path) -> set[str]:
     with safe_open(path / "model.safetensors", "pt") as f:
-        return set(f.keys())  # noqa: SIM118 - safe_open is not a mapping
+        return set(f.keys())  # safe_open is not a mapping
 
 
 def test_prefix_hits_and_chunked_prefill_keep_parity(tmp_path):

@@ -204,7 +204,7 @@ def test_scale_to_zero_after_an_unbroken_idle_window_read_back_from_status():
 
 
 def test_one_busy_round_restarts_the_idle_window():
-    trace, status = run_through_status(1, [IDLE] * 3 + [BUSY] + [IDLE] * 6, policy=TO_ZERO)
+    trace, _ = run_through_status(1, [IDLE] * 3 + [BUSY] + [IDLE] * 6, policy=TO_ZERO)
     # Busy at t=45 s: idle again from t=60 s, so zero at t=120 s (round 8), not t=60 s.
     assert trace == [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]
     decision = decide(1, BUSY(1), TO_ZERO, (), now=0.0, idle_since=-1000.0)

@@ -302,9 +302,9 @@ def make_isvc(name: str, spec: dict) -> dict:
 
 def stored(server, key: str, name: str) -> dict | None:
     for (resource, namespace, obj_name), obj in list(server.objects.items()):
-        if f"{resource.group}/{resource.version}/{resource.plural}".lstrip("/") == key.lstrip("/"):
-            if namespace == "ml" and obj_name == name and not obj.deleted:
-                return obj.raw
+        path = f"{resource.group}/{resource.version}/{resource.plural}".lstrip("/")
+        if path == key.lstrip("/") and namespace == "ml" and obj_name == name and not obj.deleted:
+            return obj.raw
     return None
 
 

@@ -108,7 +108,7 @@ class HostilePod:
 
     def __init__(self, handler):
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
+            def do_GET(self):  # http.server's name
                 handler(self)
 
             def log_message(self, *args):

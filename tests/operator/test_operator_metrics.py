@@ -36,7 +36,7 @@ class MetricsServer:
         self.text, self.status = text, status
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
+            def do_GET(self):  # http.server's name
                 payload = outer.text.encode()
                 self.send_response(outer.status if self.path == "/metrics" else 404)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")

@@ -79,7 +79,8 @@ def operator_accepts(uri: str) -> bool:
     try:
         parse_spec({"model": {"uri": uri}}, default_image=DEFAULT_IMAGE)
     except SpecError as exc:
-        assert exc.field_path == "model.uri"
+        if exc.field_path != "model.uri":
+            raise AssertionError(f"refused at {exc.field_path}, not model.uri") from exc
         return False
     return True
 

@@ -222,7 +222,7 @@ def test_the_adapters_in_use_are_each_models_newest_lora_info_sample():
         'vllm:num_requests_running{model_name="base"} 2\n'
         'vllm:kv_cache_usage_perc{model_name="base"} 0.1\n'
     )
-    info = 'vllm:lora_requests_info{{max_lora="2",model_name="{}",running_lora_adapters="{}",waiting_lora_adapters="{}"}} {}\n'  # noqa: E501
+    info = 'vllm:lora_requests_info{{max_lora="2",model_name="{}",running_lora_adapters="{}",waiting_lora_adapters="{}"}} {}\n'
     text = gauges + "".join(
         info.format(*row)
         for row in [

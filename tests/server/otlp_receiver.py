@@ -20,7 +20,7 @@ class OTLPReceiver(http.server.ThreadingHTTPServer):
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:  # http.server's name
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 request = trace_service.ExportTraceServiceRequest.FromString(body)
                 for resource_spans in request.resource_spans:

@@ -222,14 +222,13 @@ def test_disconnect_storm_leaves_no_kv_block_behind(server, healthy_after):
             "ignore_eos": True,
             "stream": True,
         }
-        async with gate:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                seen = 0
-                async for _ in response.aiter_lines():
-                    if drop_after is not None and seen >= drop_after:
-                        break  # leaving the block closes the connection mid-stream
-                    seen += 1
+        async with gate, client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            seen = 0
+            async for _ in response.aiter_lines():
+                if drop_after is not None and seen >= drop_after:
+                    break  # leaving the block closes the connection mid-stream
+                seen += 1
 
     async def storm() -> None:
         limits = httpx.Limits(max_connections=8, max_keepalive_connections=0)

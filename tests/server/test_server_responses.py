@@ -241,7 +241,7 @@ def test_a_stored_response_is_retrieved_and_deleted(client, server):
 
 
 @pytest.mark.parametrize(
-    "body, param, starts",
+    ("body", "param", "starts"),
     [
         (  # refused as the request is read
             {
@@ -330,7 +330,7 @@ def test_previous_response_id_continues_the_conversation(client, server):
 
 
 @pytest.mark.parametrize(
-    "body, param, named",
+    ("body", "param", "named"),
     [
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

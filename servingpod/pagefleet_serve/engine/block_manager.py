@@ -15,7 +15,7 @@ from pagefleet_serve.engine.sequence import Sequence
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_count", "block_hash", "prev", "next")
+    __slots__ = ("block_hash", "block_id", "next", "prev", "ref_count")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

@@ -80,7 +80,7 @@ class EngineCore:
         """The loop, until `stop()` or a `Shutdown` message."""
         try:
             self._loop()
-        except BaseException as exc:  # noqa: BLE001 - the loop must not end without a word
+        except BaseException as exc:  # the loop must not end without a word
             logger.exception("the engine step loop crashed")
             self._fail(f"the engine step loop crashed: {type(exc).__name__}: {exc}")
 
@@ -101,7 +101,7 @@ class EngineCore:
                 logger.error("engine failed: %s", exc)
                 self._fail(f"engine failed: {exc}")
                 return
-            except Exception as exc:  # noqa: BLE001 - a step failure must not kill the loop
+            except Exception as exc:  # a step failure must not kill the loop
                 failures += 1
                 logger.exception("engine step failed (%d in a row)", failures)
                 if not isinstance(exc, EngineFault):
@@ -119,7 +119,7 @@ class EngineCore:
     def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
         try:
             stats = self.engine.stats()
-        except Exception:  # noqa: BLE001 - stale stats beat a dead loop
+        except Exception:  # stale stats beat a dead loop
             logger.exception("could not read engine stats")
             stats = None
         if outputs or stats is not None:
@@ -133,7 +133,7 @@ class EngineCore:
                 return
             try:
                 self._handle(message)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the others
+            except Exception:  # one bad message must not stop the others
                 logger.exception("engine could not handle %r", message)
 
     def _handle(self, message: object) -> None:
@@ -158,7 +158,7 @@ class EngineCore:
         request = message.request
         try:
             self.engine.add(request)
-        except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
+        except Exception as exc:  # the request fails, the engine goes on
             invalid = isinstance(exc, ValueError)
             if not invalid:
                 logger.exception("engine could not add request %s", request.request_id)
@@ -183,7 +183,7 @@ class EngineCore:
             change()
         except LoRAError as exc:
             error, status = str(exc), exc.status
-        except Exception as exc:  # noqa: BLE001 - the frontend hears of it, the loop goes on
+        except Exception as exc:  # the frontend hears of it, the loop goes on
             logger.exception("could not change the LoRA adapters")
             error, status = f"{type(exc).__name__}: {exc}", 500
         self.emit(LoRAAdaptersChanged(op_id, self.engine.lora_adapter_infos(), error, status))
@@ -199,7 +199,7 @@ class EngineCore:
             for request_id in self.engine.unfinished_request_ids():
                 self.engine.abort_request(request_id, reason="error", error=reason)
             self.emit(StepOutputs(self.engine.step_pending(), None))
-        except Exception:  # noqa: BLE001 - the frontend still hears why, below
+        except Exception:  # the frontend still hears why, below
             logger.exception("could not fail the requests of the failed engine one by one")
         self.emit(CoreFailed(reason))
 

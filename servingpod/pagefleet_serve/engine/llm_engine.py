@@ -491,7 +491,7 @@ class LLMEngine:
             return sampled, sampling_failures(sampled)  # each failed alone, nothing re-run
         except WorkerLost:
             raise  # no retry can run: the group's collectives are broken
-        except Exception as exc:  # noqa: BLE001 - isolated below, raised by step() if total
+        except Exception as exc:  # isolated below, raised by step() if total
             if len(items) == 1:
                 logger.error("request %s failed a step", items[0].seq.request_id, exc_info=exc)
                 return {}, {items[0].seq.request_id: exc}

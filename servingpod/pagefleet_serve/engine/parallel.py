@@ -188,12 +188,11 @@ class Workers:
         if self._closing:
             return
         self._closing = True
-        if dist.is_initialized():
-            if self.lost_reason() is None:
-                try:
-                    dist.broadcast_object_list([_SHUTDOWN], src=0)
-                except RuntimeError:
-                    logger.debug("could not ask the workers to stop", exc_info=True)
+        if dist.is_initialized() and self.lost_reason() is None:
+            try:
+                dist.broadcast_object_list([_SHUTDOWN], src=0)
+            except RuntimeError:
+                logger.debug("could not ask the workers to stop", exc_info=True)
         for process in self.processes:
             process.join(_JOIN_S)
             if process.is_alive():
@@ -314,7 +313,7 @@ def worker_main(
         )
         runner = ModelRunner(loaded, runner_config, tp=tp)
         del loaded
-    except BaseException:  # noqa: BLE001 - rank 0 hears of it as this process's exit
+    except BaseException:  # rank 0 hears of it as this process's exit
         logger.exception("tensor-parallel rank %d could not load %s", rank, config.model)
         os._exit(1)
     while True:
@@ -331,7 +330,7 @@ def worker_main(
             continue
         try:
             getattr(runner, call.method)(*call.args)
-        except Exception:  # noqa: BLE001 - rank 0 failed the same call (the same inputs)
+        except Exception:  # rank 0 failed the same call (the same inputs)
             logger.exception("tensor-parallel rank %d: %s failed", rank, call.method)
     dist.destroy_process_group()
     logging.shutdown()

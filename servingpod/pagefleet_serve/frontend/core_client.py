@@ -18,6 +18,7 @@ answer to a load or unload, which cross the seam as messages like requests do).
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -357,10 +358,8 @@ class EngineCoreClient:
             return
         self._link.send(AbortRequest(request_id))
         error = RuntimeError(f"could not handle the engine's output: {type(exc).__name__}: {exc}")
-        try:
+        with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody waits
             mailbox.put(error)
-        except RuntimeError:  # its event loop has closed: nobody is waiting there
-            pass
 
     def _fail_all(self, reason: str) -> None:
         self._dead = reason

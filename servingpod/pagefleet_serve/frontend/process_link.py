@@ -96,7 +96,7 @@ class ProcessLink:
                 if not self._closing:
                     self._on_lost(self.exit_reason())
                 return
-            except Exception:  # noqa: BLE001 - one unreadable message must not stop the rest
+            except Exception:  # one unreadable message must not stop the rest
                 logger.exception("could not read a message from the engine core")
                 continue
             self.last_heard = time.monotonic()
@@ -107,7 +107,7 @@ class ProcessLink:
                 self._step = (None, self.last_heard)
             try:
                 self._on_message(message)
-            except Exception:  # noqa: BLE001 - as above: the next message is still read
+            except Exception:  # as above: the next message is still read
                 logger.exception("could not handle %s from the engine core", type(message).__name__)
 
     def send(self, message: object) -> None:

@@ -95,7 +95,7 @@ class FairExecutor:
             _CLIENT.set(client)  # the job sees its client, as its endpoint did
             try:
                 result = work()
-            except BaseException as exc:  # handed to the caller, which re-raises it
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
                 future.set_exception(exc)
             else:
                 future.set_result(result)

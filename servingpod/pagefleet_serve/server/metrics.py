@@ -225,10 +225,8 @@ class RequestTracker:
         m = self.metrics
         label = m.model_name
         reasons = {o.finish_reason for o in output.outputs}
-        reason = (
-            output.error
-            and "error"
-            or next((r for r in ("error", "abort", "length", "stop") if r in reasons), "stop")
+        reason = (output.error and "error") or next(
+            (r for r in ("error", "abort", "length", "stop") if r in reasons), "stop"
         )
         m.request_success.labels(label, reason).inc()
         record_finished(output, self.num_generated, label)
