@@ -32,7 +32,6 @@ serve: install
 
 # The unit and integration tests, then the user's walk with no cluster (the operator and
 # real serving pods against an API emulator and a simulated kubelet).
-TEST_SELECTION := -m "not slow and not gpu" tests e2e/test_e2e_local.py e2e/test_e2e_hf.py
 # make test runs the selection in three pytest processes: one process for all of it grew
 # past 13 GB (the in-process engines' memory stays with the process) and was killed by the
 # OOM killer on this 24 GiB machine; so did operator + router + server + the walks.
@@ -47,20 +46,36 @@ test: install
 	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" $(TEST_PART_2)
 	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" $(TEST_PART_3)
 
-# The same run, writing each test file's total time to docs/test-durations.md (commit it
+# The same runs, writing each test file's total time to docs/test-durations.md (commit it
 # with a change that moves the suite's time, measured on an idle machine).
+DURATIONS_INTRO := Written by \`make durations\` (the three pytest runs of \`make test\`, in file \
+order): each file's total of setup, call and teardown, its module and session fixtures \
+included (a session fixture's start counts for the first file that uses it, its end for \
+the run's last file). Compare a change's run with this one on the same machine: the \
+machine's speed moves more than the suite.
 durations: install
-	$(PY) -m pytest -q -p no:randomly --durations=25 --durations-table=docs/test-durations.md \
-		$(TEST_SELECTION)
+	mkdir -p build
+	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" \
+		--durations-table=build/durations-1.md $(TEST_PART_1)
+	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" \
+		--durations-table=build/durations-2.md $(TEST_PART_2)
+	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" \
+		--durations-table=build/durations-3.md $(TEST_PART_3)
+	{ printf '# Test durations\n\n%s\n\n' "$(DURATIONS_INTRO)"; \
+		cat build/durations-1.md; echo; cat build/durations-2.md; echo; \
+		cat build/durations-3.md; } > docs/test-durations.md
 
 # The same tests in a random order (pytest-randomly): tests must not depend on one another.
-# The seed is printed first; `make test-random RANDOM_SEED=<seed>` replays an order.
+# The seed is printed first; `make test-random RANDOM_SEED=<seed>` replays an order (the
+# same seed orders each of the three runs).
 ifndef RANDOM_SEED
 RANDOM_SEED := $(shell $(PYTHON) -c "import random; print(random.randrange(2**32))")
 endif
 test-random: install
 	@echo "random order seed: $(RANDOM_SEED)"
-	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) $(TEST_SELECTION)
+	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu" $(TEST_PART_1)
+	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu" $(TEST_PART_2)
+	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu" $(TEST_PART_3)
 
 # Mutation testing of the engine core, the output processor, the autoscaling decision and
 # the router's policy against their fast tests (a few minutes on one core; not part of `make test`). mutmut 3

@@ -91,20 +91,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = session.config.getoption("--durations-table")
     if target:
-        Path(target).write_text(durations_table(exitstatus))
+        selection = " ".join(str(arg) for arg in session.config.args)
+        Path(target).write_text(durations_table(exitstatus, selection))
 
 
-def durations_table(exitstatus: int) -> str:
+def durations_table(exitstatus: int, selection: str) -> str:
+    """One pytest run's section of docs/test-durations.md (`make durations` puts the runs
+    of `make test` together under the page's introduction)."""
     files = sorted(_file_seconds.items(), key=lambda item: item[1], reverse=True)
     total = sum(_file_seconds.values())
     lines = [
-        "# Test durations",
-        "",
-        "Written by `make durations` (the tests of `make test`, in file order): each file's",
-        "total of setup, call and teardown, its module and session fixtures included (a",
-        "session fixture's start counts for the first file that uses it, its end for the",
-        "run's last file). Compare a change's run with this one on the same machine: the",
-        "machine's speed moves more than the suite.",
+        f"## `{selection}`",
         "",
         f"- wall clock: {time.monotonic() - _started:.0f} s; sum of the files: {total:.0f} s;"
         f" tests: {sum(_file_tests.values())}; pytest exit status: {exitstatus}",
