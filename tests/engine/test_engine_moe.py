@@ -11,7 +11,7 @@ import gguf
 import pytest
 import torch
 from pagefleet_serve import SamplingParams
-from pagefleet_serve.model.linear import can_prepack
+from pagefleet_serve.model.linear import QuantizedLinear, can_prepack
 from pagefleet_serve.model.llama import LlamaForCausalLM, ModelConfig, MoEBlock
 from pagefleet_serve.model.loader import load_model
 from safetensors import safe_open
@@ -110,10 +110,13 @@ def test_gguf_mixture_generates_what_its_directory_does(case, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
-def test_gguf_quantized_experts_are_expanded_at_load(kind, tmp_path):
-    """Q8_0 / Q4_0 experts (3-D blocks) are dequantized at load, with quantization auto
-    too (no kernel multiplies quantized experts yet): the file generates what a directory
-    holding the same dequantized experts does."""
+def test_gguf_quantized_experts_stay_quantized_and_generate_the_dequantized_tokens(
+    kind, tmp_path
+):
+    """Q8_0 / Q4_0 experts (3-D blocks) stay quantized with quantization auto, each
+    expert's [gate | up] and down a quantized layer of the backend's kernels; the file
+    generates what a directory holding the same dequantized experts does, and with
+    quantization none the experts are expanded to float."""
     (family, extra), arch = GGUF_CASES["qwen3-moe"]
     model = build(family, extra, tmp_path / "hf")
     quantization = getattr(gguf.GGMLQuantizationType, kind)
@@ -125,6 +128,21 @@ def test_gguf_quantized_experts_are_expanded_at_load(kind, tmp_path):
     model.save_pretrained(tmp_path / "hf")
     path = tmp_path / f"experts-{kind}.gguf"
     write_gguf(model, path, arch, "tiny-qwen3-moe", expert_type=quantization)
+    for setting, kept in (("auto", True), ("none", False)):
+        loaded = load_model(f"file://{path}", torch.float32, setting)
+        built = LlamaForCausalLM(loaded.config)
+        built.load_hf_state_dict(loaded.weights)
+        experts = built.layers[1].mlp.experts
+        assert (experts.quantized is not None) is kept, setting
+        if kept:
+            assert all(isinstance(layer, QuantizedLinear) for layer in experts.gate_up_layers)
+            assert not list(experts.parameters())  # no float copy of them
+            held = sum(b.numel() * b.element_size() for b in experts.buffers())
+            c = loaded.config
+            size = c.moe_intermediate_size or c.intermediate_size
+            floats = c.num_experts * 3 * c.hidden_size * size * 4  # float32 gate, up, down
+            # Q4_0: nibbles and their scales; Q8_0: held as two 4-bit parts (Int4Linear).
+            assert held < floats * (0.35 if kind == "Q4_0" else 0.55), (held, floats)
     outputs = [
         [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
         for llm in (load(path, quantization="auto"), load(tmp_path / "hf"))

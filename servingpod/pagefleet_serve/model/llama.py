@@ -321,6 +321,8 @@ class MoEExperts(nn.Module):
     # After `prepack`: each expert's [gate | up] and down matrices in oneDNN's blocked
     # layout (the stacked parameters are dropped).
     packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    # After `keep_quantized`: each expert's [gate | up] and down as quantized layers.
+    quantized: tuple[nn.ModuleList, nn.ModuleList] | None = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -332,11 +334,24 @@ class MoEExperts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
         )
 
+    def keep_quantized(
+        self, gate_up: list[QuantizedWeight], down: list[QuantizedWeight], backend: KernelBackend
+    ) -> None:
+        """Hold each expert's matrices as the quantized layers of their format (GGUF's 4- and
+        8-bit blocks, multiplied by the backend's kernels, as the dense layers are) instead
+        of the stacked float tensors: a Q4 mixture keeps its 4.5 bits a weight."""
+        self.gate_up_layers = nn.ModuleList(quantized_linear(w, None, backend) for w in gate_up)
+        self.down_layers = nn.ModuleList(quantized_linear(w, None, backend) for w in down)
+        self.quantized = (self.gate_up_layers, self.down_layers)
+        del self.gate_up_proj, self.down_proj
+
     def prepack(self) -> bool:
         """Reorder 16-bit experts' matrices once for oneDNN on the CPU, as
         `linear.PrepackedLinear` does the dense layers' (one to eight bfloat16 rows of a
         1024 x 1024 matrix: 35-60 us against 71-97 for `F.linear`); float32 ones stay as
         they lie for the backend's few-row matmul. Whether it packed."""
+        if self.quantized is not None:
+            return False
         dtype = self.gate_up_proj.dtype
         if dtype == torch.float32 or not self.gate_up_proj.is_cpu or not can_prepack(dtype):
             return False
@@ -352,6 +367,10 @@ class MoEExperts(nn.Module):
 
 def _prepacked_linear(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+
+def _layer_linear(rows: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    return layer(rows)
 
 
 class MoEBlock(nn.Module):
@@ -389,7 +408,20 @@ class MoEBlock(nn.Module):
         if self.record_expert_load:
             self.expert_load = moe.expert_load(ids, self.experts.num_experts)
         experts, weights = self.experts, weights.to(x.dtype)
-        if experts.packed is not None:  # prepacked on the CPU: the grouped path, oneDNN's matmul
+        if experts.quantized is not None:  # each expert's quantized layers on its rows
+            gate_up, down = experts.quantized
+            y = moe.grouped_fused_moe(
+                x,
+                gate_up,
+                down,
+                weights,
+                ids,
+                self.gelu,
+                linear=_layer_linear,
+                act_and_mul=self.act_and_mul,
+                few_rows=None,
+            )
+        elif experts.packed is not None:  # prepacked on the CPU: the grouped path, oneDNN's matmul
             gate_up, down = experts.packed
             y = moe.grouped_fused_moe(
                 x,
@@ -676,11 +708,7 @@ class LlamaForCausalLM(nn.Module):
             if p + "mlp.experts.0.gate_proj.weight" in weights:
                 _stack_experts(weights, p + "mlp.experts.", self.config.num_experts)
             if p + "mlp.experts.gate_proj.weight" in weights:  # stacked apart (GGUF's)
-                experts = p + "mlp.experts."
-                weights[experts + "gate_up_proj"] = torch.cat(
-                    [weights.pop(f"{experts}{n}_proj.weight") for n in ("gate", "up")], dim=1
-                )
-                weights[experts + "down_proj"] = weights.pop(experts + "down_proj.weight")
+                self._load_stacked_experts(p + "mlp.experts", weights)
         if self.config.tie_word_embeddings:
             weights.setdefault("lm_head.weight", weights["embed_tokens.weight"])
             if not isinstance(weights["lm_head.weight"], QuantizedWeight):
@@ -698,6 +726,22 @@ class LlamaForCausalLM(nn.Module):
             )
         for layer in self.layers:
             layer.bind_fused()
+
+    def _load_stacked_experts(self, path: str, weights: dict) -> None:
+        """A GGUF mixture's (E, rows, columns) gate, up and down: kept quantized when all
+        three are (`MoEExperts.keep_quantized`), else stacked as float tensors."""
+        gate, up, down = (weights.pop(f"{path}.{n}_proj.weight") for n in ("gate", "up", "down"))
+        parts = (gate, up, down)
+        if all(isinstance(w, QuantizedWeight) for w in parts):
+            fused = [
+                QuantizedWeight.cat_rows([g, u])
+                for g, u in zip(gate.experts(), up.experts(), strict=True)
+            ]
+            self.get_submodule(path).keep_quantized(fused, down.experts(), self.backend)
+            return
+        gate, up, down = (w.dequantize() if isinstance(w, QuantizedWeight) else w for w in parts)
+        weights[f"{path}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        weights[f"{path}.down_proj"] = down
 
     def _quantize_layer(self, path: str, weight: QuantizedWeight, weights: dict) -> None:
         """Swap the Linear at `path` for the quantized layer of `weight` (and its bias, left

@@ -371,11 +371,14 @@ def _load_gguf(
             raise UnsupportedModelError(
                 f"{path.name}: unexpected tensor {tensor.name!r} for GGUF architecture {arch!r}"
             )
-    # Stacked experts (3-D) are expanded: no kernel multiplies quantized experts yet.
+    # Stacked experts (3-D) stay quantized too, expert by expert (a tensor-parallel rank's
+    # part of them is dequantized: their blocks are not cut along the intermediate size).
     kept = {
         t.name
         for t in reader.tensors
-        if keep_quantized and _kept_quantized(t) and len(t.data.shape) == 2
+        if keep_quantized
+        and _kept_quantized(t)
+        and (len(t.data.shape) == 2 or (len(t.data.shape) == 3 and not tp.parallel))
     }
     vocab_size = next(_gguf_shape(t)[0] for t in reader.tensors if t.name == "token_embd.weight")
     # This rank's part of each (None: none of it).
@@ -392,7 +395,10 @@ def _load_gguf(
             continue
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         permuted_heads = heads.get(kind) if spec.permuted_qk else None
-        if tensor.name in kept:
+        if tensor.name in kept and len(tensor.data.shape) == 3:  # (experts, rows, bytes)
+            type_name = tensor.tensor_type.name
+            weights[key] = QuantizedWeight.stack([from_gguf(e, type_name) for e in tensor.data])
+        elif tensor.name in kept:
             # (rows, blocks' bytes): q/k rows reordered as whole rows, this rank's heads'
             if permuted_heads:
                 rows = _unpermute(np.arange(tensor.data.shape[0]), full_heads[kind])

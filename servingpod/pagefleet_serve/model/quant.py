@@ -26,7 +26,8 @@ INT4_OFFSET = 8  # the int4 kernel's implicit zero code
 @dataclass
 class QuantizedWeight:
     """codes (N, K): uint8 in [0, 15] (bits 4) or int8 (bits 8); scale, zero (N, K / group)
-    float32, zero None when w = code * scale."""
+    float32, zero None when w = code * scale. A mixture's experts come stacked: (E, N, K)
+    codes and (E, N, K / group) scales (`stack`, `experts`)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -43,11 +44,32 @@ class QuantizedWeight:
         codes = self.codes.float()
         if self.bits == 4:
             codes = codes - INT4_OFFSET
-        scale = self.scale.repeat_interleave(self.group_size, dim=1)
+        scale = self.scale.repeat_interleave(self.group_size, dim=-1)
         w = codes * scale
         if self.zero is not None:
-            w = w + self.zero.repeat_interleave(self.group_size, dim=1)
+            w = w + self.zero.repeat_interleave(self.group_size, dim=-1)
         return w
+
+    @staticmethod
+    def stack(experts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """Experts' matrices, quantized alike, as one (E, N, K) weight."""
+        first = experts[0]
+        zero = None if first.zero is None else torch.stack([e.zero for e in experts])
+        return QuantizedWeight(
+            torch.stack([e.codes for e in experts]),
+            torch.stack([e.scale for e in experts]),
+            zero,
+            first.bits,
+            first.group_size,
+        )
+
+    def experts(self) -> list["QuantizedWeight"]:
+        """A stacked weight's experts, each (N, K)."""
+        zeros = [None] * len(self.codes) if self.zero is None else list(self.zero)
+        return [
+            QuantizedWeight(codes, scale, zero, self.bits, self.group_size)
+            for codes, scale, zero in zip(self.codes, self.scale, zeros, strict=True)
+        ]
 
     @staticmethod
     def cat_rows(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
