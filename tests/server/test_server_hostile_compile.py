@@ -168,6 +168,31 @@ def test_a_client_over_its_compile_budget_gets_a_429(server, monkeypatch):
     assert refused.headers["retry-after"] == "1"
 
 
+def test_one_clients_slow_compiles_leave_a_worker_for_another_client(server, monkeypatch):
+    """Four workers: one client's four slow compiles hold three of them (the fourth waits
+    in the queue); another client's constraint compiles on the free worker at once, and
+    its request is answered while the first client's are still held."""
+    compiler = compiler_for(server, HeldCompiler, max_per_client=10)
+    monkeypatch.setattr(server.engine.inputs, "grammar_compiler", compiler)
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=120)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            held_ones = [pool.submit(post_chat, server, held(str(i))) for i in range(4)]
+            for _ in range(3):
+                assert compiler.held.acquire(timeout=60)
+            wait_until(lambda: len(compiler._queue) == 1, 30, "the fourth compile to queue")
+            assert not compiler.held.acquire(timeout=0.5), "one client held every worker"
+            schema = {"type": "object", "properties": {"v": {"type": "boolean"}}}
+            answer = other.post(f"{server.base_url}/v1/chat/completions", json=chat(schema))
+            assert answer.status_code == 200, answer.text
+            assert not any(f.done() for f in held_ones)
+            compiler.release.set()
+            assert all(f.result().status_code == 200 for f in held_ones)
+    finally:
+        compiler.release.set()
+        other.close()
+
+
 def test_the_compile_queue_is_bounded(server, monkeypatch):
     compiler = compiler_for(server, HeldCompiler, workers=1, max_queued=1, max_per_client=10)
     monkeypatch.setattr(server.engine.inputs, "grammar_compiler", compiler)
@@ -193,7 +218,9 @@ def test_compiles_nobody_waits_for_are_dropped_and_the_timeout_counts_from_the_s
     leaves while its compile waits in the queue, and a victim's waits there too. The one
     whose client left is never compiled; the victim's timeout starts when its compile
     does, so it compiles once the workers are free."""
-    compiler = compiler_for(server, HeldCompiler, compile_timeout=3, max_per_client=100)
+    compiler = compiler_for(
+        server, HeldCompiler, compile_timeout=3, max_per_client=100, max_running_per_client=4
+    )
     monkeypatch.setattr(server.engine.inputs, "grammar_compiler", compiler)
     left = {"title": "Left", "type": "object", "properties": {"c": {"type": "boolean"}}}
     victim = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}

@@ -20,7 +20,10 @@ the same constraint sent again fails at once instead of costing another timeout.
 
 Callers that admit untrusted requests name a `client`: their compiles wait in a bounded
 queue (`max_queued`), each client may have at most `max_per_client` compiles queued or
-running (`CompileQueueFull` beyond either: a 429), and each such call is a waiter to
+running (`CompileQueueFull` beyond either: a 429) and hold at most
+`max_running_per_client` workers (all but one: a free worker takes the job of the client
+compiling least, so one client's slow compiles never hold every worker), and each such
+call is a waiter to
 `stop_waiting` when it stops waiting; a queued or running compile with no waiter left is
 dropped. Callers without a client (the engine, offline use) are always served.
 """
@@ -141,12 +144,18 @@ class GrammarCompiler:
         max_queued: int = DEFAULT_MAX_QUEUED_COMPILES,
         max_per_client: int = DEFAULT_MAX_COMPILES_PER_CLIENT,
         workers: int = COMPILE_WORKERS,
+        max_running_per_client: int | None = None,
     ) -> None:
+        """`max_running_per_client`: workers one client's compiles may hold at once
+        (default: all but one, which stays for the other clients)."""
+        if max_running_per_client is None:
+            max_running_per_client = max(1, workers - 1)
         for name, value in (
             ("memory_limit_bytes", memory_limit_bytes),
             ("max_queued", max_queued),
             ("max_per_client", max_per_client),
             ("workers", workers),
+            ("max_running_per_client", max_running_per_client),
         ):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -158,6 +167,7 @@ class GrammarCompiler:
         self.max_queued = max_queued
         self.max_per_client = max_per_client
         self._max_workers = workers
+        self.max_running_per_client = max_running_per_client
         self._tokenizer_info: tuple[xgr.TokenizerInfo, str] | None = None
         self._setup_lock = threading.Lock()  # the tokenizer info, made on first use
         # The cache, the queue and the jobs in flight; compile threads wait on it for work.
@@ -167,6 +177,7 @@ class GrammarCompiler:
         self._jobs: dict[Future, _Job] = {}  # not settled yet
         self._queue: collections.deque[_Job] = collections.deque()
         self._per_client: collections.Counter[str] = collections.Counter()
+        self._running: collections.Counter[str] = collections.Counter()  # compiling, per client
         self._threads = 0
         self._idle = 0
         self._local = threading.local()  # a compile thread's worker and job
@@ -255,14 +266,31 @@ class GrammarCompiler:
         while True:
             with self._lock:
                 self._idle += 1
-                while not self._queue:
+                while (job := self._next_job()) is None:
                     self._work.wait()
                 self._idle -= 1
-                job = self._queue.popleft()
+                self._queue.remove(job)
                 job.started = True
+                if job.client is not None:
+                    self._running[job.client] += 1
                 if not self._idle:
                     self._add_thread()
             self._run(job)
+
+    def _next_job(self) -> _Job | None:
+        """The queued job a free worker takes (call holding the lock): the first of the
+        client compiling least, skipping clients at `max_running_per_client`; callers
+        without a client come first. None: nothing it may take."""
+        best: _Job | None = None
+        for job in self._queue:
+            if job.client is None:
+                return job
+            running = self._running[job.client]
+            if running >= self.max_running_per_client:
+                continue
+            if best is None or running < self._running[best.client or ""]:
+                best = job
+        return best
 
     def _run(self, job: _Job) -> None:
         try:
@@ -302,6 +330,11 @@ class GrammarCompiler:
                 self._per_client[job.client] -= 1
                 if not self._per_client[job.client]:
                     del self._per_client[job.client]
+                if job.started:
+                    self._running[job.client] -= 1
+                    if not self._running[job.client]:
+                        del self._running[job.client]
+                    self._work.notify_all()  # a job of its client may now be taken
             cached = self._cache.get(job.constraint) is job.future
             if cached and isinstance(error, (_Abandoned, RuntimeError)):
                 del self._cache[job.constraint]
