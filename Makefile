@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: install serve test test-random durations mutation lint type-check format bench \
 	bench-quick bench-readme \
 	bench-peer-vllm bench-offline bench-kvquant bench-moe \
-	bench-kernels test-kernels test-kernels-aot test-kernels-gpu gpu-check test-engine-slow e2e e2e-local
+	bench-kernels test-kernels test-kernels-aot test-kernels-gpu gpu-check test-engine-slow test-server-slow e2e e2e-local
 
 # The C++ CPU extensions are compiled here (into kernels/pagefleet_kernels/prebuilt/, for the
 # best CPU family this machine runs), never by an engine; after a change to their sources
@@ -108,6 +108,11 @@ e2e-local: install
 # decoding against plain decoding, quantized weights against expanded ones).
 test-engine-slow: install
 	$(PY) -m pytest -q -p no:randomly -m "slow and not gpu" tests/engine
+
+# The server's long hostile-input runs at the probes' full scale (1,100 idle connections
+# held for 40 s against `pagefleet serve`).
+test-server-slow: install
+	$(PY) -m pytest -q -s -p no:randomly -m "slow and not gpu" tests/server
 
 # The full kernel sweep (slow under TRITON_INTERPRET on a CPU), and the same tests at full
 # size on a CUDA device. The ahead-of-time compile of every Triton variant (1,944, about an
