@@ -408,8 +408,15 @@ class MoEBlock(nn.Module):
         if self.record_expert_load:
             self.expert_load = moe.expert_load(ids, self.experts.num_experts)
         experts, weights = self.experts, weights.to(x.dtype)
-        if experts.quantized is not None:  # each expert's quantized layers on its rows
-            gate_up, down = experts.quantized
+        # Per-expert matrices (quantized layers, or prepacked on the CPU for oneDNN's
+        # matmul): the grouped path, each expert on its rows.
+        per_expert = (
+            (experts.quantized, _layer_linear)
+            if experts.quantized is not None
+            else (experts.packed, _prepacked_linear)
+        )
+        if per_expert[0] is not None:
+            (gate_up, down), linear = per_expert
             y = moe.grouped_fused_moe(
                 x,
                 gate_up,
@@ -417,20 +424,7 @@ class MoEBlock(nn.Module):
                 weights,
                 ids,
                 self.gelu,
-                linear=_layer_linear,
-                act_and_mul=self.act_and_mul,
-                few_rows=None,
-            )
-        elif experts.packed is not None:  # prepacked on the CPU: the grouped path, oneDNN's matmul
-            gate_up, down = experts.packed
-            y = moe.grouped_fused_moe(
-                x,
-                gate_up,
-                down,
-                weights,
-                ids,
-                self.gelu,
-                linear=_prepacked_linear,
+                linear=linear,
                 act_and_mul=self.act_and_mul,
                 few_rows=None,
             )

@@ -53,15 +53,7 @@ class QuantizedWeight:
     @staticmethod
     def stack(experts: list["QuantizedWeight"]) -> "QuantizedWeight":
         """Experts' matrices, quantized alike, as one (E, N, K) weight."""
-        first = experts[0]
-        zero = None if first.zero is None else torch.stack([e.zero for e in experts])
-        return QuantizedWeight(
-            torch.stack([e.codes for e in experts]),
-            torch.stack([e.scale for e in experts]),
-            zero,
-            first.bits,
-            first.group_size,
-        )
+        return QuantizedWeight._joined(experts, torch.stack)
 
     def experts(self) -> list["QuantizedWeight"]:
         """A stacked weight's experts, each (N, K)."""
@@ -74,14 +66,18 @@ class QuantizedWeight:
     @staticmethod
     def cat_rows(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
         """The row-wise concatenation (fused q/k/v, gate/up) of weights quantized alike."""
+        return QuantizedWeight._joined(parts, torch.cat)
+
+    @staticmethod
+    def _joined(parts: list["QuantizedWeight"], join) -> "QuantizedWeight":
         first = parts[0]
         kinds = {(p.bits, p.group_size, p.zero is None) for p in parts}
         if len(kinds) > 1:
-            raise ValueError(f"cannot fuse weights quantized differently: {sorted(kinds)}")
-        zero = None if first.zero is None else torch.cat([p.zero for p in parts])
+            raise ValueError(f"cannot join weights quantized differently: {sorted(kinds)}")
+        zero = None if first.zero is None else join([p.zero for p in parts])
         return QuantizedWeight(
-            torch.cat([p.codes for p in parts]),
-            torch.cat([p.scale for p in parts]),
+            join([p.codes for p in parts]),
+            join([p.scale for p in parts]),
             zero,
             first.bits,
             first.group_size,
