@@ -6,40 +6,30 @@ two loopback HTTP servers in pods' places, one of which starts answering 500."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 
 import aiohttp
 import pytest
 from aiohttp import web
 from pagefleet_router import discovery
-from pagefleet_router.discovery import PodRegistry, ScrapeSettings, StaticEndpoints
+from pagefleet_router.discovery import PodRegistry
 from pagefleet_router.policy import PodState, PolicyConfig, choose_pod
-from pagefleet_router.proxy import Router, RouterSettings
-from pagefleet_serve import metric_names as names
+from router_harness import LoopbackPod, running_router
 
 PROMPT = "You are a careful assistant. " * 20  # several blocks of the router's prefix hash
 
 
-class Pod:
-    """A loopback HTTP server in a pod's place: healthy load gauges always, and answers
-    that turn into 500s when `failing` is set. Counts the completions it is sent."""
+class Pod(LoopbackPod):
+    """Healthy load gauges always, and answers that turn into 500s when `failing` is set.
+    Counts the completions it is sent."""
 
     def __init__(self) -> None:
-        self.url = ""
+        super().__init__()
         self.failing = False
         self.requests = 0
 
-    async def start(self) -> web.AppRunner:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.complete)
-        app.router.add_get("/metrics", self.metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        return runner
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/completions", self.complete)
 
     async def complete(self, request: web.Request) -> web.Response:
         await request.read()
@@ -48,34 +38,6 @@ class Pod:
             error = {"message": "the engine failed", "type": "server_error", "code": None}
             return web.json_response({"error": error}, status=500)
         return web.json_response({"object": "text_completion", "choices": []})
-
-    async def metrics(self, _request: web.Request) -> web.Response:
-        gauges = (names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING, names.KV_CACHE_USAGE_PERC)
-        text = "".join(f"# TYPE {g} gauge\n{g} 0\n" for g in gauges)
-        return web.Response(text=text, content_type="text/plain")
-
-
-@contextlib.asynccontextmanager
-async def running_router(pods: list[Pod]):
-    runners = [await pod.start() for pod in pods]
-    router = Router(
-        RouterSettings(scrape=ScrapeSettings(interval_s=0.2, timeout_s=2.0)),
-        StaticEndpoints(tuple(pod.url for pod in pods)),
-    )
-    runner = web.AppRunner(router.create_app(), **router.server_options())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    runners.append(runner)
-    try:
-        for _ in range(100):
-            states = router.registry.states()
-            if len(states) == len(pods) and all(s.metrics_age_s is not None for s in states):
-                break
-            await asyncio.sleep(0.05)
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        for each in reversed(runners):
-            await each.cleanup()
 
 
 async def complete(url: str) -> int:
@@ -89,7 +51,7 @@ async def complete(url: str) -> int:
 @pytest.mark.asyncio
 async def test_a_prefix_moves_off_a_pod_that_answers_with_errors():
     pods = [Pod(), Pod()]
-    async with running_router(pods) as url:
+    async with running_router(pods) as (url, _router):
         assert await complete(url) == 200
         [home] = [pod for pod in pods if pod.requests == 1]
         [other] = [pod for pod in pods if pod is not home]

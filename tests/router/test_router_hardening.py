@@ -19,64 +19,37 @@ import aiohttp
 import pytest
 from aiohttp import web
 from pagefleet_router.bounded_json import parse_prefix
-from pagefleet_router.discovery import ScrapeSettings, StaticEndpoints
-from pagefleet_router.proxy import Router, RouterSettings
-from pagefleet_serve import metric_names as names
+from pagefleet_router.proxy import Router
+from router_harness import LoopbackPod
+from router_harness import running_router as harness_router
 
 MIB = 1 << 20
 
 
-class RecordingPod:
-    """A loopback HTTP server in a pod's place: its load gauges, and every body sent."""
+class RecordingPod(LoopbackPod):
+    """Its load gauges, and every body sent."""
+
+    client_max_size = 64 * MIB
 
     def __init__(self) -> None:
+        super().__init__()
         self.bodies: list[bytes] = []
-        self.url = ""
 
-    async def start(self) -> web.AppRunner:
-        app = web.Application(client_max_size=64 * MIB)
-        app.router.add_post("/v1/completions", self.complete)
-        app.router.add_post("/v1/chat/completions", self.complete)
-        app.router.add_get("/metrics", self.metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        return runner
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/completions", self.complete)
+        router.add_post("/v1/chat/completions", self.complete)
 
     async def complete(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.read())
         return web.json_response({"object": "text_completion", "choices": []})
-
-    async def metrics(self, _request: web.Request) -> web.Response:
-        gauges = (names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING, names.KV_CACHE_USAGE_PERC)
-        text = "".join(f"# TYPE {g} gauge\n{g} 0\n" for g in gauges)
-        return web.Response(text=text, content_type="text/plain")
 
 
 @contextlib.asynccontextmanager
 async def running_router(pod_count: int = 1, **settings):
     """(router, its base URL, the pods), once the router has scraped every pod."""
     pods = [RecordingPod() for _ in range(pod_count)]
-    runners = [await pod.start() for pod in pods]
-    scrape = ScrapeSettings(interval_s=0.2, timeout_s=2.0)
-    router = Router(
-        RouterSettings(scrape=scrape, **settings),
-        StaticEndpoints(tuple(pod.url for pod in pods)),
-    )
-    runner = web.AppRunner(router.create_app(), **router.server_options())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    runners.append(runner)
-    try:
-        for _ in range(100):
-            if router._has_fresh_pod() and len(router.registry.states()) == pod_count:
-                break
-            await asyncio.sleep(0.05)
-        yield router, f"http://127.0.0.1:{runner.addresses[0][1]}", pods
-    finally:
-        for each in reversed(runners):
-            await each.cleanup()
+    async with harness_router(pods, **settings) as (url, router):
+        yield router, url, pods
 
 
 async def post(url: str, body: bytes, path: str = "/v1/completions") -> tuple[int, dict, dict]:

@@ -11,43 +11,35 @@ break the conversation)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import uuid
 
 import aiohttp
 import pytest
 from aiohttp import web
-from pagefleet_router.discovery import ScrapeSettings, StaticEndpoints
 from pagefleet_router.policy import PodState, PolicyConfig, choose_pod, rendezvous_order
 from pagefleet_router.prefix import block_hashes, prompt_text
-from pagefleet_router.proxy import Router, RouterSettings
-from pagefleet_serve import metric_names as names
+from router_harness import LoopbackPod, running_router
 
 BLOCK_CHARS = 128  # RouterSettings' default
 
 
-class Pod:
-    """A loopback HTTP server in a pod's place: /v1/responses with a store of its own
-    (an unknown previous_response_id or id is OpenAI's 404), streamed with the first
-    event cut inside the response's id. Records the requests it is sent."""
+class Pod(LoopbackPod):
+    """/v1/responses with a store of its own (an unknown previous_response_id or id is
+    OpenAI's 404), streamed with the first event cut inside the response's id. Records
+    the requests it is sent."""
+
+    client_max_size = 4 << 20
 
     def __init__(self) -> None:
-        self.url = ""
+        super().__init__()
         self.store: dict[str, dict] = {}
         self.seen: list[tuple[str, str | None]] = []  # (method, response id named)
 
-    async def start(self) -> web.AppRunner:
-        app = web.Application(client_max_size=4 << 20)
-        app.router.add_post("/v1/responses", self.create)
-        app.router.add_get("/v1/responses/{response_id}", self.retrieve)
-        app.router.add_delete("/v1/responses/{response_id}", self.delete)
-        app.router.add_get("/metrics", self.metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        return runner
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/responses", self.create)
+        router.add_get("/v1/responses/{response_id}", self.retrieve)
+        router.add_delete("/v1/responses/{response_id}", self.delete)
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -86,11 +78,6 @@ class Pod:
             return _not_found(response_id, None)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
-    async def metrics(self, _request: web.Request) -> web.Response:
-        gauges = (names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING, names.KV_CACHE_USAGE_PERC)
-        text = "".join(f"# TYPE {g} gauge\n{g} 0\n" for g in gauges)
-        return web.Response(text=text, content_type="text/plain")
-
 
 def _not_found(response_id: str, param: str | None) -> web.Response:
     error = {
@@ -100,29 +87,6 @@ def _not_found(response_id: str, param: str | None) -> web.Response:
         "code": "previous_response_not_found" if param else "response_not_found",
     }
     return web.json_response({"error": error}, status=404)
-
-
-@contextlib.asynccontextmanager
-async def running_router(pods: list[Pod]):
-    runners = [await pod.start() for pod in pods]
-    router = Router(
-        RouterSettings(scrape=ScrapeSettings(interval_s=0.2, timeout_s=2.0)),
-        StaticEndpoints(tuple(pod.url for pod in pods)),
-    )
-    runner = web.AppRunner(router.create_app(), **router.server_options())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    runners.append(runner)
-    try:
-        for _ in range(100):
-            states = router.registry.states()
-            if len(states) == len(pods) and all(s.metrics_age_s is not None for s in states):
-                break
-            await asyncio.sleep(0.05)
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", router
-    finally:
-        for each in reversed(runners):
-            await each.cleanup()
 
 
 def input_homed_on(url: str, urls: list[str], topic: str, padding: int = 0) -> str:
