@@ -110,9 +110,7 @@ def test_gguf_mixture_generates_what_its_directory_does(case, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
-def test_gguf_quantized_experts_stay_quantized_and_generate_the_dequantized_tokens(
-    kind, tmp_path
-):
+def test_gguf_quantized_experts_stay_quantized_and_generate_the_dequantized_tokens(kind, tmp_path):
     """Q8_0 / Q4_0 experts (3-D blocks) stay quantized with quantization auto, each
     expert's [gate | up] and down a quantized layer of the backend's kernels; the file
     generates what a directory holding the same dequantized experts does, and with
