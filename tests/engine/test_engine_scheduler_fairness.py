@@ -87,3 +87,79 @@ def test_preempted_for_fairness_sequences_give_back_this_steps_budget():
     scheduled, out = run_step(s)
     assert len(out.preempted) == 1 and scheduled["victim"] == 4
     assert out.num_batched_tokens == 6
+
+
+def fill(s, holdings):
+    """Running sequences per client: {client: seats}, each a forked request's samples."""
+    for index, (client, seats) in enumerate(holdings.items()):
+        s.add(from_client(client, f"{client}-hog", num_tokens=4, n=seats, first_token=40 * index))
+        run_step(s)
+
+
+def test_a_request_that_fits_the_batch_exactly_preempts_nobody():
+    s = make_scheduler(max_num_seqs=4, num_blocks=128)
+    fill(s, {"a": 3})
+    s.add(from_client("b", "last", first_token=90))
+    scheduled, out = run_step(s)
+    assert scheduled["last"] == 4 and not out.preempted
+
+
+def test_the_seats_taken_are_those_of_the_client_holding_the_most_not_the_last_named():
+    # "z" sorts last but holds one seat; "a" holds the most: a's give way.
+    s = make_scheduler(max_num_seqs=8, num_blocks=256)
+    fill(s, {"a": 6, "z": 2})
+    s.add(from_client("m", "victim", first_token=90))
+    _, out = run_step(s)
+    assert [q.client for q in out.preempted] == ["a"]
+
+
+def test_a_request_wider_than_its_share_waits_even_when_the_top_client_could_give_enough():
+    # Three clients over 9 seats: a share is 3. b's n=4 is wider: it waits, though a's 7
+    # seats could make room for it.
+    s = make_scheduler(max_num_seqs=9, num_blocks=256)
+    fill(s, {"a": 7, "c": 2})
+    s.add(from_client("b", "wide", n=4, first_token=90))
+    scheduled, out = run_step(s)
+    assert "wide" not in scheduled and not out.preempted
+
+
+def test_several_seats_are_taken_for_a_wide_request_and_the_batch_never_overflows():
+    s = make_scheduler(max_num_seqs=4, num_blocks=128)
+    fill(s, {"a": 4})
+    s.add(from_client("b", "pair", n=2, first_token=90))
+    _, out = run_step(s)
+    assert len(out.preempted) == 2
+    assert sum(q.num_samples for q in s.running) == 4
+
+
+def test_a_preempted_decode_gives_back_exactly_its_tokens_of_the_budget():
+    # 3 decodes take 3 of 6 tokens; the one preempted gives back 1: the victim's 8-token
+    # prompt gets the 4 left, chunked.
+    s = make_scheduler(max_num_seqs=3, max_num_batched_tokens=6, num_blocks=128)
+    s.add(from_client("a", "hog", num_tokens=6, n=3, max_tokens=30))
+    run_step(s)
+    s.add(from_client("b", "victim", num_tokens=8, first_token=90))
+    scheduled, out = run_step(s)
+    assert len(out.preempted) == 1 and scheduled["victim"] == 4
+    assert out.num_batched_tokens == 6
+
+
+def test_seats_come_from_whichever_client_holds_the_most_at_each_pick():
+    # 9 seats, a share of 3: a gives two (5 -> 3... its count falls), then c its one.
+    s = make_scheduler(max_num_seqs=9, num_blocks=256)
+    fill(s, {"a": 5, "c": 4})
+    s.add(from_client("b", "three", n=3, first_token=90))
+    _, out = run_step(s)
+    assert sorted(q.client for q in out.preempted) == ["a", "a", "c"]
+
+
+def test_every_preempted_decode_gives_its_token_back():
+    # 4 decodes take 4 of 6 tokens; the two preempted for b's n=2 give back 2: its
+    # 10-token prompt gets 4 tokens of this step.
+    s = make_scheduler(max_num_seqs=4, max_num_batched_tokens=6, num_blocks=128)
+    s.add(from_client("a", "hog", num_tokens=4, n=4, max_tokens=30))
+    run_step(s)
+    s.add(from_client("b", "pair", num_tokens=10, n=2, first_token=90))
+    scheduled, out = run_step(s)
+    assert len(out.preempted) == 2 and scheduled["pair"] == 4
+    assert out.num_batched_tokens == 6
