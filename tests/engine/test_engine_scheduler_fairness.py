@@ -145,7 +145,8 @@ def test_a_preempted_decode_gives_back_exactly_its_tokens_of_the_budget():
 
 
 def test_seats_come_from_whichever_client_holds_the_most_at_each_pick():
-    # 9 seats, a share of 3: a gives two (5 -> 3... its count falls), then c its one.
+    # 9 seats, a share of 3: a (5) gives one, then a and c hold 4 each: a gives one more,
+    # then c, now holding the most, gives the third.
     s = make_scheduler(max_num_seqs=9, num_blocks=256)
     fill(s, {"a": 5, "c": 4})
     s.add(from_client("b", "three", n=3, first_token=90))
