@@ -91,6 +91,7 @@ class Scheduler:
         )
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         self.waiting: list[Sequence] = []  # sorted by sort_key
+        self._waiting_clients: collections.Counter[str] = collections.Counter()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -98,6 +99,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        self._waiting_clients[seq.client] += 1
+
+    def _leave_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self._waiting_clients[seq.client] -= 1
+        if not self._waiting_clients[seq.client]:
+            del self._waiting_clients[seq.client]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -109,7 +117,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
-            self.waiting.remove(seq)
+            self._leave_waiting(seq)
         self.block_manager.free(seq)
         self._release_lora(seq)
         seq.status = SequenceStatus.FINISHED
@@ -156,11 +164,12 @@ class Scheduler:
         # whose adapter finds no free slot waits, and those behind it are considered.
         out_of_blocks = bool(preempted)
         passed_over: set[Sequence] = set()
-        while budget > 0 and not out_of_blocks:
-            seq = self._next_waiting(passed_over)
+        held = self._seats_held()  # kept up to date below, not recounted per admission
+        while budget > 0 and not out_of_blocks and self.waiting:
+            seq = self._next_waiting(passed_over, held)
             if seq is None:
                 break
-            freed = self._find_seats(seq, scheduled, preempted)
+            freed = self._find_seats(seq, scheduled, preempted, held)
             if freed is None:
                 break
             budget += freed
@@ -179,10 +188,11 @@ class Scheduler:
             self.block_manager.count_prefix_lookup(seq.num_tokens, num_hit)
             if seq.num_preemptions == 0:
                 seq.num_prefix_hit_tokens = num_hit
-            self.waiting.remove(seq)
+            self._leave_waiting(seq)
             self._acquire_lora(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            held[seq.client] += seq.num_samples
             scheduled[seq] = ScheduledSeq(seq, num_new, copies)
             budget -= num_new
 
@@ -198,21 +208,40 @@ class Scheduler:
             held[seq.client] += seq.num_samples
         return held
 
-    def _next_waiting(self, passed_over: set[Sequence]) -> Sequence | None:
+    def _next_waiting(
+        self, passed_over: set[Sequence], held: collections.Counter[str]
+    ) -> Sequence | None:
         """The waiting sequence to admit next: by priority, then the client holding the
-        fewest seats, then arrival. With one client (offline, or every request from one
-        address) this is (priority, arrival) order."""
-        held = self._seats_held()
-        candidates = (s for s in self.waiting if s not in passed_over)
-        return min(
-            candidates, key=lambda s: (s.priority, held[s.client], s.arrival_order), default=None
-        )
+        fewest seats (`held`), then arrival. With one client (offline, or every request
+        from one address) this is (priority, arrival) order.
+
+        `waiting` is in (priority, arrival) order, so only each client's first sequence
+        at the best priority can win: the scan stops once it has seen every waiting
+        client there, or found one that holds no seat (one client: the first sequence)."""
+        best: Sequence | None = None
+        best_key: tuple[int, int, int] | None = None
+        seen: set[str] = set()
+        for seq in self.waiting:
+            if best is not None and seq.priority > best.priority:
+                break
+            if seq in passed_over or seq.client in seen:
+                continue
+            seen.add(seq.client)
+            key = (seq.priority, held[seq.client], seq.arrival_order)
+            if best_key is None or key < best_key:
+                best, best_key = seq, key
+            if held[seq.client] == 0 and best is seq:
+                break
+            if len(seen) >= len(self._waiting_clients):
+                break
+        return best
 
     def _find_seats(
         self,
         seq: Sequence,
         scheduled: dict[Sequence, ScheduledSeq],
         preempted: list[Sequence],
+        held: collections.Counter[str],
     ) -> int | None:
         """Make room for `seq`'s seats this step: returns the tokens of this step's budget
         given back by the sequences preempted for it, or None when it must wait.
@@ -223,16 +252,16 @@ class Scheduler:
         (recomputed later, as for blocks). So one client's n=64 requests cannot keep
         everyone else waiting in arrival order, and a request that would take more than
         its client's share waits for free seats."""
-        seats = sum(s.num_samples for s in self.running)
+        seats = sum(held.values())
         if seats + seq.num_samples <= self.max_num_seqs:
             return 0
-        held = self._seats_held()
         share = self.max_num_seqs // len(held.keys() | {seq.client})
         if held[seq.client] + seq.num_samples > share:
             return None
+        planned = held.copy()
         plan: list[Sequence] = []  # chosen before any is preempted: all or none
         while seats + seq.num_samples > self.max_num_seqs:
-            top, most = max(held.items(), key=lambda item: item[1])
+            top, most = max(planned.items(), key=lambda item: item[1])
             if top == seq.client or most <= share:
                 return None
             victims = [
@@ -244,7 +273,7 @@ class Scheduler:
                 return None
             victim = max(victims, key=lambda s: (s.sort_key, s.sample_index))
             plan.append(victim)
-            held[top] -= victim.num_samples
+            planned[top] -= victim.num_samples
             seats -= victim.num_samples
         freed = 0
         for victim in plan:
@@ -252,6 +281,9 @@ class Scheduler:
                 freed += scheduled.pop(victim).num_new_tokens
             self._preempt(victim)
             preempted.append(victim)
+            held[victim.client] -= victim.num_samples
+            if not held[victim.client]:
+                del held[victim.client]
         return freed
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
