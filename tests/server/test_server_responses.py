@@ -113,28 +113,22 @@ def test_greedy_text_equals_the_chat_endpoint_for_the_same_messages(client):
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "name": "get_weather"}, "required"])
 def test_forced_function_call_whole_and_streamed(client, tool_choice):
-    whole = client.responses.create(
-        model=MODEL_NAME,
-        input=ASK,
-        tools=[WEATHER],
-        tool_choice=tool_choice,
-        max_output_tokens=60,
-        temperature=0,
-    )
+    request = {
+        "model": MODEL_NAME,
+        "input": ASK,
+        "tools": [WEATHER],
+        "tool_choice": tool_choice,
+        "max_output_tokens": 60,
+        "temperature": 0,
+    }
+    whole = client.responses.create(**request)
     calls = [item for item in whole.output if item.type == "function_call"]
     assert calls, whole.output
     for call in calls:
         assert call.name == "get_weather" and call.call_id and call.status == "completed"
         jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
 
-    with client.responses.stream(
-        model=MODEL_NAME,
-        input=ASK,
-        tools=[WEATHER],
-        tool_choice=tool_choice,
-        max_output_tokens=60,
-        temperature=0,
-    ) as stream:
+    with client.responses.stream(**request) as stream:
         events = list(stream)
         final = stream.get_final_response()
     kinds = [e.type for e in events]

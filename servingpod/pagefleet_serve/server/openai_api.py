@@ -155,7 +155,7 @@ class PromptBounds:
 
 class _Endpoint(PromptBounds, abc.ABC):
     request_model: type[_GenerationRequest]
-    id_prefix: str
+    id_prefix: str  # with its separator, as OpenAI writes the endpoint's ids
     object_name: str
     chunk_object: str
 
@@ -165,7 +165,7 @@ class _Endpoint(PromptBounds, abc.ABC):
 
     async def __call__(self, raw: Request) -> Response:
         body = await read_json_body(raw, self.state.settings.max_request_body_bytes)
-        request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        request_id = f"{self.id_prefix}{uuid.uuid4().hex}"
         request, engine_requests, tools = await self.state.off_loop(
             lambda: self._validate(body, request_id)
         )
@@ -352,7 +352,7 @@ class _Endpoint(PromptBounds, abc.ABC):
 
 class CompletionsEndpoint(_Endpoint):
     request_model = CompletionRequest
-    id_prefix = "cmpl"
+    id_prefix = "cmpl-"
     object_name = "text_completion"
     chunk_object = "text_completion"
     prompt_param = "prompt"
@@ -416,7 +416,7 @@ class CompletionsEndpoint(_Endpoint):
 
 class ChatCompletionsEndpoint(_Endpoint):
     request_model = ChatCompletionRequest
-    id_prefix = "chatcmpl"
+    id_prefix = "chatcmpl-"
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
     prompt_param = "messages"

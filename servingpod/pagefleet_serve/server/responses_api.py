@@ -193,7 +193,7 @@ class _Stored:
 
 class ResponsesEndpoint(ChatCompletionsEndpoint):
     request_model = ResponsesRequest  # type: ignore[assignment]
-    id_prefix = "resp"
+    id_prefix = "resp_"
     object_name = "response"
     prompt_param = "input"
 
@@ -351,7 +351,7 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
         if tool_choice is None:
             tool_choice = "auto" if request.tools else "none"
         return {
-            "id": _response_id(run),
+            "id": run.id,
             "object": "response",
             "created_at": run.created,
             "status": status,
@@ -622,12 +622,6 @@ def _status(finish_reason: str | None) -> str:
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _response_id(run: _Run) -> str:
-    """OpenAI's `resp_<hex>` for the run's `resp-<hex>` (the chat path's id, which its
-    engine requests and traces carry)."""
-    return "resp_" + run.id.removeprefix("resp-")
 
 
 def _text_part(text: str) -> dict:
