@@ -89,6 +89,7 @@ mutation: install
 	mkdir -p $(MUTATION_DIR)/src $(MUTATION_DIR)/tests
 	cp -r servingpod/pagefleet_serve operator/pagefleet_operator operator/pagefleet_router \
 		$(MUTATION_DIR)/src/
+	cp tests/__init__.py $(MUTATION_DIR)/tests/
 	cp -r tests/engine tests/operator tests/router $(MUTATION_DIR)/tests/
 	cp mutation/setup.cfg $(MUTATION_DIR)/
 	find $(MUTATION_DIR) -name __pycache__ -prune -exec rm -rf {} +

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 import pytest
-import walk
 import yaml
+
+from e2e import walk
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "pagefleet"

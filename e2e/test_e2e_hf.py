@@ -15,11 +15,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import walk
-from hub_server import LocalHub, Repo, save_tiny_llama
-from kubelet_sim import Forwarder, KubeletSimulation
-from test_e2e_local import START_TIMEOUT_S, condition, read, until
-from test_operator_emulator import ApiServerEmulator, operator  # noqa: F401 (fixture)
+
+from e2e import walk
+from e2e.kubelet_sim import Forwarder, KubeletSimulation
+from e2e.test_e2e_local import START_TIMEOUT_S, condition, read, until
+from tests.engine.hub_server import LocalHub, Repo, save_tiny_llama
+from tests.operator.test_operator_emulator import ApiServerEmulator, operator  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]

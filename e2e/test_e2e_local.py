@@ -22,11 +22,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import walk
-from kubelet_sim import Forwarder, KubeletSimulation
+
+from e2e import walk
+from e2e.kubelet_sim import Forwarder, KubeletSimulation
 
 # The emulator adapter and the operator-process fixture, written once for the operator tests.
-from test_operator_emulator import ApiServerEmulator, operator  # noqa: F401 (fixture)
+from tests.operator.test_operator_emulator import ApiServerEmulator, operator  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,16 +21,17 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import walk
-from kubelet_sim import POLL_SECONDS, Forwarder, KubeletSimulation
 from openai import OpenAI
-from server_harness import read_metrics
-from test_e2e_local import MODEL, START_TIMEOUT_S, condition, read, until
-from test_operator_emulator import (  # noqa: F401 (fixture)
+
+from e2e import walk
+from e2e.kubelet_sim import POLL_SECONDS, Forwarder, KubeletSimulation
+from e2e.test_e2e_local import MODEL, START_TIMEOUT_S, condition, read, until
+from tests.operator.test_operator_emulator import (  # noqa: F401 (fixture)
     ApiServerEmulator,
     operator,
     write_kubeconfig,
 )
+from tests.server.server_harness import read_metrics
 
 pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio, pytest.mark.slow]
 

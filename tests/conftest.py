@@ -18,7 +18,8 @@ of its own. Tests on a shared pod leave it idle and read counters as differences
 from __future__ import annotations
 
 import pytest
-from server_harness import ServerProcess
+
+from tests.server.server_harness import ServerProcess
 
 DEFAULT_POD_MODEL = "smol"
 DEFAULT_POD_MAX_MODEL_LEN = 1024

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from pagefleet_serve.cli import main
-from server_harness import read_metrics
+
+from tests.server.server_harness import read_metrics
 
 VLLM_KEYS = {
     "date",

@@ -8,10 +8,11 @@ builders make the serving and router Deployments."""
 from __future__ import annotations
 
 import pytest
-from chart_render import NAMESPACE, find, render
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.router import get_router_deployment
 from pagefleet_operator.spec import parse_spec
+
+from tests.chart.chart_render import NAMESPACE, find, render
 
 SERVING_NAMESPACE = "ml"
 BODY = {

@@ -14,7 +14,8 @@ import subprocess
 import threading
 
 import pytest
-from chart_render import CHART_DIR
+
+from tests.chart.chart_render import CHART_DIR
 
 SCRIPT = CHART_DIR / "files" / "helm_test_check.py"
 TOKEN = "sa-token"

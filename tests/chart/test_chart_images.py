@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_render import CHART_DIR, REPO
 from pagefleet_operator import names, pod
 from pagefleet_operator.config import DEFAULT_IMAGE
 from pagefleet_operator.env import CACHE_DIR
 from pagefleet_operator.spec import parse_spec
+
+from tests.chart.chart_render import CHART_DIR, REPO
 
 SERVING = REPO / "servingpod" / "Dockerfile"
 OPERATOR = REPO / "operator" / "Dockerfile"

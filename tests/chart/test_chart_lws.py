@@ -3,7 +3,7 @@ grants what a multi-node InferenceService needs, and the README says how to inst
 
 from __future__ import annotations
 
-from chart_render import CHART_DIR, find, render
+from tests.chart.chart_render import CHART_DIR, find, render
 
 
 def operator_rules(values: dict | None = None) -> list[list[dict]]:

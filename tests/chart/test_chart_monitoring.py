@@ -11,7 +11,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from chart_render import (
+from pagefleet_operator.__main__ import get_parser
+from pagefleet_operator.podmonitor import get_pod_monitor
+from pagefleet_operator.service import get_service
+from pagefleet_operator.spec import parse_spec
+
+from tests.chart.chart_render import (
     CHART_DIR,
     K8S_VERSIONS,
     NAMESPACE,
@@ -21,10 +26,6 @@ from chart_render import (
     render,
     the,
 )
-from pagefleet_operator.__main__ import get_parser
-from pagefleet_operator.podmonitor import get_pod_monitor
-from pagefleet_operator.service import get_service
-from pagefleet_operator.spec import parse_spec
 
 SCHEMAS = yaml.safe_load((Path(__file__).parent / "prometheus_operator_crds.yaml").read_text())
 MONITORING_KINDS = ("ServiceMonitor", "PodMonitor")

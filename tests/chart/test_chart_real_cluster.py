@@ -5,9 +5,10 @@ uid policy, and the optional serving-pod NetworkPolicy (issue 11)."""
 from __future__ import annotations
 
 import pytest
-from chart_render import find, helm, operator_container, render, the
 from pagefleet_operator.router import get_router_deployment
 from pagefleet_operator.spec import parse_spec
+
+from tests.chart.chart_render import find, helm, operator_container, render, the
 
 HOOK = "helm.sh/hook"
 

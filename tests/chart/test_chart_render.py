@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 
-import apiserver_validation
 import kubernetes_validate
 import pytest
 import yaml
-from chart_render import (
+from pagefleet_operator.__main__ import get_parser
+from pagefleet_operator.config import DEFAULT_IMAGE
+from pagefleet_operator.rbac import RULES
+
+from tests.chart.chart_render import (
     CHART_DIR,
     K8S_VERSIONS,
     NAMESPACE,
@@ -22,9 +25,7 @@ from chart_render import (
     render_manifests,
     the,
 )
-from pagefleet_operator.__main__ import get_parser
-from pagefleet_operator.config import DEFAULT_IMAGE
-from pagefleet_operator.rbac import RULES
+from tests.operator import apiserver_validation
 
 # Values that are whole Kubernetes objects passed through to a manifest: their fields are
 # Kubernetes', documented by the comment on the key itself.

@@ -11,7 +11,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from chart_render import CHART_DIR, NAMESPACE, RELEASE, find, render, the
+
+from tests.chart.chart_render import CHART_DIR, NAMESPACE, RELEASE, find, render, the
 
 helm = pytest.importorskip("helm_python")
 

@@ -3,10 +3,11 @@ a cache of engines by config for each module, that checks for leaked KV blocks a
 test."""
 
 import pytest
-from engine_prompts import QUESTIONS, SYSTEM_PROMPT
 from pagefleet_serve import LLM
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.model.loader import load_tokenizer
+
+from tests.engine.engine_prompts import QUESTIONS, SYSTEM_PROMPT
 
 # Bytes of one KV block of SmolLM2-135M in float32 with 16-token blocks:
 # 2 (K, V) x 30 layers x 16 tokens x 3 kv heads x 64 dims x 4 bytes.

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from embedding_models import build_embedding_model, cosine_distance, reference_embeddings
 from pagefleet_serve import LLM, SamplingParams
+
+from tests.engine.embedding_models import (
+    build_embedding_model,
+    cosine_distance,
+    reference_embeddings,
+)
 
 CHUNK = 32  # max_num_batched_tokens: the longest prompt below prefills in 4 chunks
 PROMPTS = [

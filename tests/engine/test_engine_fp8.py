@@ -14,7 +14,8 @@ import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.model.loader import UnsupportedModelError, load_model
 from safetensors.torch import load_file, save_file
-from test_engine_architectures import PROMPTS, build
+
+from tests.engine.test_engine_architectures import PROMPTS, build
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -342,7 +343,8 @@ def test_float8_experts_are_dequantized_when_the_rest_is_kept(tmp_path):
     """A mixture's float8 experts (no float8 grouped product yet) load dequantized beside
     kept float8 attention, and the model generates."""
     from pagefleet_serve.model.linear import Fp8Linear
-    from test_engine_architectures import ARCHITECTURES
+
+    from tests.engine.test_engine_architectures import ARCHITECTURES
 
     family, extra = ARCHITECTURES["qwen2-moe-shared-expert"]
     build(family, extra, tmp_path / "moe")

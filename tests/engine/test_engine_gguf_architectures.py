@@ -18,7 +18,8 @@ import pytest
 import torch
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.model.loader import UnsupportedModelError, load_model
-from test_engine_architectures import (
+
+from tests.engine.test_engine_architectures import (
     LONGROPE,
     MAX_NEW_TOKENS,
     PROMPTS,

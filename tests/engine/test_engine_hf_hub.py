@@ -19,10 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from hub_server import LocalHub, Repo, save_tiny_llama
 from pagefleet_serve.model.hub import select_files
 from pagefleet_serve.model.loader import load_model
 from pagefleet_serve.model.resolve import resolve_model_uri
+
+from tests.engine.hub_server import LocalHub, Repo, save_tiny_llama
 
 REPO_ID = "org/tiny"
 TOKEN = "hf_test_token"

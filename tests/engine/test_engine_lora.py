@@ -23,7 +23,8 @@ from pagefleet_serve.engine.scheduler import Scheduler
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.step_buffers import StepBuffers
 from pagefleet_serve.model.lora import LoRABusy, LoRAError, LoRANotFound
-from test_engine_architectures import reference_tokens
+
+from tests.engine.test_engine_architectures import reference_tokens
 
 MAX_NEW_TOKENS = 24
 SMALL = {

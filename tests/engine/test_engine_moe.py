@@ -15,7 +15,8 @@ from pagefleet_serve.model.linear import QuantizedLinear, can_prepack
 from pagefleet_serve.model.llama import LlamaForCausalLM, ModelConfig, MoEBlock
 from pagefleet_serve.model.loader import load_model
 from safetensors import safe_open
-from test_engine_architectures import (
+
+from tests.engine.test_engine_architectures import (
     ARCHITECTURES,
     MAX_NEW_TOKENS,
     PROMPTS,
@@ -23,7 +24,7 @@ from test_engine_architectures import (
     load,
     reference_tokens,
 )
-from test_engine_gguf_architectures import write_gguf
+from tests.engine.test_engine_gguf_architectures import write_gguf
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
 

@@ -2,7 +2,8 @@
 gives up seats when one client fills the batch."""
 
 from pagefleet_serve.engine.sequence import SequenceStatus
-from test_engine_scheduler import make_scheduler, make_seq, run_step, steps_while
+
+from tests.engine.test_engine_scheduler import make_scheduler, make_seq, run_step, steps_while
 
 
 def from_client(client, request_id, num_tokens=4, n=1, **kwargs):

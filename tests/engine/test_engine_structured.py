@@ -13,13 +13,14 @@ import time
 import jsonschema
 import pytest
 import xgrammar as xgr
-from engine_prompts import SYSTEM_PROMPT
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.structured.constraint import StructuredOutputs, structural_tag_text
 from pagefleet_serve.structured.grammar import GrammarCompiler
-from slow_grammar import SlowCompiler
+
+from tests.engine.engine_prompts import SYSTEM_PROMPT
+from tests.engine.slow_grammar import SlowCompiler
 
 DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 # Small on purpose: a handful of tokens per answer keeps these tests fast on a CPU.

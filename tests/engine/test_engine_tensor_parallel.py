@@ -13,7 +13,8 @@ import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import EngineConfig
-from test_engine_architectures import ARCHITECTURES, PROMPTS, build
+
+from tests.engine.test_engine_architectures import ARCHITECTURES, PROMPTS, build
 
 MAX_TOKENS = 12
 SHARED = [(5 * i + 2) % 300 + 10 for i in range(24)]  # a prefix two prompts share

@@ -11,15 +11,16 @@ import itertools
 
 import pytest
 import torch
-from conftest import requires_cuda
-from kernel_batches import (
+from pagefleet_kernels import torch_attention, triton_attention
+
+from tests.kernels.conftest import requires_cuda
+from tests.kernels.kernel_batches import (
     KERNEL_TOLERANCE,
     QUANTIZATION_TOLERANCE,
     PagedBatch,
     make_batch,
     naive_attention,
 )
-from pagefleet_kernels import torch_attention, triton_attention
 
 CONTEXT_LENS = [1, 15, 16, 17, 100, 300]
 GQA = [(4, 4), (6, 2), (8, 1)]  # (query heads, KV heads): ratios 1, 3, 8

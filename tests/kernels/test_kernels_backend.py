@@ -12,7 +12,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from kernel_batches import KERNEL_TOLERANCE, QUANTIZATION_TOLERANCE, make_batch, naive_attention
 from pagefleet_kernels import (
     backend,
     cpu_attention,
@@ -28,6 +27,13 @@ from pagefleet_kernels.backend import (
     cpu_backend,
     torch_backend,
     triton_backend,
+)
+
+from tests.kernels.kernel_batches import (
+    KERNEL_TOLERANCE,
+    QUANTIZATION_TOLERANCE,
+    make_batch,
+    naive_attention,
 )
 
 OPTIONAL = ("linear", "int4_matmul", "int8_matmul", "fused_decoder_layer")

@@ -5,9 +5,15 @@ contexts crossing many blocks, sliding windows and soft-capping."""
 
 import pytest
 import torch
-from kernel_batches import KERNEL_TOLERANCE, QUANTIZATION_TOLERANCE, make_batch, naive_attention
 from pagefleet_kernels import cpu_attention, torch_attention
 from pagefleet_serve import LLM, SamplingParams
+
+from tests.kernels.kernel_batches import (
+    KERNEL_TOLERANCE,
+    QUANTIZATION_TOLERANCE,
+    make_batch,
+    naive_attention,
+)
 
 pytestmark = pytest.mark.skipif(
     not cpu_attention.available(), reason="no C++ compiler: the engine uses the torch backend"

@@ -9,8 +9,9 @@ from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.model.loader import TINY_CONFIG
 from pagefleet_serve.sampling_params import sample_seed
-from test_engine_architectures import ARCHITECTURES, build, load, reference_tokens
-from test_engine_architectures import PROMPTS as LONG_PROMPTS
+
+from tests.engine.test_engine_architectures import ARCHITECTURES, build, load, reference_tokens
+from tests.engine.test_engine_architectures import PROMPTS as LONG_PROMPTS
 
 PROMPTS = [list(range(1, 31)), [100, 200, 300, 5], [7] * 40 + [9, 11, 13]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)

@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-from conftest import requires_cuda
-from kernel_batches import CACHE_DTYPES
 from pagefleet_kernels import torch_attention, triton_attention
 from pagefleet_kernels.kv_cache import (
     SCALE_DTYPE,
@@ -11,6 +9,9 @@ from pagefleet_kernels.kv_cache import (
     is_quantized,
     kv_cache_torch_dtype,
 )
+
+from tests.kernels.conftest import requires_cuda
+from tests.kernels.kernel_batches import CACHE_DTYPES
 
 
 def empty_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, cache, device):

@@ -8,8 +8,9 @@ torch's threads."""
 
 import pytest
 import torch
-from conftest import requires_cuda
 from pagefleet_kernels import cpu_attention, cpu_layer_ops, layer_ops, triton_layer_ops
+
+from tests.kernels.conftest import requires_cuda
 
 needs_compiler = pytest.mark.skipif(
     not cpu_layer_ops.available(), reason="no C++ compiler: the engine uses the torch ops"

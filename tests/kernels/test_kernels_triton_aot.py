@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import triton.language as tl
-from kernel_batches import make_batch
 from pagefleet_kernels import triton_attention
-from triton_aot import (
+
+from tests.kernels.kernel_batches import make_batch
+from tests.kernels.triton_aot import (
     AXES,
     DEFAULT_TARGETS,
     LAYER_OP_KERNELS,
@@ -40,10 +41,13 @@ from triton_aot import (
     variant_id,
 )
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def compile_all(mode: str, tmp_path: Path) -> dict:
     """Run triton_aot.py in a child without TRITON_INTERPRET, with a fresh Triton cache
-    (so every compile runs ptxas, whose log reports the spills)."""
+    (so every compile runs ptxas, whose log reports the spills). It runs as a module from
+    the repository root, where its `tests.kernels` imports resolve."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env |= {
         "TRITON_CACHE_DIR": str(tmp_path / "triton_cache"),
@@ -51,9 +55,12 @@ def compile_all(mode: str, tmp_path: Path) -> dict:
         "TRITON_DUMP_PTXAS_LOG": "1",
     }
     out = tmp_path / "compiled.json"
-    script = Path(__file__).with_name("triton_aot.py")
     run = subprocess.run(
-        [sys.executable, str(script), mode, str(out)], env=env, capture_output=True, text=True
+        [sys.executable, "-m", "tests.kernels.triton_aot", mode, str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-5000:]
     return json.loads(out.read_text())

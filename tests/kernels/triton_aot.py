@@ -1,17 +1,16 @@
 """Ahead-of-time compiles of every Triton kernel variant the engine can launch, for the GPUs
 it targets, on a machine without one: `triton.compile` with a named `GPUTarget` runs the
 whole pipeline down to Triton's bundled ptxas. The kernel tests run this file as a script
-(`python triton_aot.py pairwise|product OUT.json`) in a child process without
-TRITON_INTERPRET: under the interpreter, `triton.jit` (Triton's own library included)
-yields functions that cannot be compiled.
+(`python -m tests.kernels.triton_aot pairwise|product OUT.json`, from the repository root)
+in a child process without TRITON_INTERPRET: under the interpreter, `triton.jit` (Triton's
+own library included) yields functions that cannot be compiled.
 
 The variants come from the launchers themselves: each variant's batch goes through the real
 `paged_attention` / `write_kv_cache` (or a layer op of `triton_layer_ops`, or the MoE
-operator of `triton_moe`: `python triton_aot.py moe OUT.json`, or the LoRA operator of
-`triton_lora`: `python triton_aot.py lora OUT.json`) with the kernels
-swapped for recorders, and the recorded arguments become the compile's signature, constexprs
-and divisibility hints the way the JIT specialises them. Tile shapes, segment counts and
-warps therefore cannot drift from what the launcher picks.
+operator of `triton_moe`: mode `moe`, or the LoRA operator of `triton_lora`: mode `lora`)
+with the kernels swapped for recorders, and the recorded arguments become the compile's
+signature, constexprs and divisibility hints the way the JIT specialises them. Tile shapes,
+segment counts and warps therefore cannot drift from what the launcher picks.
 """
 
 import contextlib
@@ -23,10 +22,11 @@ import sys
 
 import torch
 import triton
-from kernel_batches import CACHE_DTYPES, make_batch
 from pagefleet_kernels import triton_attention, triton_layer_ops, triton_lora, triton_moe
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from tests.kernels.kernel_batches import CACHE_DTYPES, make_batch
 
 # Largest shared memory one block can use (opt-in), CUDA C Programming Guide, "Technical
 # Specifications per Compute Capability": A100 163 KiB, L4 / RTX 40xx 99 KiB, H100 227 KiB.
@@ -102,7 +102,7 @@ MOE_VARIANTS = tuple(
 # The LoRA operator's two launches (shrink, expand) in each dtype, for a decode row and the
 # most rows it takes, at SmolLM2-135M's fused q/k/v (576 -> 960, three parts of rank 16) and
 # Llama-3-8B's gate/up (4096 -> 28672, two of 16) and down (14336 -> 4096, one of 64),
-# four slots: `python triton_aot.py lora OUT.json`.
+# four slots: `python -m tests.kernels.triton_aot lora OUT.json`.
 LORA_VARIANTS = tuple(
     {"dtype": dtype, "rows": rows, "fan_in": fan_in, "fan_out": fan_out, "rank": rank}
     for dtype in (torch.bfloat16, torch.float16, torch.float32)

@@ -7,15 +7,16 @@ changes the ConfigMap only, never the pod template (the pods apply it without a 
 
 from __future__ import annotations
 
-import apiserver_validation
 import pytest
-from operator_samples import CRD_PATH, DEFAULT_IMAGE, load_yaml, make_body
 from pagefleet_operator.adapters import get_adapters_config_map
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.env import get_env
 from pagefleet_operator.spec import AdapterSpec, SpecError, parse_spec
 from pagefleet_serve.config import LoRAModule
 from pagefleet_serve.server.lora_file_watcher import parse_lora_modules_file
+
+from tests.operator import apiserver_validation
+from tests.operator.operator_samples import CRD_PATH, DEFAULT_IMAGE, load_yaml, make_body
 
 SCHEMA = load_yaml(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 MODEL = {"uri": "pvc://weights/llama"}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from operator_samples import DEFAULT_IMAGE, example_body, make_body
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.env import get_env
@@ -12,6 +11,8 @@ from pagefleet_operator.names import TEMPLATE_HASH_LABEL
 from pagefleet_operator.pdb import get_pdb
 from pagefleet_operator.service import get_service, get_url
 from pagefleet_operator.spec import SpecError, parse_spec
+
+from tests.operator.operator_samples import DEFAULT_IMAGE, example_body, make_body
 
 BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import argparse
 import re
 
-import apiserver_validation
 import pytest
-from operator_samples import CRD_PATH, DEFAULT_IMAGE, load_yaml, make_body
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.router import get_pod_service, get_router_deployment
 from pagefleet_operator.service import get_service
 from pagefleet_operator.spec import parse_spec
 from pagefleet_serve.cli import build_parser
+
+from tests.operator import apiserver_validation
+from tests.operator.operator_samples import CRD_PATH, DEFAULT_IMAGE, load_yaml, make_body
 
 SCHEMA = load_yaml(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SPEC = {"model": {"uri": "builtin://smollm2-135m"}, "router": {"enabled": True}}

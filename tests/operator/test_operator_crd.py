@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import apiserver_validation
 import kubernetes_validate
 import pytest
-from operator_samples import CRD_PATH, DEFAULT_IMAGE, EXAMPLES, REPO, load_yaml, make_body
 from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.spec import PULL_POLICIES, parse_spec
 from pagefleet_serve.config import (
@@ -24,6 +22,16 @@ from pagefleet_serve.config import (
     KV_CACHE_DTYPES,
     SPEC_METHODS,
     SpeculativeConfig,
+)
+
+from tests.operator import apiserver_validation
+from tests.operator.operator_samples import (
+    CRD_PATH,
+    DEFAULT_IMAGE,
+    EXAMPLES,
+    REPO,
+    load_yaml,
+    make_body,
 )
 
 K8S_VERSIONS = ["1.30", "1.33"]

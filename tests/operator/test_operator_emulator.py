@@ -36,13 +36,13 @@ import uuid
 
 import aiohttp
 import aiohttp.web as aiohttp_web
-import apiserver_validation
 import kmock
 import pytest
 import pytest_asyncio
-import server_side_apply
-from operator_samples import CRD_PATH, REPO, load_yaml
-from test_operator_metrics import BODY, MetricsServer
+
+from tests.operator import apiserver_validation, server_side_apply
+from tests.operator.operator_samples import CRD_PATH, REPO, load_yaml
+from tests.operator.test_operator_metrics import BODY, MetricsServer
 
 ISVC = "pagefleet.dev/v1alpha1/inferenceservices"
 _ISVC_SCHEMA = load_yaml(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

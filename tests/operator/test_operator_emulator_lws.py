@@ -5,10 +5,11 @@ Degraded, and the operator alive, where it does not."""
 
 from __future__ import annotations
 
-import apiserver_validation
 import kmock
 import pytest
-from test_operator_emulator import (
+
+from tests.operator import apiserver_validation
+from tests.operator.test_operator_emulator import (
     ISVC,
     ApiServerEmulator,
     condition,
@@ -19,7 +20,7 @@ from test_operator_emulator import (
     run_operator,
     stored,
 )
-from test_operator_parallelism import LWS_SCHEMA, TWO_NODES
+from tests.operator.test_operator_parallelism import LWS_SCHEMA, TWO_NODES
 
 LWS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 LWS_PATH = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/ml/leaderworkersets"

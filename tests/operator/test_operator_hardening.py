@@ -11,16 +11,17 @@ import threading
 import time
 
 import pytest
-from operator_samples import DEFAULT_IMAGE, make_body
 from pagefleet_operator import metrics
 from pagefleet_operator import reconcile as reconcile_module
 from pagefleet_operator.metrics import fetch_metrics, scrape_pods
 from pagefleet_operator.pod import get_volumes
 from pagefleet_operator.spec import SpecError, parse_spec
 from pagefleet_serve.config import BYTE_SIZE_PATTERN, parse_bytes
-from test_operator_crd import SCHEMA, admit, resource
-from test_operator_metrics import BODY
-from test_operator_reconcile import BUILTIN, FakeKube, condition, run
+
+from tests.operator.operator_samples import DEFAULT_IMAGE, make_body
+from tests.operator.test_operator_crd import SCHEMA, admit, resource
+from tests.operator.test_operator_metrics import BODY
+from tests.operator.test_operator_reconcile import BUILTIN, FakeKube, condition, run
 
 CRD_BYTE_SIZE_PATTERN = SCHEMA["properties"]["spec"]["properties"]["engine"]["properties"][
     "kvCacheMemory"

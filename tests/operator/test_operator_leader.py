@@ -12,7 +12,8 @@ import kubernetes
 import pytest
 from pagefleet_operator.kube import Kube
 from pagefleet_operator.leader import Lease, LeaseTiming, lease_namespaces, may_take
-from test_operator_emulator import (
+
+from tests.operator.test_operator_emulator import (
     ApiServerEmulator,
     declare_resources,
     eventually,

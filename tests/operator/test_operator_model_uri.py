@@ -11,12 +11,19 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from operator_samples import CRD_PATH, DEFAULT_IMAGE, example_body, load_yaml, make_body
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.env import get_pod_model_uri
 from pagefleet_operator.spec import SpecError, parse_spec
 from pagefleet_serve.model import uri as uri_module
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURIError, parse_model_uri
+
+from tests.operator.operator_samples import (
+    CRD_PATH,
+    DEFAULT_IMAGE,
+    example_body,
+    load_yaml,
+    make_body,
+)
 
 MODEL_SCHEMA = load_yaml(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
     "properties"

@@ -9,7 +9,6 @@ import socket
 import urllib.request
 
 import pytest
-from operator_samples import DEFAULT_IMAGE, make_body
 from pagefleet_operator import handlers
 from pagefleet_operator.__main__ import get_parser
 from pagefleet_operator.autoscale import PodSample
@@ -22,7 +21,9 @@ from pagefleet_operator.scaler import autoscale_once
 from pagefleet_operator.spec import SpecError, parse_spec
 from pagefleet_operator.telemetry import OperatorMetrics
 from prometheus_client.parser import text_string_to_metric_families
-from test_operator_reconcile import BUILTIN, FakeKube, condition, run
+
+from tests.operator.operator_samples import DEFAULT_IMAGE, make_body
+from tests.operator.test_operator_reconcile import BUILTIN, FakeKube, condition, run
 
 MONITORED = {**BUILTIN, "monitoring": {"podMonitor": True}}
 

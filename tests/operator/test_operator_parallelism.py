@@ -5,19 +5,27 @@ model-shape check at reconcile, and Degraded where LeaderWorkerSet is not instal
 
 from __future__ import annotations
 
-import apiserver_validation
 import gguf
 import kubernetes_validate
 import pytest
 import yaml
-from operator_samples import CRD_PATH, DEFAULT_IMAGE, REPO, example_body, load_yaml, make_body
 from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.parallelism import KNOWN_MODEL_SHAPES
 from pagefleet_operator.scaler import autoscale_once
 from pagefleet_operator.spec import SpecError, parse_spec
 from pagefleet_serve.model.resolve import builtin_gguf_path
-from test_operator_monitoring import ClusterKube
-from test_operator_reconcile import condition, run
+
+from tests.operator import apiserver_validation
+from tests.operator.operator_samples import (
+    CRD_PATH,
+    DEFAULT_IMAGE,
+    REPO,
+    example_body,
+    load_yaml,
+    make_body,
+)
+from tests.operator.test_operator_monitoring import ClusterKube
+from tests.operator.test_operator_reconcile import condition, run
 
 LWS_CRD = yaml.load(
     (REPO / "tests/operator/data/lws/leaderworkerset.x-k8s.io_leaderworkersets.yaml").read_text(),

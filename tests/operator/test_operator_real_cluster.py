@@ -9,14 +9,15 @@ import logging
 import celpy
 import jsonschema
 import pytest
-from operator_samples import DEFAULT_IMAGE, REPO, load_yaml, make_body
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.pod import STARTUP_BUDGET_SECONDS
 from pagefleet_operator.rbac import RULES
 from pagefleet_operator.reconcile import reconcile
 from pagefleet_operator.spec import parse_spec
-from test_operator_crd import SCHEMA, admit, resource
-from test_operator_reconcile import BUILTIN, FakeKube, run
+
+from tests.operator.operator_samples import DEFAULT_IMAGE, REPO, load_yaml, make_body
+from tests.operator.test_operator_crd import SCHEMA, admit, resource
+from tests.operator.test_operator_reconcile import BUILTIN, FakeKube, run
 
 
 def schema_nodes(schema: dict, path: str = ""):

@@ -10,9 +10,10 @@ import sys
 
 import aiohttp
 import pytest
-from operator_samples import REPO
 from pagefleet_operator import FINALIZER
-from test_operator_emulator import (
+
+from tests.operator.operator_samples import REPO
+from tests.operator.test_operator_emulator import (
     ISVC,
     ApiServerEmulator,
     declare_resources,

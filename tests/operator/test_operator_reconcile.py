@@ -13,7 +13,6 @@ import logging
 
 import kopf
 import pytest
-from operator_samples import DEFAULT_IMAGE, make_body
 from pagefleet_operator import handlers
 from pagefleet_operator.autoscale import PodSample
 from pagefleet_operator.config import OperatorConfig
@@ -21,7 +20,9 @@ from pagefleet_operator.kube import KubeError
 from pagefleet_operator.reconcile import reconcile
 from pagefleet_operator.scaler import autoscale_once
 from pagefleet_operator.telemetry import OperatorMetrics
-from server_side_apply import merge_applied
+
+from tests.operator.operator_samples import DEFAULT_IMAGE, make_body
+from tests.operator.server_side_apply import merge_applied
 
 BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
 
@@ -518,7 +519,7 @@ def test_a_name_too_long_for_the_router_pod_service_is_degraded():
 # -- traces (--otlp-traces-endpoint) --------------------------------------------------------
 @pytest.fixture
 def receiver(monkeypatch):
-    from otlp_receiver import OTLPReceiver
+    from tests.server.otlp_receiver import OTLPReceiver
 
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms, not 5 s
     found = OTLPReceiver()
@@ -527,9 +528,10 @@ def receiver(monkeypatch):
 
 
 def test_each_reconcile_and_autoscaler_round_is_a_span(receiver, warnings):
-    from otlp_receiver import attributes
     from pagefleet_operator.tracing import get_tracer
-    from server_harness import wait_until
+
+    from tests.server.otlp_receiver import attributes
+    from tests.server.server_harness import wait_until
 
     spec = {**BUILTIN, "autoscaling": {"enabled": True}}
     kube = FakeKube(make_body(spec))

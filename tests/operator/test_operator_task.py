@@ -5,14 +5,15 @@ they were, and a change of task rolls the pods."""
 
 from __future__ import annotations
 
-import apiserver_validation
 import pytest
-from operator_samples import CRD_PATH, DEFAULT_IMAGE, load_yaml, make_body
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.names import TEMPLATE_HASH_LABEL
 from pagefleet_operator.pod import get_container
 from pagefleet_operator.spec import SPEC_TASKS, SpecError, parse_spec
 from pagefleet_serve.config import TASKS
+
+from tests.operator import apiserver_validation
+from tests.operator.operator_samples import CRD_PATH, DEFAULT_IMAGE, load_yaml, make_body
 
 SCHEMA = load_yaml(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 MODEL = {"uri": "hf://Qwen/Qwen3-Embedding-0.6B"}

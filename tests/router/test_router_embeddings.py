@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from embedding_models import build_embedding_model
 from pagefleet_router.policy import PodState, PolicyConfig, choose_pod
 from pagefleet_router.prefix import PrefixTable, block_hashes, prompt_text
-from server_harness import ThreadServer, read_metrics
-from test_router_proxy import BLOCK_CHARS, RouterProcess
+
+from tests.engine.embedding_models import build_embedding_model
+from tests.router.test_router_proxy import BLOCK_CHARS, RouterProcess
+from tests.server.server_harness import ThreadServer, read_metrics
 
 SHARED = "You are a support assistant for a bicycle shop. Be brief and friendly. " * 3
 

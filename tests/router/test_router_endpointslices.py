@@ -10,7 +10,8 @@ from aiohttp import web
 from pagefleet_router.discovery import ScrapeSettings
 from pagefleet_router.endpointslices import ready_endpoints
 from pagefleet_router.proxy import Router, RouterSettings
-from test_operator_metrics import BODY, MetricsServer
+
+from tests.operator.test_operator_metrics import BODY, MetricsServer
 
 
 def endpoint_slice(ports, *endpoints):

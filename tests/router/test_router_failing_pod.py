@@ -14,7 +14,8 @@ from aiohttp import web
 from pagefleet_router import discovery
 from pagefleet_router.discovery import PodRegistry
 from pagefleet_router.policy import PodState, PolicyConfig, choose_pod
-from router_harness import LoopbackPod, running_router
+
+from tests.router.router_harness import LoopbackPod, running_router
 
 PROMPT = "You are a careful assistant. " * 20  # several blocks of the router's prefix hash
 

@@ -20,8 +20,9 @@ import pytest
 from aiohttp import web
 from pagefleet_router.bounded_json import parse_prefix
 from pagefleet_router.proxy import Router
-from router_harness import LoopbackPod
-from router_harness import running_router as harness_router
+
+from tests.router.router_harness import LoopbackPod
+from tests.router.router_harness import running_router as harness_router
 
 MIB = 1 << 20
 

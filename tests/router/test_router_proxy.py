@@ -25,7 +25,14 @@ import openai
 import pytest
 from pagefleet_router.policy import rendezvous_order
 from pagefleet_router.prefix import block_hashes, prompt_text
-from server_harness import ServerProcess, free_port, read_metrics, sse_events, wait_until
+
+from tests.server.server_harness import (
+    ServerProcess,
+    free_port,
+    read_metrics,
+    sse_events,
+    wait_until,
+)
 
 API_KEY = "router-test-key"
 POD_FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "128MiB")

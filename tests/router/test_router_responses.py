@@ -19,7 +19,8 @@ import pytest
 from aiohttp import web
 from pagefleet_router.policy import PodState, PolicyConfig, choose_pod, rendezvous_order
 from pagefleet_router.prefix import block_hashes, prompt_text
-from router_harness import LoopbackPod, running_router
+
+from tests.router.router_harness import LoopbackPod, running_router
 
 BLOCK_CHARS = 128  # RouterSettings' default
 

@@ -15,7 +15,8 @@ import pytest_asyncio
 from aiohttp import web
 from pagefleet_router.discovery import ScrapeSettings
 from pagefleet_router.proxy import Router, RouterSettings
-from server_harness import ServerProcess, read_metrics
+
+from tests.server.server_harness import ServerProcess, read_metrics
 
 MODEL = "smollm2-135m"
 POD_FLAGS = ("--max-model-len", "512", "--kv-cache-memory", "64MiB")

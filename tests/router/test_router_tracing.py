@@ -11,12 +11,13 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from otlp_receiver import SPAN_KIND_SERVER, OTLPReceiver, attributes
 from pagefleet_operator.tracing import get_tracer
 from pagefleet_router.discovery import ScrapeSettings, StaticEndpoints
 from pagefleet_router.proxy import Router, RouterSettings
 from pagefleet_router.tracing import RequestTracing
-from server_harness import ThreadServer, wait_until
+
+from tests.server.otlp_receiver import SPAN_KIND_SERVER, OTLPReceiver, attributes
+from tests.server.server_harness import ThreadServer, wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 
 import httpx
-from server_harness import sse_events
+
+from tests.server.server_harness import sse_events
 
 NORMAL_BODY = {
     "prompt": "The history of the city began",

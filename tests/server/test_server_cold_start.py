@@ -7,7 +7,8 @@ import time
 import pytest
 from openai import OpenAI
 from pagefleet_kernels import cpu_attention, cpu_layer_ops
-from server_harness import ServerProcess, read_metrics
+
+from tests.server.server_harness import ServerProcess, read_metrics
 
 # Three prompts of about the same length and no shared prefix beyond the chat template.
 PROMPTS = [

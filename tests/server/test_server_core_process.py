@@ -33,7 +33,14 @@ from pagefleet_serve.messages import (
 from pagefleet_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.constraint import StructuredOutputs
-from server_harness import ServerProcess, assert_error, sse_events, stream_then, wait_until
+
+from tests.server.server_harness import (
+    ServerProcess,
+    assert_error,
+    sse_events,
+    stream_then,
+    wait_until,
+)
 
 ENGINE_FLAGS = ("--max-model-len", "512", "--kv-cache-memory", "64MiB")
 # Where no text is read, the small random model (no tokenizer: prompts are token ids).

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import ServerProcess, assert_error, sse_events, wait_until
+
+from tests.server.server_harness import ServerProcess, assert_error, sse_events, wait_until
 
 ENGINE_FLAGS = ("--max-model-len", "1024", "--kv-cache-memory", "128MiB")
 

@@ -15,8 +15,13 @@ import struct
 import httpx
 import openai
 import pytest
-from embedding_models import build_embedding_model, cosine_distance, reference_embeddings
-from server_harness import ServerProcess, ThreadServer, assert_error, read_metrics
+
+from tests.engine.embedding_models import (
+    build_embedding_model,
+    cosine_distance,
+    reference_embeddings,
+)
+from tests.server.server_harness import ServerProcess, ThreadServer, assert_error, read_metrics
 
 MAX_MODEL_LEN = 128
 CHUNK = 32

@@ -14,7 +14,14 @@ import openai
 import pytest
 from httpx_sse import connect_sse
 from pagefleet_serve.engine.core import EngineCore
-from server_harness import ThreadServer, assert_error, read_metrics, sse_events, wait_until
+
+from tests.server.server_harness import (
+    ThreadServer,
+    assert_error,
+    read_metrics,
+    sse_events,
+    wait_until,
+)
 
 API_KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

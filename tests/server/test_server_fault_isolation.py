@@ -12,12 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from inflight import StreamInFlight, run_normal
 from pagefleet_serve.engine import sampler
 from pagefleet_serve.engine.core import EngineCore
 from pagefleet_serve.structured.constraint import StructuredOutputs
-from server_harness import ThreadServer, assert_error, read_metrics, wait_until
-from slow_grammar import SlowCompiler
+
+from tests.engine.slow_grammar import SlowCompiler
+from tests.server.inflight import StreamInFlight, run_normal
+from tests.server.server_harness import ThreadServer, assert_error, read_metrics, wait_until
 
 POISON_SEED = 666_666  # a sampling setting the injected sampler fault trips on
 POISON_TOKEN = 4242  # a prompt token the injected model fault trips on

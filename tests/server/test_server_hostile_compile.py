@@ -14,7 +14,8 @@ import httpx
 import pytest
 from pagefleet_serve.structured.constraint import MAX_CONSTRAINT_DEPTH, StructuredOutputs
 from pagefleet_serve.structured.grammar import GrammarCompiler
-from server_harness import ThreadServer, assert_error, wait_until
+
+from tests.server.server_harness import ThreadServer, assert_error, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 from pagefleet_serve.frontend.input_processor import MAX_CHARS_PER_TOKEN
-from server_harness import ThreadServer, assert_error, wait_until
+
+from tests.server.server_harness import ThreadServer, assert_error, wait_until
 
 LIMIT = 16
 MAX_MODEL_LEN = 256

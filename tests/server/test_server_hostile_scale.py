@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess
+
+from tests.server.server_harness import ServerProcess
 
 CONNECTIONS = 1100
 HOLD_S = 40

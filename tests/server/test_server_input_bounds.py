@@ -9,10 +9,11 @@ import sys
 
 import httpx
 import pytest
-from inflight import StreamInFlight, run_normal
 from pagefleet_serve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pagefleet_serve.server.protocol import MAX_PROMPTS_PER_REQUEST
-from server_harness import ThreadServer, assert_error
+
+from tests.server.inflight import StreamInFlight, run_normal
+from tests.server.server_harness import ThreadServer, assert_error
 
 API_KEY = "bounds-secret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -12,8 +12,9 @@ import time
 
 import httpx
 import pytest
-from inflight import StreamInFlight, run_normal
-from server_harness import ServerProcess, assert_error, wait_until
+
+from tests.server.inflight import StreamInFlight, run_normal
+from tests.server.server_harness import ServerProcess, assert_error, wait_until
 
 BODY_LIMIT = 16 << 20
 HEADER_TIMEOUT_S = 1.0

@@ -18,7 +18,8 @@ import openai
 import pytest
 import torch
 from pagefleet_router.discovery import parse_pod_metrics
-from server_harness import ServerProcess, assert_error, read_metrics
+
+from tests.server.server_harness import ServerProcess, assert_error, read_metrics
 
 # SmolLM2-135M: 30 layers, hidden 576, 9 heads and 3 KV heads of 64, MLP 1536.
 LAYERS, HIDDEN, Q, KV, INNER = 30, 576, 9 * 64, 3 * 64, 1536

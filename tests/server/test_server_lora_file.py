@@ -23,8 +23,9 @@ from pagefleet_serve.server.lora_file_watcher import (
     parse_lora_modules_file,
     read_lora_modules_file,
 )
-from server_harness import ServerProcess, assert_error, wait_until
-from test_server_lora import write_adapter
+
+from tests.server.server_harness import ServerProcess, assert_error, wait_until
+from tests.server.test_server_lora import write_adapter
 
 PROMPT = "The capital of France is"
 

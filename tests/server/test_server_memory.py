@@ -7,7 +7,8 @@ import gc
 import weakref
 
 import httpx
-from server_harness import ThreadServer
+
+from tests.server.server_harness import ThreadServer
 
 
 def test_a_stopped_thread_server_frees_its_engine():

@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 from pagefleet_serve.model.loader import load_tokenizer
-from server_harness import read_metrics, sse_events, wait_until
+
+from tests.server.server_harness import read_metrics, sse_events, wait_until
 
 MODEL_NAME = "smol"
 QUESTION = "What is the capital of France?"

@@ -16,8 +16,9 @@ import openai
 import pytest
 from pagefleet_serve.server.response_store import ResponseStore
 from pydantic import BaseModel, Field
-from server_harness import assert_error, read_metrics
-from test_server_structured_tools import WEATHER as CHAT_WEATHER
+
+from tests.server.server_harness import assert_error, read_metrics
+from tests.server.test_server_structured_tools import WEATHER as CHAT_WEATHER
 
 MODEL_NAME = "smol"
 # The chat tests' tool in the Responses API's flat shape.

@@ -8,11 +8,12 @@ refused. /v1/embeddings is fuzzed on a server of a tiny embedding model (task em
 import httpx
 import pytest
 import schemathesis
-from embedding_models import build_embedding_model
 from hypothesis import HealthCheck, given, seed, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from server_harness import ThreadServer
+
+from tests.engine.embedding_models import build_embedding_model
+from tests.server.server_harness import ThreadServer
 
 MAX_EXAMPLES = 30
 # The chat schema admits messages the server refuses by design (tool messages without the

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 from openai import OpenAI
-from server_harness import ServerProcess, read_metrics
+
+from tests.server.server_harness import ServerProcess, read_metrics
 
 # A pattern the model continues, so that prompt lookup proposes and the model accepts.
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4,"

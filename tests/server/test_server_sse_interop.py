@@ -13,7 +13,8 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 from pagefleet_serve.server.openai_api import KEEPALIVE, sse_event
-from server_harness import ServerProcess, wait_until
+
+from tests.server.server_harness import ServerProcess, wait_until
 
 BODY = {"prompt": "The river", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 

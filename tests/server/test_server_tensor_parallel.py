@@ -12,8 +12,9 @@ import sys
 import httpx
 import openai
 import pytest
-from server_harness import ServerProcess, assert_error, stream_then, wait_until
-from test_server_core_process import children, core_pid, health_within, is_running
+
+from tests.server.server_harness import ServerProcess, assert_error, stream_then, wait_until
+from tests.server.test_server_core_process import children, core_pid, health_within, is_running
 
 FLAGS = ("--max-model-len", "512", "--kv-cache-memory", "32MiB")
 BODY = {

@@ -9,8 +9,9 @@ import sys
 
 import httpx
 import pytest
-from otlp_receiver import SPAN_KIND_SERVER, OTLPReceiver, attributes
-from server_harness import ThreadServer, wait_until
+
+from tests.server.otlp_receiver import SPAN_KIND_SERVER, OTLPReceiver, attributes
+from tests.server.server_harness import ThreadServer, wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"

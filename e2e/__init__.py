@@ -1,0 +1,1 @@
+"""The user's walk end to end: the operator, the router and real serving pods."""

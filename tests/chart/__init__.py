@@ -1,0 +1,1 @@
+"""Tests of the Helm chart, rendered by helm."""

@@ -1,0 +1,1 @@
+"""Tests of the engine, the model loaders and the built-in models."""

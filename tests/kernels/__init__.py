@@ -1,0 +1,1 @@
+"""Tests of the attention and layer kernels against naive PyTorch references."""

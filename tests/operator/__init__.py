@@ -1,0 +1,1 @@
+"""Tests of the operator, with the API emulator's validation and server-side apply."""

@@ -1,0 +1,1 @@
+"""Tests of the router: its policy, its proxy and its discovery."""
