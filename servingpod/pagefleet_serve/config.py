@@ -305,6 +305,10 @@ class EngineConfig:
     max_loras: int = 1
     # vLLM's --max-lora-rank: the slots' rank; an adapter of a higher rank is refused.
     max_lora_rank: int = 16
+    # vLLM's --max-cpu-loras: adapters kept in host memory at once (at least max_loras: the
+    # device's are among them); the others are read again from their path when a request
+    # names one. None: every adapter served stays in host memory.
+    max_cpu_loras: int | None = None
     # vLLM's --task: one of TASKS (auto: detected from the model's files).
     task: str = "auto"
     # vLLM's --tensor-parallel-size: ranks the model is split over (engine/parallel.py), one
@@ -342,6 +346,7 @@ class EngineConfig:
             "kv_cache_memory_bytes",
             "max_loras",
             "max_lora_rank",
+            "max_cpu_loras",
         ):
             positive(name)
         self._check_lora()
@@ -447,4 +452,10 @@ class EngineConfig:
             raise ValueError(
                 "enable_lora runs the layers op by op, which torch.compile does not cover: "
                 "set enforce_eager (the default) or drop enable_lora"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras}): the adapters in the device's slots are kept in host "
+                "memory too"
             )

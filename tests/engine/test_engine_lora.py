@@ -6,6 +6,8 @@
 - One step mixing three adapters and the base gives each request what it gets alone.
 - The prefix cache never shares K/V between adapters (nor with the base).
 - The slots: LRU, ref-counted, a request waits when every slot is read by other adapters.
+- Host memory (--max-cpu-loras): never more adapters than that, none a request uses is
+  dropped, and a dropped one is read back from its path with the same tokens.
 - Adapters that cannot be served are refused naming the file and what is wrong.
 """
 
@@ -18,11 +20,12 @@ import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.block_manager import BlockManager
+from pagefleet_serve.engine.lora_cache import LoRAHostCache
 from pagefleet_serve.engine.lora_slots import LoRASlots
 from pagefleet_serve.engine.scheduler import Scheduler
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.step_buffers import StepBuffers
-from pagefleet_serve.model.lora import LoRABusy, LoRAError, LoRANotFound
+from pagefleet_serve.model.lora import LoRAAdapter, LoRABusy, LoRAError, LoRANotFound
 
 from tests.engine.test_engine_architectures import reference_tokens
 
@@ -266,6 +269,115 @@ def test_scheduler_admits_around_an_adapter_that_finds_no_slot():
     assert step.lora_loads == [(0, 2)] and second.lora_slot == 0
 
 
+# -- host memory (--max-cpu-loras) -------------------------------------------------------
+def watch_host_memory(llm: LLM, monkeypatch) -> list[int]:
+    """The number of adapters in host memory after every step, each step also checking
+    that the adapters of the running and waiting requests are there."""
+    engine, counts = llm.engine, []
+    step = engine.step
+
+    def watched():
+        outputs = step()
+        scheduler, cache = engine.scheduler, engine.lora_cache
+        used = {s.lora_id for s in scheduler.running + scheduler.waiting} - {None}
+        assert all(lora_id in cache for lora_id in used), "an adapter in use was dropped"
+        assert all(lora_id in cache for lora_id in scheduler.lora_slots.slot_of)
+        counts.append(len(cache))
+        return outputs
+
+    monkeypatch.setattr(engine, "step", watched)
+    return counts
+
+
+def test_an_adapter_dropped_from_host_memory_is_read_back(checkpoint, monkeypatch):
+    _, base_path, adapters, references = checkpoint
+    llm = load(base_path, adapters, max_loras=1, max_cpu_loras=2)
+    engine = llm.engine
+    every = engine.lora_adapters["every"].lora_id
+    assert len(engine.lora_cache) == 2 and every not in engine.lora_cache  # of 3 at start
+    counts = watch_host_memory(llm, monkeypatch)
+    before = tokens(llm, PROMPTS, "every")
+    assert before == references["every"]
+    assert tokens(llm, PROMPTS, "attention") == references["attention"]
+    assert tokens(llm, PROMPTS, "mlp") == references["mlp"]
+    assert every not in engine.lora_cache  # the least recently used went
+    assert tokens(llm, PROMPTS, "every") == before
+    assert every in engine.lora_cache and engine.lora_adapters["every"].lora_id == every
+    assert counts and max(counts) <= 2
+
+
+def test_more_adapters_in_use_than_host_memory_holds_all_finish(checkpoint, monkeypatch):
+    """Three adapters and the base at once, host memory for one: each adapter's requests
+    wait until no request uses the one there, and every request gets its own tokens."""
+    _, base_path, adapters, references = checkpoint
+    llm = load(base_path, adapters, max_loras=1, max_cpu_loras=1)
+    assert len(llm.engine.lora_cache) == 1
+    counts = watch_host_memory(llm, monkeypatch)
+    names = [*ADAPTERS, None, *ADAPTERS]
+    got = tokens(llm, [PROMPTS[1]] * len(names), names)
+    assert got == [references[name][1] for name in names]
+    assert max(counts) == 1
+    llm.engine.block_manager.check_no_leaks()
+
+
+def test_an_adapter_that_cannot_be_read_back_fails_its_request_alone(
+    checkpoint, tmp_path, monkeypatch
+):
+    import shutil
+
+    _, base_path, adapters, references = checkpoint
+    copy = tmp_path / "every"
+    shutil.copytree(adapters["every"], copy)
+    llm = load(base_path, {"every": copy, "mlp": adapters["mlp"]}, max_loras=1, max_cpu_loras=1)
+    assert llm.engine.lora_adapters["every"].lora_id not in llm.engine.lora_cache
+    shutil.rmtree(copy)
+    llm.add_request("gone", PROMPTS[1], GREEDY, lora_name="every")
+    llm.add_request("base", PROMPTS[1], GREEDY)
+    errors, base_tokens = {}, []
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            errors[output.request_id] = output.error
+            if output.request_id == "base":
+                base_tokens += output.outputs[0].token_ids
+    assert "'every' could not be read again" in errors["gone"]
+    assert f"{copy} does not exist" in errors["gone"]
+    assert errors["base"] is None and base_tokens == references[None][1]
+
+
+def host_adapter(lora_id: int) -> LoRAAdapter:
+    return LoRAAdapter(f"a{lora_id}", lora_id, f"/a{lora_id}", 4, {})
+
+
+def test_host_memory_drops_the_lru_unused_adapter_in_no_slot_first():
+    slots = LoRASlots(1)
+    cache = LoRAHostCache(2, slots)
+    for lora_id in (1, 2):
+        assert cache.reserve(lora_id, in_use=set())
+        cache.put(host_adapter(lora_id))
+    slot = slots.acquire(1)
+    slots.release(slot)  # adapter 1 stays in its idle slot
+    assert cache.reserve(3, in_use=set())  # 1 is the least recent, but 2 is in no slot
+    assert 1 in cache and 2 not in cache and 3 not in cache and cache.is_reserved(3)
+    with pytest.raises(KeyError):
+        cache.use(3)  # reserved, not read yet
+    assert cache.reserve(4, in_use={3})  # 1 goes, and with it its slot
+    assert 1 not in cache and slots.slot_of == {} and len(cache) == 2
+    assert not cache.reserve(5, in_use={3, 4})  # every one in use: nothing changes
+    assert len(cache) == 2 and not cache.is_reserved(5)
+    cache.put(host_adapter(3))
+    cache.drop(4)
+    cache.put(host_adapter(4))  # its place went meanwhile (unloaded): left out
+    assert 3 in cache and 4 not in cache and cache.use(3).lora_id == 3
+
+
+def test_host_memory_without_a_limit_keeps_every_adapter():
+    cache = LoRAHostCache(None, LoRASlots(1))
+    for lora_id in range(1, 6):
+        assert cache.reserve(lora_id, in_use=set())
+        cache.put(host_adapter(lora_id))
+    assert len(cache) == 5 and all(lora_id in cache for lora_id in range(1, 6))
+
+
 # -- refusals ----------------------------------------------------------------------------
 def test_adapters_that_cannot_be_served_are_refused(checkpoint, llm, tmp_path):
     _, _, adapters, _ = checkpoint
@@ -318,6 +430,11 @@ def test_config_reads_vllms_lora_module_forms_and_checks_them():
         (dict(enable_lora=True, lora_modules=("bad name=/x",)), "adapter name 'bad name'"),
         (dict(enable_lora=True, enforce_eager=False), "set enforce_eager"),
         (dict(enable_lora=True, max_loras=0), "max_loras must be a positive integer"),
+        (
+            dict(enable_lora=True, max_loras=2, max_cpu_loras=1),
+            r"max_cpu_loras \(1\) must be at least max_loras \(2\)",
+        ),
+        (dict(enable_lora=True, max_cpu_loras=0), "max_cpu_loras must be a positive integer"),
     ]:
         with pytest.raises(ValueError, match=message):
             EngineConfig(**bad)

@@ -58,3 +58,13 @@ def test_enforce_eager_defaults_to_the_engine_and_can_be_turned_off(monkeypatch)
     assert parse(monkeypatch, {}).enforce_eager is True
     assert parse(monkeypatch, {}, "--no-enforce-eager").enforce_eager is False
     assert parse(monkeypatch, {"PAGEFLEET_ENFORCE_EAGER": "false"}).enforce_eager is False
+
+
+def test_max_cpu_loras_reaches_the_engine_config_checked(monkeypatch, caplog):
+    from pagefleet_serve.server import serve
+
+    assert parse(monkeypatch, {}).max_cpu_loras is None
+    assert parse(monkeypatch, {"PAGEFLEET_MAX_CPU_LORAS": "4"}).max_cpu_loras == 4
+    args = parse(monkeypatch, {}, "--enable-lora", "--max-loras", "3", "--max-cpu-loras", "2")
+    assert serve.run(args) == 2  # refused before any model loads
+    assert "max_cpu_loras (2) must be at least max_loras (3)" in caplog.text

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
 import torch
@@ -23,6 +23,7 @@ from pagefleet_serve.config import EngineConfig, PoolingConfig
 from pagefleet_serve.cpu_placement import CpuPlacement
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.device import RunnerConfig, kv_cache_bytes
+from pagefleet_serve.engine.lora_cache import LoRAHostCache
 from pagefleet_serve.engine.model_runner import ModelRunner, sampling_failures
 from pagefleet_serve.engine.output_tracker import OutputTracker
 from pagefleet_serve.engine.parallel import WorkerLost, start_workers
@@ -43,7 +44,14 @@ from pagefleet_serve.messages import (
     SpecDecodeStats,
 )
 from pagefleet_serve.model.loader import load_model
-from pagefleet_serve.model.lora import LoRAAdapter, LoRABusy, LoRAError, LoRANotFound, read_adapter
+from pagefleet_serve.model.lora import (
+    LoRAAdapter,
+    LoRABusy,
+    LoRAError,
+    LoRANotFound,
+    ServedLoRA,
+    read_adapter,
+)
 from pagefleet_serve.model.pooling import read_pooling_config, resolve_task
 from pagefleet_serve.model.resolve import resolve_model_uri
 from pagefleet_serve.outputs import RequestOutput
@@ -178,10 +186,18 @@ class LLMEngine:
         if self.device.type != "cuda":  # CUDA's warm-up ran before the KV cache was sized
             with phase("warm_up"):
                 self.runner.warm_up_kernels(config.max_num_seqs)
-        # LoRA adapters by name, in host memory; the scheduler's slots say which are on the
-        # device. Each load gets a new id (a reloaded name shares no prefix-cache blocks).
-        self.lora_adapters: dict[str, LoRAAdapter] = {}
+        # LoRA adapters by name; the cache says which are in host memory (--max-cpu-loras),
+        # the scheduler's slots which are on the device. Each load gets a new id (a
+        # reloaded name shares no prefix-cache blocks); a read back keeps its id.
+        self.lora_adapters: dict[str, ServedLoRA] = {}
         self._lora_ids = itertools.count(1)
+        slots = self.scheduler.lora_slots
+        self.lora_cache = LoRAHostCache(config.max_cpu_loras, slots) if slots is not None else None
+        # Sequences whose adapter host memory dropped, waiting while it is read back (off
+        # the loop, in the reader thread), and the reads in flight by lora_id.
+        self._awaiting_lora: list[Sequence] = []
+        self._lora_reads: dict[int, Future[LoRAAdapter]] = {}
+        self._lora_reader: ThreadPoolExecutor | None = None
         for module in config.lora_modules:
             self.load_lora(module.name, module.path)
         logger.info(
@@ -190,9 +206,13 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """End the tensor-parallel workers, if any (the engine cannot step after this)."""
+        """End the parallel workers and the adapter reader, if any (the engine cannot step
+        after this); also called by a start-up that failed before it made either."""
         if self.workers is not None:
             self.workers.close()
+        reader = getattr(self, "_lora_reader", None)
+        if reader is not None:
+            reader.shutdown(wait=False, cancel_futures=True)
 
     def _pooling_config(self, path, hidden_size: int) -> PoolingConfig | None:
         """How this engine pools when its task (auto: from the model's files) is embed."""
@@ -280,9 +300,12 @@ class LLMEngine:
         )
 
     def add_lora(self, adapter: LoRAAdapter) -> None:
-        """Serve an adapter `read_lora` read (engine thread only)."""
+        """Serve an adapter `read_lora` read (engine thread only); with host memory full
+        of adapters requests use, it is read again for its first request."""
         self._check_lora_name_free(adapter.name)
-        self.lora_adapters[adapter.name] = adapter
+        self.lora_adapters[adapter.name] = ServedLoRA(adapter.name, adapter.lora_id, adapter.path)
+        if self.lora_cache.reserve(adapter.lora_id, self._lora_ids_in_use()):
+            self.lora_cache.put(adapter)
         logger.info(
             "LoRA adapter %s (rank %d) loaded from %s", adapter.name, adapter.rank, adapter.path
         )
@@ -297,20 +320,70 @@ class LLMEngine:
         adapter = self.lora_adapters.get(name)
         if adapter is None:
             raise LoRANotFound(f"the LoRA adapter {name!r} is not loaded")
-        scheduler = self.scheduler
-        users = {
-            seq.request_id
-            for seq in [*scheduler.running, *scheduler.waiting, *self._awaiting_grammar]
-            if seq.lora_id == adapter.lora_id
-        }
+        users = {seq.request_id for seq in self._lora_users() if seq.lora_id == adapter.lora_id}
         if users:
             raise LoRABusy(
                 f"the LoRA adapter {name!r} is in use by {len(users)} requests; unload it "
                 "when they have finished"
             )
         del self.lora_adapters[name]
-        scheduler.lora_slots.forget(adapter.lora_id)
+        self.lora_cache.drop(adapter.lora_id)
         logger.info("LoRA adapter %s unloaded", name)
+
+    def _lora_users(self) -> list[Sequence]:
+        """The sequences that read, or will read, their adapter (or the base model)."""
+        return [*self.scheduler.running, *self._not_running()]
+
+    def _not_running(self) -> list[Sequence]:
+        return [*self.scheduler.waiting, *self._awaiting_grammar, *self._awaiting_lora]
+
+    def _lora_ids_in_use(self) -> set[int | None]:
+        return {seq.lora_id for seq in self._lora_users()}
+
+    def _served(self, lora_id: int) -> ServedLoRA:
+        return next(a for a in self.lora_adapters.values() if a.lora_id == lora_id)
+
+    def _admit_read_back(self) -> None:
+        """Sequences whose adapter is not in host memory wait while it is read again from
+        its path, once the cache has a place for it (one no request uses); they join the
+        scheduler when it is in, or fail if it cannot be read."""
+        if not self._awaiting_lora and not self._lora_reads:
+            return
+        for lora_id, future in list(self._lora_reads.items()):
+            if not future.done():
+                continue
+            del self._lora_reads[lora_id]
+            try:
+                self.lora_cache.put(future.result())
+            except Exception as exc:  # noqa: BLE001 - its requests fail, the step goes on
+                self.lora_cache.drop(lora_id)
+                for seq in [s for s in self._awaiting_lora if s.lora_id == lora_id]:
+                    name = self._served(lora_id).name  # served: unload waits for its requests
+                    error = f"the LoRA adapter {name!r} could not be read again: {exc}"
+                    self.abort_request(seq.request_id, reason="error", error=error)
+        in_use = self._lora_ids_in_use()
+        waiting, self._awaiting_lora = self._awaiting_lora, []
+        for seq in waiting:
+            lora_id = seq.lora_id
+            if lora_id in self.lora_cache:
+                self._to_scheduler(seq)
+                continue
+            self._awaiting_lora.append(seq)
+            if not self.lora_cache.is_reserved(lora_id) and self.lora_cache.reserve(
+                lora_id, in_use
+            ):
+                served = self._served(lora_id)
+                logger.info("LoRA adapter %s: read back from %s", served.name, served.path)
+                if self._lora_reader is None:
+                    self._lora_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
+                self._lora_reads[lora_id] = self._lora_reader.submit(
+                    read_adapter,
+                    served.name,
+                    lora_id,
+                    served.path,
+                    self.model_config,
+                    self.config.max_lora_rank,
+                )
 
     # -- requests ----------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -357,7 +430,7 @@ class LLMEngine:
             request.request_id, request.prompt_token_ids, params, request.arrival_time
         )
         if params.structured_outputs is None:
-            self.scheduler.add(seq)
+            self._to_scheduler(seq)
             return
         self._awaiting_grammar[seq] = self.grammar_compiler.compile_async(params.structured_outputs)
         self._admit_compiled()
@@ -374,14 +447,25 @@ class LLMEngine:
             except ValueError as exc:
                 self.abort_request(seq.request_id, reason="error", error=str(exc))
                 continue
-            self.scheduler.add(seq)
+            self._to_scheduler(seq)
 
-    def _wait_for_a_grammar(self) -> None:
-        """With nothing to run but sequences whose grammar is compiling, wait a moment for
-        one compile rather than spin through empty steps (short, so that new requests and
-        aborts are still taken between steps)."""
-        if self._awaiting_grammar:
-            wait(self._awaiting_grammar.values(), timeout=0.05, return_when=FIRST_COMPLETED)
+    def _to_scheduler(self, seq: Sequence) -> None:
+        """A sequence ready to run joins the scheduler, once its adapter is in host memory."""
+        if seq.lora_id is None:
+            self.scheduler.add(seq)
+        elif seq.lora_id in self.lora_cache:
+            self.lora_cache.use(seq.lora_id)
+            self.scheduler.add(seq)
+        else:
+            self._awaiting_lora.append(seq)
+
+    def _wait_for_pending(self) -> None:
+        """With nothing to run but sequences whose grammar is compiling or whose adapter is
+        being read, wait a moment for one rather than spin through empty steps (short, so
+        that new requests and aborts are still taken between steps)."""
+        pending = [*self._awaiting_grammar.values(), *self._lora_reads.values()]
+        if pending:
+            wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def _with_model_eos(self, params: SamplingParams) -> SamplingParams:
         """The model's EOS ids beyond its main one (generation_config's list) end a
@@ -407,6 +491,11 @@ class LLMEngine:
         for seq in [s for s in self._awaiting_grammar if s.request_id == request_id]:
             if sample_index is None or seq.sample_index == sample_index:
                 del self._awaiting_grammar[seq]
+        self._awaiting_lora = [
+            s
+            for s in self._awaiting_lora
+            if s.request_id != request_id or sample_index not in (None, s.sample_index)
+        ]
         output = self.outputs.finish(request_id, reason, time.time(), error, sample_index)
         if output is not None:
             self._pending.append(output)
@@ -424,7 +513,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (
-            self.scheduler.has_unfinished() or bool(self._pending) or bool(self._awaiting_grammar)
+            self.scheduler.has_unfinished()
+            or bool(self._pending)
+            or bool(self._awaiting_grammar)
+            or bool(self._awaiting_lora)
         )
 
     # -- the step ----------------------------------------------------------------------
@@ -432,14 +524,15 @@ class LLMEngine:
         """Raises EngineFault when the step failed for all of its sequences (their
         requests' error outputs are then handed out by `step_pending`)."""
         self._admit_compiled()
+        self._admit_read_back()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         step = self.scheduler.schedule()
         if step.is_empty:
-            self._wait_for_a_grammar()
+            self._wait_for_pending()
             return self.step_pending()
         for slot, lora_id in step.lora_loads:
-            self.runner.load_lora(slot, self._lora_by_id(lora_id))
+            self.runner.load_lora(slot, self.lora_cache.use(lora_id))
         now = time.time()
         for item in step.scheduled:
             self.outputs.mark_scheduled(item.seq, now)
@@ -476,9 +569,6 @@ class LLMEngine:
                     output.embedding = self.runner.pooler.embedding(seq)
                     outputs.append(output)
         return outputs
-
-    def _lora_by_id(self, lora_id: int) -> LoRAAdapter:
-        return next(a for a in self.lora_adapters.values() if a.lora_id == lora_id)
 
     def _execute_isolating(
         self, items: list[ScheduledSeq]
@@ -524,6 +614,5 @@ class LLMEngine:
         def adapters(seqs) -> tuple[str, ...]:
             return tuple(sorted({names[s.lora_id] for s in seqs if s.lora_id in names}))
 
-        scheduler = self.scheduler
-        waiting = [*scheduler.waiting, *self._awaiting_grammar]
-        return LoRAStats(adapters(scheduler.running), adapters(waiting), self.config.max_loras)
+        running, waiting = self.scheduler.running, self._not_running()
+        return LoRAStats(adapters(running), adapters(waiting), self.config.max_loras)

@@ -74,6 +74,16 @@ def fused_layout(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
 
 
 @dataclass(frozen=True)
+class ServedLoRA:
+    """An adapter served by name, in host memory or not: its id and where it is read from
+    (again, when host memory has dropped it)."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
+@dataclass(frozen=True)
 class LoRAAdapter:
     """An adapter read into host memory, checked against the model."""
 

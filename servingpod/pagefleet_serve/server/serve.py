@@ -312,6 +312,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=engine("max_lora_rank"),
     )
     flag(
+        "--max-cpu-loras",
+        "LoRA adapters kept in host memory at once, at least --max-loras (default: every "
+        "adapter served); a request for another reads it again from its path",
+        type=int,
+        default=engine("max_cpu_loras"),
+    )
+    flag(
         "--allow-runtime-lora-updating",
         "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora)",
@@ -415,6 +422,7 @@ def run(args: argparse.Namespace) -> int:
             lora_modules=tuple(args.lora_modules or ()) + (lora_file[1] if lora_file else ()),
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
             task=args.task,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
