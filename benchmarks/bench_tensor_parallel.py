@@ -1,15 +1,17 @@
-"""Tensor parallelism against one rank on the same CPUs
+"""Tensor and pipeline parallelism against one rank on the same CPUs
 (`python -m benchmarks.bench_tensor_parallel`).
 
-The engine runs in this process (rank 0) at --tensor-parallel-size 1 and then 2, given the
-same CPUs each time: one rank with one intra-op thread per CPU, or two ranks with half of
-the CPUs each (`cpu_placement.rank_placements`, what `--cpu-threads-bind` plans for a
+The engine runs in this process (rank 0) at one rank, then at --tensor-parallel-size 2,
+then at --pipeline-parallel-size 2, given the same CPUs each time: one rank with one
+intra-op thread per CPU, or two ranks with half of the CPUs each (`cpu_placement.rank_placements`, what `--cpu-threads-bind` plans for a
 serving pod). For each: the median decode step of a batch of `--batch` sequences (every
 sequence past its prefill), the generation throughput of the whole run (prefills
 included; the offline engine, no HTTP), and at two ranks the share of rank 0's decode step
-spent in collectives (all-reduces, the logits' gather), which on a CPU includes waiting for
-the other rank. On a machine with few cores expect no speed-up: the ranks split the same
-memory bandwidth and add two all-reduces a layer. `--tiny` runs the random tiny model in
+spent in collectives (all-reduces, the logits' gather; in a pipeline the hand-offs between
+stages), which on a CPU includes waiting for the other rank. On a machine with few cores
+expect no speed-up: tensor ranks split the same memory bandwidth and add two all-reduces
+a layer; pipeline stages run one after the other (no micro-batches), each on half of the
+CPUs, so a step takes about as long as one rank's on half of them. `--tiny` runs the random tiny model in
 seconds (a smoke run). Prints a table and writes JSON.
 """
 
@@ -31,11 +33,12 @@ RESULTS = Path(__file__).parent / "results" / "tensor_parallel.json"
 
 
 class CollectiveClock:
-    """Seconds rank 0 spends in torch.distributed's all_reduce and gather (patched)."""
+    """Seconds rank 0 spends in torch.distributed's collectives and sends (patched)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._originals = {name: getattr(dist, name) for name in ("all_reduce", "gather")}
+        names = ("all_reduce", "gather", "send", "recv")
+        self._originals = {name: getattr(dist, name) for name in names}
 
     def __enter__(self) -> "CollectiveClock":
         for name, original in self._originals.items():
@@ -57,7 +60,7 @@ class CollectiveClock:
         return timed
 
 
-def measure(args, tensor_parallel_size: int, cpus: list[int]) -> dict:
+def measure(args, tensor_parallel_size: int, pipeline_parallel_size: int, cpus: list[int]) -> dict:
     config = EngineConfig(
         model=args.model,
         dtype="float32",
@@ -66,6 +69,7 @@ def measure(args, tensor_parallel_size: int, cpus: list[int]) -> dict:
         kv_cache_memory_bytes=args.kv_cache_mib << 20,
         max_num_seqs=args.batch,
         tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
     )
     engine = LLMEngine(config, CpuPlacement(cpus, None, len(cpus)))
     try:
@@ -97,6 +101,7 @@ def measure(args, tensor_parallel_size: int, cpus: list[int]) -> dict:
         engine.close()
     return {
         "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
         "cpus": cpus,
         "decode_steps": len(decode_steps),
         "decode_step_ms": 1e3 * statistics.median(decode_steps),
@@ -120,12 +125,13 @@ def main() -> None:
         args.model, args.batch, args.prompt_tokens, args.tokens = "builtin://tiny-random", 2, 8, 8
         args.kv_cache_mib = 4
     cpus = available_cpus()
-    rows = [measure(args, size, cpus) for size in (1, 2)]
+    rows = [measure(args, tp, pp, cpus) for tp, pp in ((1, 1), (2, 1), (1, 2))]
     print(f"{args.model}, float32, batch {args.batch}, CPUs {cpus}, torch {torch.__version__}")
-    print("ranks  decode step ms  generation tok/s  collectives share of decode step")
+    print("tp x pp  decode step ms  generation tok/s  collectives share of decode step")
     for row in rows:
+        ranks = f"{row['tensor_parallel_size']} x {row['pipeline_parallel_size']}"
         print(
-            f"{row['tensor_parallel_size']:>5}  {row['decode_step_ms']:>14.2f}  "
+            f"{ranks:>7}  {row['decode_step_ms']:>14.2f}  "
             f"{row['generation_tok_s']:>16.1f}  {row['collective_share_of_decode_step']:>10.0%}"
         )
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -313,12 +313,12 @@ class EngineConfig:
     task: str = "auto"
     # vLLM's --tensor-parallel-size: ranks the model is split over (engine/parallel.py), one
     # per GPU, on the CPU one per group of the core's CPUs; --pipeline-parallel-size: stages
-    # of layers (not implemented yet: 1 only).
+    # of layers, one after the other, each of tensor_parallel_size ranks.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # The ranks' rendezvous (torch.distributed's TCP store, on rank 0's node) and, across
-    # nodes, vLLM's --nnodes / --node-rank: the tensor_parallel_size ranks split evenly
-    # over the nodes, node 0 holding rank 0 (the scheduler); master_port None: a free one
+    # nodes, vLLM's --nnodes / --node-rank: the world_size ranks split evenly over the
+    # nodes, node 0 holding rank 0 (the scheduler); master_port None: a free one
     # (one node only: the other nodes must know it).
     nnodes: int = 1
     node_rank: int = 0
@@ -398,24 +398,26 @@ class EngineConfig:
             )
 
     @property
+    def world_size(self) -> int:
+        """Every rank of every pipeline stage (global rank = stage * tensor size + rank)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
-        """Tensor-parallel ranks on each node (node r holds ranks r*k .. r*k+k-1)."""
-        return self.tensor_parallel_size // self.nnodes
+        """Ranks on each node (node r holds ranks r*k .. r*k+k-1: a stage's ranks stay
+        on one node where the nodes hold whole stages)."""
+        return self.world_size // self.nnodes
 
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.pipeline_parallel_size > 1:
+        if self.world_size % self.nnodes:
             raise ValueError(
-                f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet: "
-                "only 1 (split a model over devices with tensor_parallel_size)"
-            )
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} must split evenly over "
-                f"nnodes {self.nnodes} (the same number of ranks on every node)"
+                f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                f"{self.pipeline_parallel_size} ranks must split evenly over nnodes "
+                f"{self.nnodes} (the same number of ranks on every node)"
             )
         rank = self.node_rank
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.nnodes:
@@ -427,20 +429,21 @@ class EngineConfig:
             raise ValueError(
                 f"nnodes {self.nnodes} needs master_port: every node joins rank 0's node there"
             )
-        if self.tensor_parallel_size == 1:
-            return
-        # A rank's step is its layers' ops between all-reduces: no adapters' deltas (their
+        # A rank's step is its layers' ops between collectives: no adapters' deltas (their
         # slots are not split), no compiled graphs around them, no pooled embeddings yet.
-        for unsupported, flag in (
-            (self.enable_lora, "enable_lora"),
-            (not self.enforce_eager, "enforce_eager off (torch.compile)"),
-            (self.task == "embed", "task 'embed'"),
+        for size, name in (
+            (self.tensor_parallel_size, "tensor_parallel_size"),
+            (self.pipeline_parallel_size, "pipeline_parallel_size"),
         ):
-            if unsupported:
-                raise ValueError(
-                    f"tensor_parallel_size {self.tensor_parallel_size} does not support "
-                    f"{flag} yet: use tensor_parallel_size 1 or drop it"
-                )
+            for unsupported, flag in (
+                (size > 1 and self.enable_lora, "enable_lora"),
+                (size > 1 and not self.enforce_eager, "enforce_eager off (torch.compile)"),
+                (size > 1 and self.task == "embed", "task 'embed'"),
+            ):
+                if unsupported:
+                    raise ValueError(
+                        f"{name} {size} does not support {flag} yet: use {name} 1 or drop it"
+                    )
 
     def _check_lora(self) -> None:
         names = [module.name for module in self.lora_modules]

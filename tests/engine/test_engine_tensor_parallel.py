@@ -1,9 +1,12 @@
-"""Tensor parallelism over gloo (two ranks, float32): greedy tokens equal one rank's for
-tiny random checkpoints (Qwen2's q/k/v biases, Qwen3's q/k norms with o biases, a Qwen2-MoE
-with a shared expert and a dense layer) and for the built-in GGUF model kept quantized
-(Q4_1/Q8_0 split at whole blocks; its 3 key/value heads split 2 and 1), on prompts whose
-long prefill runs in chunks beside decodes, with a prefix-cache hit and n > 1. Each rank
-holds its part of the weights: about half of the split ones, all of the replicated."""
+"""Tensor and pipeline parallelism over gloo (two ranks, float32): greedy tokens equal one
+rank's for tiny random checkpoints (Qwen2's q/k/v biases, Qwen3's q/k norms with o biases,
+a Qwen2-MoE with a shared expert and a dense layer; in a pipeline, Gemma 2's tied head,
+soft-capping and sliding windows, and MoE layers beside dense ones split 2 and 1) and for
+the built-in GGUF model kept quantized (Q4_1/Q8_0 split at whole blocks; its 3 key/value
+heads split 2 and 1), on prompts whose long prefill runs in chunks beside decodes, with a
+prefix-cache hit and n > 1; two stages of two ranks each too, and speculative decoding
+with a draft on rank 0. Each rank holds its part of the weights: about half of the split
+ones, all of the replicated; a stage only its layers (and the embedding or the head)."""
 
 from __future__ import annotations
 
@@ -34,7 +37,12 @@ def run(llm: LLM) -> list[list[list[int]]]:
     return tokens
 
 
-def both(model: str, **settings) -> tuple[list, list]:
+TP2 = {"tensor_parallel_size": 2}
+PP2 = {"pipeline_parallel_size": 2}
+
+
+def both(model: str, parallel: dict = TP2, **settings) -> tuple[list, list]:
+    """run() on one rank, then over the ranks of `parallel`."""
     settings = (
         dict(
             dtype="float32",
@@ -46,9 +54,10 @@ def both(model: str, **settings) -> tuple[list, list]:
         | settings
     )
     one = run(LLM(model, **settings))
-    llm = LLM(model, tensor_parallel_size=2, **settings)
+    llm = LLM(model, **parallel, **settings)
     try:
-        assert llm.engine.workers is not None and llm.engine.workers.size == 2
+        ranks = parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
+        assert llm.engine.workers is not None and llm.engine.workers.size == ranks
         return one, run(llm)
     finally:
         llm.engine.close()
@@ -62,15 +71,68 @@ def test_two_ranks_give_one_ranks_tokens(arch, tmp_path):
     assert two == one
 
 
-def test_builtin_gguf_kept_quantized_on_two_ranks():
+@pytest.mark.parametrize("arch", ["gemma2", "qwen2-mixed-layers"])
+def test_two_stages_give_one_ranks_tokens(arch, tmp_path):
+    family, extra = ARCHITECTURES[arch]
+    build(family, extra, tmp_path)
+    one, two = both(str(tmp_path), PP2)
+    assert two == one
+
+
+def test_two_stages_of_two_ranks_give_one_ranks_tokens(tmp_path):
+    family, extra = ARCHITECTURES["qwen2-biases"]
+    build(family, extra, tmp_path)
+    one, four = both(str(tmp_path), TP2 | PP2)
+    assert four == one
+
+
+@pytest.mark.parametrize("parallel", [TP2, PP2], ids=["tp2", "pp2"])
+def test_builtin_gguf_kept_quantized_on_two_ranks(parallel):
     one, two = both(
         "builtin://smollm2-135m",
+        parallel,
         quantization="auto",
         max_model_len=256,
         kv_cache_memory_bytes=16 << 20,
         block_size=16,
     )
     assert two == one
+
+
+def test_a_draft_on_rank_0_speculates_for_two_stages(tmp_path):
+    """The draft (the model itself: every draft token accepted) runs on rank 0 beside the
+    first stage; the tokens are those of one rank with the same draft."""
+    family, extra = ARCHITECTURES["qwen2-biases"]
+    build(family, extra, tmp_path)
+    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
+    one, two = both(str(tmp_path), PP2, speculative_config=spec)
+    assert two == one
+
+
+def test_each_stage_holds_its_layers_only(tmp_path):
+    """Two stages of a 3-layer model, its head tied (Gemma 2): the first holds the
+    embedding and layers 0-1, the last layer 2, the final norm and the embedding's rows
+    for its head; together every weight once, but for those rows."""
+    from pagefleet_serve.model.loader import load_model
+    from pagefleet_serve.model.tensor_parallel import TensorParallel
+
+    family, extra = ARCHITECTURES["gemma2"]
+    build(family, extra, tmp_path)
+    whole = load_model(str(tmp_path), torch.float32)
+    stages = [
+        load_model(str(tmp_path), torch.float32, tp=TensorParallel(stage=s, stages=2))
+        for s in (0, 1)
+    ]
+
+    def layers(weights: dict) -> set[int]:
+        return {int(k.split(".")[2]) for k in weights if k.startswith("model.layers.")}
+
+    first, last = (set(stage.weights) for stage in stages)
+    assert layers(stages[0].weights) == {0, 1} and layers(stages[1].weights) == {2}
+    assert "model.embed_tokens.weight" in first and "model.norm.weight" not in first
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= last
+    assert first | last == set(whole.weights)
+    assert first & last == {"model.embed_tokens.weight"}
 
 
 def _weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -121,7 +183,8 @@ def test_each_rank_holds_half_of_the_split_weights(tmp_path):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2 is not supported yet"),
+        ({"pipeline_parallel_size": 2, "task": "embed"}, "does not support task 'embed'"),
+        ({"pipeline_parallel_size": 3, "nnodes": 2, "master_port": 1}, "split evenly"),
         ({"nnodes": 2}, "must split evenly over nnodes 2"),
         ({"nnodes": 2, "tensor_parallel_size": 2}, "needs master_port"),
         ({"nnodes": 2, "tensor_parallel_size": 2, "node_rank": 2, "master_port": 1}, "node_rank"),
@@ -139,5 +202,8 @@ def test_a_model_that_cannot_be_split_is_refused_and_its_workers_end():
     heads, so that loads; 3 ranks is refused, naming the heads, with no worker left."""
     with pytest.raises(ValueError, match="key/value heads"):
         LLM("builtin://tiny-random", dtype="float32", tensor_parallel_size=3)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
+        LLM("builtin://tiny-random", dtype="float32", pipeline_parallel_size=3)
     assert not torch.distributed.is_initialized()
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagefleet-tp")]

@@ -1,7 +1,8 @@
-"""`pagefleet serve --tensor-parallel-size 2` (two ranks over gloo): the openai SDK streams
-the same greedy text as one rank serves; a killed rank turns /health to 503 within 5 s,
-naming it, and the stream in flight ends with an error event; SIGTERM drains and takes
-every rank down. Bad parallel flags are refused with a readable message."""
+"""`pagefleet serve --tensor-parallel-size 2` and `--pipeline-parallel-size 2` (two ranks
+over gloo): the openai SDK streams the same greedy text as one rank serves, the token
+counters count each token once; a killed rank turns /health to 503 within 5 s, naming it,
+and the stream in flight ends with an error event; SIGTERM drains and takes every rank
+down. Bad parallel flags are refused with a readable message."""
 
 import os
 import signal
@@ -38,15 +39,45 @@ def ranks_of(server: ServerProcess) -> tuple[int, list[int]]:
     return core, workers
 
 
-def test_two_ranks_stream_one_ranks_text_and_a_killed_rank_fails_the_engine():
+@pytest.fixture(scope="module")
+def one_rank_text() -> str:
+    """The greedy text one rank streams for BODY."""
     one = ServerProcess(*FLAGS).wait_ready()
     try:
-        expected = streamed_text(one)
+        return streamed_text(one)
     finally:
         one.stop()
-    server = ServerProcess(*FLAGS, "--tensor-parallel-size", "2").wait_ready()
+
+
+def generation_tokens(server: ServerProcess) -> float:
+    """vllm:generation_tokens_total, summed over its labels."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "rank_1"),
+    [
+        (("--tensor-parallel-size", "2"), "tensor-parallel rank 1"),
+        (("--pipeline-parallel-size", "2"), "rank 1 (pipeline stage 1)"),
+    ],
+    ids=["tp2", "pp2"],
+)
+def test_two_ranks_stream_one_ranks_text_and_a_killed_rank_fails_the_engine(
+    flags, rank_1, one_rank_text
+):
+    server = ServerProcess(*FLAGS, *flags).wait_ready()
     try:
-        assert streamed_text(server) == expected and expected
+        assert streamed_text(server) == one_rank_text and one_rank_text
+        before = generation_tokens(server)
+        body = {"prompt": "Once", "max_tokens": 5, "ignore_eos": True}
+        done = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
+        assert done["usage"]["completion_tokens"] == 5
+        assert generation_tokens(server) - before == 5
         core, workers = ranks_of(server)
         assert len(workers) == 1
         body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -54,7 +85,7 @@ def test_two_ranks_stream_one_ranks_text_and_a_killed_rank_fails_the_engine():
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             unhealthy = health_within(client, 503, 5)
         error = assert_error(unhealthy, 503, code="engine_unhealthy")
-        assert "tensor-parallel rank 1" in error["message"] and "SIGKILL" in error["message"]
+        assert rank_1 in error["message"] and "SIGKILL" in error["message"]
         assert events[-1] == "DONE"
         assert "error" in events[-2], events[-3:]
         wait_until(lambda: not is_running(core), 10, "rank 0's process to exit")
@@ -68,16 +99,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_nodes_serve_one_ranks_text_and_a_lost_node_fails_the_engine():
+def test_two_nodes_serve_one_ranks_text_and_a_lost_node_fails_the_engine(one_rank_text):
     """`--nnodes 2`: node 0 serves the API with rank 0, node 1 (`--headless`, another
     process here as it is another pod of a LeaderWorkerSet group) runs rank 1; they meet
     at node 0's --master-port. The greedy text is one rank's; node 1 gone, the next
     request fails and /health turns 503."""
-    one = ServerProcess(*FLAGS).wait_ready()
-    try:
-        expected = streamed_text(one)
-    finally:
-        one.stop()
+    expected = one_rank_text
     port = str(free_port())
     group = ("-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
     leader = ServerProcess(*FLAGS, *group)
@@ -125,7 +152,10 @@ def test_sigterm_takes_every_rank_down():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--pipeline-parallel-size", "2"), "pipeline_parallel_size 2 is not supported yet"),
+        (
+            ("--pipeline-parallel-size", "2", "--enable-lora"),
+            "pipeline_parallel_size 2 does not support enable_lora",
+        ),
         (("--nnodes", "2", "-tp", "2"), "nnodes 2 needs master_port"),
         (("--nnodes", "2", "-tp", "3", "--master-port", "29500"), "must split evenly"),
         (("--nnodes", "2", "--node-rank", "2", "-tp", "2", "--master-port", "29500"), "node_rank"),

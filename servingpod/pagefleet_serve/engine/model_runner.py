@@ -66,8 +66,10 @@ class ModelRunner:
                 tp,
             )
         self.workers = workers
+        self.tp = tp
         first, end = tp.kv_heads(loaded.config.num_heads, loaded.config.num_kv_heads)
         self.num_kv_heads = end - first  # this rank's (rank 0 holds the most)
+        self.num_layers = len(self.model.layers)  # its stage's (the first holds the most)
         # The model takes the weights over: with no reference left in `loaded`, a weight
         # that prepacking replaces is freed at once, not held until the caller drops it.
         weights, loaded.weights = loaded.weights, {}
@@ -112,7 +114,7 @@ class ModelRunner:
         c = self.config
         per_token_head = bytes_per_token_head(self.kv_cache_dtype, c.head_dim)
         draft = self.draft.bytes_per_block if self.draft is not None else 0
-        return 2 * c.num_layers * self.block_size * self.num_kv_heads * per_token_head + draft
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_token_head + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.workers is not None:
@@ -120,7 +122,7 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
         c = self.config
-        shape = (c.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads)
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads)
         self.kv_cache = torch.zeros(
             *shape, c.head_dim, dtype=self.kv_cache_dtype, device=self.device
         )
@@ -214,11 +216,21 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The model over a batch whose metadata is already on the device: this runner's
         own, or its target's (a draft runs over the target's batch as built, without the
-        target's adapters)."""
+        target's adapters). A pipeline stage takes the previous stage's output rows and
+        hands its own to the next."""
         lora = None
         if self.lora is not None and inputs.lora is not None:
             lora = LoRABatch(self.lora, inputs.lora, self.model.backend.add_lora)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, lora)
+        hidden = None
+        if not self.tp.first_stage:
+            num_tokens, size = inputs.input_ids.shape[0], self.config.hidden_size
+            hidden = self.tp.receive_hidden(num_tokens, size, self.dtype, self.device)
+        out = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, lora, hidden
+        )
+        if not self.tp.last_stage:
+            self.tp.send_hidden(out)
+        return out
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[Sequence, list[SampledToken]]:
@@ -253,9 +265,10 @@ class ModelRunner:
         self, batch: "StepBatch"
     ) -> tuple[torch.Tensor, torch.Tensor | None, StepInputs]:
         """One step's model work, on every rank: its block copies, the model (and the
-        draft) over its batch, and the logits of its `logits_rows`. Returns the hidden
-        states, the logits (None when it has no such rows, and on ranks other than 0) and
-        the device-side inputs."""
+        draft) over its batch, and the logits of its `logits_rows` (a pipeline's last stage
+        computes them, rank 0 receives them). Returns the hidden states (the stage's), the
+        logits (None when it has no such rows, and on ranks other than 0) and the
+        device-side inputs."""
         if self.workers is not None:
             self.workers.call("forward_batch", batch)
         inputs = self.buffers.build(
@@ -270,16 +283,20 @@ class ModelRunner:
         self.copy_blocks(batch.block_copies)
         try:
             hidden = self.run(inputs)
+            if self.draft is not None:
+                self.draft.copy_blocks(batch.block_copies)
+                self.draft.run(inputs)
+            logits = None
+            if batch.logits_rows and self.tp.last_stage:
+                rows = hidden.index_select(0, inputs.logits_rows)
+                logits = self.tp.send_logits(self.model.compute_logits(rows))
+            elif batch.logits_rows and self.tp.global_rank == 0:
+                rows, vocab = len(batch.logits_rows), self.config.vocab_size
+                logits = self.tp.receive_logits(rows, vocab, self.device)
         except Exception as exc:
             if self.workers is not None and is_collective_failure(exc):
-                raise self.workers.lost(exc) from exc  # a peer left in an all-reduce
+                raise self.workers.lost(exc) from exc  # a peer left in a collective
             raise
-        if self.draft is not None:
-            self.draft.copy_blocks(batch.block_copies)
-            self.draft.run(inputs)
-        logits = None
-        if batch.logits_rows:
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
         return hidden, logits, inputs
 
     def _sample(

@@ -8,6 +8,13 @@ Once per step rank 0 broadcasts the runner call it is about to make, with its pl
 inputs (`broadcast_object_list`); every rank then makes the same call, and their layers
 meet in the all-reduces. Nothing else crosses: no transport of our own.
 
+With pipeline parallelism the ranks form stages (`pipeline_parallel_size` of them, each of
+`tensor_parallel_size` ranks, global rank = stage * tensor size + rank), each stage its own
+process group for its all-reduces; a step's rows pass from stage to stage as point-to-point
+sends of the same group, and the last stage's logits come back to rank 0. The stages run
+one after the other (no micro-batches): a pipeline holds a model too large for one stage's
+devices, it does not step faster.
+
 A worker never outlives rank 0's process (PR_SET_PDEATHSIG, as the core process does with
 the server) and ignores SIGTERM/SIGINT (rank 0 ends it: a shutdown call, then kill). A
 worker that dies closes its connections, so a collective of rank 0 fails at once; `watch`
@@ -93,14 +100,34 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + local_rank)
 
 
-def _join(store: dist.Store, rank: int, size: int, device: torch.device) -> None:
+def _join(
+    store: dist.Store, rank: int, config: EngineConfig, device: torch.device
+) -> TensorParallel:
+    """Join the group as global rank `rank`; its place (and, in a pipeline, every stage's
+    group made, as every rank must, its own stage's kept)."""
     dist.init_process_group(
         distributed_backend(device),
         store=store,
         rank=rank,
-        world_size=size,
+        world_size=config.world_size,
         timeout=_COLLECTIVE_TIMEOUT,
     )
+    size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+    group = None
+    if stages > 1 and size > 1:
+        groups = [
+            dist.new_group(list(range(s * size, (s + 1) * size)), timeout=_COLLECTIVE_TIMEOUT)
+            for s in range(stages)
+        ]
+        group = groups[rank // size]
+    return TensorParallel(rank % size, size, rank // size, stages, group)
+
+
+def rank_name(rank: int, config: EngineConfig) -> str:
+    """'tensor-parallel rank 1', or in a pipeline 'rank 3 (pipeline stage 1)'."""
+    if config.pipeline_parallel_size == 1:
+        return f"tensor-parallel rank {rank}"
+    return f"rank {rank} (pipeline stage {rank // config.tensor_parallel_size})"
 
 
 class Workers:
@@ -112,7 +139,8 @@ class Workers:
         """`placement`: the CPUs of every rank together (the engine core's plan), rank 0
         then pinned to its group; None: workers share this process's CPUs, and rank 0's
         threads are left as they are (an engine embedded in a caller's process)."""
-        self.size = config.tensor_parallel_size
+        self.size = config.world_size
+        self.config = config
         local = config.ranks_per_node  # node 0's: rank 0 and ranks 1..local-1
         ranks = rank_placements(placement or CpuPlacement(available_cpus(), None), local)
         if placement is not None:
@@ -129,14 +157,15 @@ class Workers:
         )
         self.processes = _spawn_workers(config, range(1, local), ranks, store.port)
         try:
-            _join(store, 0, self.size, device)
+            self.tp = _join(store, 0, config, device)
         except BaseException:
             self.close()
             raise
-        self.tp = TensorParallel(0, self.size)
         logger.info(
-            "tensor parallel: %d ranks over %s, workers %s",
+            "parallel: %d ranks (tensor %d x pipeline %d) over %s, workers %s",
             self.size,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
             distributed_backend(device),
             ", ".join(str(p.pid) for p in self.processes) or "on other nodes",
         )
@@ -152,7 +181,7 @@ class Workers:
         """The WorkerLost for a failed collective: which rank of this node exited, or that
         one (of another node's, or unreachable) is gone."""
         return WorkerLost(
-            self.lost_reason() or f"a tensor-parallel rank is gone (a collective failed: {exc})"
+            self.lost_reason() or f"a parallel rank is gone (a collective failed: {exc})"
         )
 
     def lost_reason(self) -> str | None:
@@ -162,7 +191,7 @@ class Workers:
             if code is None:
                 continue
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited ({code})"
-            return f"tensor-parallel rank {rank} (pid {process.pid}) {how}"
+            return f"{rank_name(rank, self.config)} (pid {process.pid}) {how}"
         return None
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
@@ -179,7 +208,7 @@ class Workers:
                     # reaped: wait for its exit status, which names the signal.
                     process.join(timeout=2)
             if not self._closing:
-                on_lost(self.lost_reason() or "a tensor-parallel rank has exited")
+                on_lost(self.lost_reason() or "a parallel rank has exited")
 
         threading.Thread(target=wait, name="tensor-parallel-watch", daemon=True).start()
 
@@ -206,8 +235,8 @@ class Workers:
 def start_workers(
     config: EngineConfig, device: torch.device, placement: CpuPlacement | None
 ) -> tuple[Workers | None, TensorParallel]:
-    """The workers of a tensor-parallel engine (None at one rank) and rank 0's place."""
-    if config.tensor_parallel_size == 1:
+    """The workers of a parallel engine (None at one rank) and rank 0's place."""
+    if config.world_size == 1:
         return None, NO_PARALLEL
     workers = Workers(config, device, placement)
     return workers, workers.tp
@@ -299,14 +328,12 @@ def worker_main(
         format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s",
     )
     place_core_threads(placement)
-    size = config.tensor_parallel_size
     device = rank_device(resolve_device(config.device), local_rank)
     runner_config = RunnerConfig.of(replace(config, device=str(device)))  # made current
     store = dist.TCPStore(
-        config.master_addr, port, size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT
+        config.master_addr, port, config.world_size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT
     )
-    _join(store, rank, size, device)
-    tp = TensorParallel(rank, size)
+    tp = _join(store, rank, config, device)
     try:
         loaded = load_model(
             config.model, runner_config.dtype, runner_config.weight_quantization, tp
@@ -330,8 +357,11 @@ def worker_main(
             continue
         try:
             getattr(runner, call.method)(*call.args)
-        except Exception:  # rank 0 failed the same call (the same inputs)
-            logger.exception("tensor-parallel rank %d: %s failed", rank, call.method)
+        except Exception:
+            logger.exception("%s: %s failed", rank_name(rank, config), call.method)
+            if tp.stages > 1:  # its stage's output is what another stage waits for
+                os._exit(1)
+            # else rank 0 failed the same call (the same inputs)
     dist.destroy_process_group()
     logging.shutdown()
     os._exit(0)

@@ -53,7 +53,7 @@ class ProcessLink:
             # A daemonic process may not start processes: a tensor-parallel core (rank 0)
             # starts its workers, so it is not one (close() ends it all the same, and it
             # dies with this process: PR_SET_PDEATHSIG).
-            daemon=config.tensor_parallel_size == 1,
+            daemon=config.world_size == 1,
         )
         self.process.start()
         child_conn.close()

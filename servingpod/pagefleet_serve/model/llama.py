@@ -536,9 +536,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """`backend`: the kernels (see pagefleet_serve.attention.get_kernel_backend); None:
         the torch backend (a model built only to load or inspect weights). `tp`: this
-        rank's shard of the model (see model.tensor_parallel), loaded as such."""
+        rank's shard of the model (see model.tensor_parallel), loaded as such: in a
+        pipeline, its stage's layers (`layers[i]` is the model's layer `first_layer + i`),
+        the embedding on the first stage, the final norm and the head on the last."""
         super().__init__()
         check_shardable(tp.size, config.num_heads, config.num_kv_heads, config.qk_norm_whole)
+        if tp.stages > config.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size {tp.stages} exceeds the model's {config.num_layers} "
+                "layers: each stage needs one at least"
+            )
         self.config = config
         self.tp = tp
         self.backend = backend = torch_backend() if backend is None else backend
@@ -546,16 +553,22 @@ class LlamaForCausalLM(nn.Module):
         vocab = vocab_end - self.vocab_first
         # Given an (uninitialised) weight, Embedding skips its normal_ init, which on the meta
         # device imports torch._dynamo (~3 s of start-up); the checkpoint replaces it anyway.
-        self.embed_tokens = nn.Embedding(
-            vocab, config.hidden_size, _weight=torch.empty(vocab, config.hidden_size)
-        )
+        self.embed_tokens: nn.Embedding | None = None
+        if tp.first_stage or (tp.last_stage and config.tie_word_embeddings):
+            self.embed_tokens = nn.Embedding(
+                vocab, config.hidden_size, _weight=torch.empty(vocab, config.hidden_size)
+            )
+        self.first_layer, end = tp.layers(config.num_layers)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, backend, i, tp) for i in range(config.num_layers)]
+            [LlamaDecoderLayer(config, backend, i, tp) for i in range(self.first_layer, end)]
         )
-        self.norm = make_norm(config, config.hidden_size, backend)
-        self.lm_head = LMHead(config.hidden_size, vocab)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.norm: RMSNorm | None = None
+        self.lm_head: LMHead | None = None
+        if tp.last_stage:
+            self.norm = make_norm(config, config.hidden_size, backend)
+            self.lm_head = LMHead(config.hidden_size, vocab)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
         self._set_rope_frequencies(torch.device("cpu"))
 
     def _set_rope_frequencies(self, device: torch.device) -> None:
@@ -585,10 +598,16 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list,  # one pagefleet_kernels.kv_cache.LayerKVCache per layer
         attn: AttentionMetadata,
         lora: "LoRABatch | None" = None,  # the rows' LoRA adapters; None: no row has one
+        hidden: torch.Tensor | None = None,  # (T, H): a later pipeline stage's input
     ) -> torch.Tensor:
-        x = self._embed(input_ids)
-        if self.config.scale_embeddings:  # the factor rounded to the dtype, as Gemma does
-            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        """The final hidden states, normed (T, H); on a pipeline stage before the last, its
+        layers' output, for the next stage."""
+        if hidden is None:
+            x = self._embed(input_ids)
+            if self.config.scale_embeddings:  # the factor rounded to the dtype, as Gemma does
+                x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        else:
+            x = hidden
         rope = self._rope(positions, self._global_inv_freq(attn), x.dtype)
         local_rope = rope
         if self.config.local_rope_theta is not None:
@@ -598,7 +617,7 @@ class LlamaForCausalLM(nn.Module):
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = local_rope if layer.self_attn.sliding_window else rope
             x = layer(x, cos, sin, kv_cache, attn, None if lora is None else lora.layer(index))
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows; vocabulary-parallel, each rank's lookup of its own ids (zero
@@ -682,9 +701,12 @@ class LlamaForCausalLM(nn.Module):
         as it streams, Phi-3 checkpoints come fused). A matrix given as a QuantizedWeight turns
         its layer into the quantized layer of its format (`linear.quantized_linear`; the
         embedding table is expanded: a lookup reads a few rows, not the whole table)."""
-        weights = {k.removeprefix("model."): v for k, v in weights.items()}
-        weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
-        for i in range(self.config.num_layers):
+        weights = {
+            _stage_name(k.removeprefix("model."), self.first_layer): v
+            for k, v in weights.items()
+            if not k.endswith("rotary_emb.inv_freq")
+        }
+        for i in range(len(self.layers)):
             p = f"layers.{i}."
             for kind in ("weight", "bias") if self.config.qkv_bias else ("weight",):
                 if p + f"self_attn.q_proj.{kind}" in weights:
@@ -703,11 +725,11 @@ class LlamaForCausalLM(nn.Module):
                 _stack_experts(weights, p + "mlp.experts.", self.config.num_experts)
             if p + "mlp.experts.gate_proj.weight" in weights:  # stacked apart (GGUF's)
                 self._load_stacked_experts(p + "mlp.experts", weights)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             weights.setdefault("lm_head.weight", weights["embed_tokens.weight"])
             if not isinstance(weights["lm_head.weight"], QuantizedWeight):
                 weights["lm_head.weight"] = weights["embed_tokens.weight"]
-        embedding = weights["embed_tokens.weight"]
+        embedding = weights.get("embed_tokens.weight")
         if isinstance(embedding, QuantizedWeight):
             weights["embed_tokens.weight"] = embedding.dequantize()
         for name in [n for n, w in weights.items() if isinstance(w, QuantizedWeight)]:
@@ -745,6 +767,15 @@ class LlamaForCausalLM(nn.Module):
         self.get_submodule(parent).register_module(
             attr, quantized_linear(weight, bias, self.backend)
         )
+
+
+def _stage_name(name: str, first_layer: int) -> str:
+    """A checkpoint name as a pipeline stage's modules hold it: layer i is its
+    `layers[i - first_layer]`."""
+    if not name.startswith("layers."):
+        return name
+    index, rest = name.removeprefix("layers.").split(".", 1)
+    return f"layers.{int(index) - first_layer}.{rest}"
 
 
 def _stack_experts(weights: dict, prefix: str, num_experts: int) -> None:

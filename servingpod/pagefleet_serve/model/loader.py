@@ -100,7 +100,7 @@ def load_model(
     else:
         raise UnsupportedModelError(f"{local.path} is not a GGUF file; supported: {SUPPORTED}")
     if quantization == "int8":
-        if loaded.config.tie_word_embeddings:  # the head gets its own int8 copy
+        if tp.last_stage and loaded.config.tie_word_embeddings:  # the head's own int8 copy
             loaded.weights["lm_head.weight"] = loaded.weights["embed_tokens.weight"]
         loaded.weights = {
             name: quantize_int8(w) if name.endswith(LINEAR_WEIGHTS) else w
@@ -318,11 +318,14 @@ def _gguf_config(reader, arch: str) -> dict:
 
 
 def _shard_plan(hf: dict, tp: TensorParallel) -> ShardPlan:
-    """Which part of each weight rank `tp` loads, from a config.json dict."""
+    """Which part of each weight rank `tp` loads, from a config.json dict (its
+    `tie_word_embeddings` set from the checkpoint's tensors where it was absent)."""
     num_heads = hf["num_attention_heads"]
     num_kv_heads = hf.get("num_key_value_heads") or num_heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-    return ShardPlan(tp, num_heads, num_kv_heads, head_dim)
+    return ShardPlan(
+        tp, num_heads, num_kv_heads, head_dim, hf["num_hidden_layers"], hf["tie_word_embeddings"]
+    )
 
 
 def _load_gguf(
@@ -345,6 +348,7 @@ def _load_gguf(
             f"architectures: {GGUF_SUPPORTED} (any {SUPPORTED})"
         )
     hf = _gguf_config(reader, arch)
+    hf.setdefault("tie_word_embeddings", all(t.name != "output.weight" for t in reader.tensors))
     plan = _shard_plan(hf, tp)
     full_heads = {"attn_q": plan.num_heads, "attn_k": plan.num_kv_heads}
     q_first, q_end = tp.q_heads(plan.num_heads, plan.num_kv_heads)
@@ -433,7 +437,7 @@ def _load_gguf(
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     hf["vocab_size"] = vocab_size
     hf["bos_token_id"] = reader.fields.get("tokenizer.ggml.bos_token_id")
-    config = _model_config(hf, scaling, () if eos is None else (eos,), weights)
+    config = _model_config(hf, scaling, () if eos is None else (eos,))
     return LoadedModel(name, config, weights, _gguf_tokenizer(path, reader))
 
 
@@ -499,8 +503,6 @@ def _load_hf_dir(
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{path} has no *.safetensors weights; supported: {SUPPORTED}")
-    plan = _shard_plan(hf, tp)
-    shapes = {}  # this rank's part of each weight
     full_shapes = {}
     scales: dict[str, torch.Tensor] = {}  # a float8 weight's checkpoint name -> its scale
     for file in files:  # the headers only (and a float8 checkpoint's scales: small)
@@ -509,10 +511,13 @@ def _load_hf_dir(
                 if scheme is not None and scheme.is_scale(k):
                     scales[scheme.weight_of(k)] = f.get_tensor(k)
                 elif scheme is None or not scheme.is_unused(k):
-                    full = full_shapes[_hf_name(k)] = tuple(f.get_slice(k).get_shape())
-                    part = plan.shape(_hf_name(k), full)
-                    if part is not None:
-                        shapes[_hf_name(k)] = part
+                    full_shapes[_hf_name(k)] = tuple(f.get_slice(k).get_shape())
+    # Absent from config.json when it equals the config class's default: then the
+    # checkpoint says, by having an lm_head or not.
+    hf.setdefault("tie_word_embeddings", "lm_head.weight" not in full_shapes)
+    plan = _shard_plan(hf, tp)
+    parts = {name: plan.shape(name, full) for name, full in full_shapes.items()}
+    shapes = {name: part for name, part in parts.items() if part is not None}  # this rank's
     keep = keep_fp8 and scheme is not None and scheme.block is None
     if keep and tp.parallel:
         raise UnsupportedModelError(
@@ -560,7 +565,7 @@ def _load_hf_dir(
                         weights[tensor_name] = tensor.to(dtype, copy=True)
                     else:
                         destination.copy_(tensor)
-    config = _model_config(hf, _rope_scaling(hf, path), _eos_token_ids(path, hf), weights)
+    config = _model_config(hf, _rope_scaling(hf, path), _eos_token_ids(path, hf))
     tokenizer = None
     if any(
         (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -756,7 +761,7 @@ def _longrope(scaling: dict, hf: dict) -> dict:
     }
 
 
-def _model_config(hf: dict, rope_scaling, eos_ids: tuple[int, ...], weights: dict) -> ModelConfig:
+def _model_config(hf: dict, rope_scaling, eos_ids: tuple[int, ...]) -> ModelConfig:
     """ModelConfig of a Hugging Face config.json dict (or a GGUF's metadata turned into one)."""
     num_heads = hf["num_attention_heads"]
     return ModelConfig(
@@ -771,9 +776,8 @@ def _model_config(hf: dict, rope_scaling, eos_ids: tuple[int, ...], weights: dic
         rope_theta=float(hf.get("rope_theta") or 10000.0),
         rope_scaling=rope_scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        # Absent from config.json when it equals the config class's default: then the
-        # checkpoint says, by having an lm_head or not.
-        tie_word_embeddings=hf.get("tie_word_embeddings", "lm_head.weight" not in weights),
+        # Set by the loaders from the checkpoint where config.json leaves it out.
+        tie_word_embeddings=hf["tie_word_embeddings"],
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos_ids[0] if eos_ids else None,
         eos_token_ids=eos_ids,
@@ -922,7 +926,9 @@ def random_weights(
 def _tiny_random(dtype: torch.dtype, tp: TensorParallel = NO_PARALLEL) -> LoadedModel:
     c = TINY_CONFIG
     weights = random_weights(c, dtype)
-    plan = ShardPlan(tp, c.num_heads, c.num_kv_heads, c.head_dim)
+    plan = ShardPlan(
+        tp, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers, c.tie_word_embeddings
+    )
     for key in list(weights):  # generated whole (small), then cut
         cut = plan.slices(key, weights[key].shape)
         if cut == SKIP:

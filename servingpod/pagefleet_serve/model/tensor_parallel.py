@@ -14,10 +14,19 @@ key/value heads (and its KV cache holds only those): with more ranks than key/va
 each rank holds the one key/value head its query heads read (replicated, as vLLM does).
 Parts may be uneven (SmolLM2's 3 key/value heads over 2 ranks: 2 and 1); a quantized
 matrix split along its inputs is cut at whole blocks.
+
+Pipeline parallelism splits the layers too: the ranks form `stages` stages of `size` ranks
+each (global rank = stage * size + rank), each stage holding a contiguous run of layers,
+split as above among its ranks, whose collectives run in the stage's own process group.
+The first stage holds the embedding, the last the final norm and the LM head (and the
+embedding's rows, when the head is tied to them). A stage hands its output rows to the
+next one, rank to rank (`send_hidden`, `receive_hidden`); the last stage's logits go to
+global rank 0, which samples (`send_logits`, `receive_logits`).
 """
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,14 +45,52 @@ def _part(n: int, rank: int, size: int, align: int = 1) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This rank's place among `size` ranks (size 1: the whole model, no collectives)."""
+    """This rank's place among `size` ranks (size 1: the whole model, no collectives), in
+    pipeline stage `stage` of `stages`; `group`: the stage's process group (None: the
+    default one, which a single stage's ranks make up)."""
 
     rank: int = 0
     size: int = 1
+    stage: int = 0
+    stages: int = 1
+    group: object = field(default=None, compare=False, repr=False)
 
     @property
     def parallel(self) -> bool:
         return self.size > 1
+
+    @property
+    def global_rank(self) -> int:
+        return self.stage * self.size + self.rank
+
+    @property
+    def first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def layers(self, num_layers: int) -> tuple[int, int]:
+        """[first, end) of this stage's layers (the first stages the longer)."""
+        return _part(num_layers, self.stage, self.stages)
+
+    def holds(self, name: str, num_layers: int, tied: bool) -> bool:
+        """Whether this stage loads the Hugging Face-named weight `name` at all: a layer's
+        when it is one of its layers, the embedding on the first stage (and on the last
+        when `tied`: its rows are the head's), the final norm and the head on the last."""
+        if self.stages == 1:
+            return True
+        layer = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+        if layer is not None:
+            first, end = self.layers(num_layers)
+            return first <= int(layer.group(1)) < end
+        kind = name.removeprefix("model.").split(".")[0]
+        if kind == "embed_tokens":
+            return self.first_stage or (tied and self.last_stage)
+        if kind in ("norm", "lm_head"):
+            return self.last_stage
+        return True
 
     # -- the parts ---------------------------------------------------------------------
     def kv_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
@@ -86,7 +133,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in place (row-parallel outputs, looked-up rows)."""
         if self.size > 1:
-            torch.distributed.all_reduce(x)
+            torch.distributed.all_reduce(x, group=self.group)
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -99,7 +146,7 @@ class TensorParallel:
             logits = torch.nn.functional.pad(logits, (0, width - logits.shape[1]))
         logits = logits.contiguous()
         parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
-        torch.distributed.gather(logits, parts, dst=0)
+        torch.distributed.gather(logits, parts, dst=self.stage * self.size, group=self.group)
         if parts is None:
             return None
         widths = [
@@ -108,24 +155,56 @@ class TensorParallel:
         ]
         return torch.cat([part[:, :w] for part, w in zip(parts, widths, strict=True)], dim=1)
 
+    # -- between the stages ------------------------------------------------------------
+    def send_hidden(self, x: torch.Tensor) -> None:
+        """This stage's output rows to the same rank of the next stage."""
+        torch.distributed.send(x.contiguous(), self.global_rank + self.size)
+
+    def receive_hidden(
+        self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The previous stage's (tokens, hidden) output rows, from the same rank of it."""
+        x = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+        torch.distributed.recv(x, self.global_rank - self.size)
+        return x
+
+    def send_logits(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """The last stage's gathered logits to global rank 0 (which samples); returned as
+        they are when this rank is rank 0 (one stage), else None."""
+        if self.stages == 1 or logits is None:
+            return logits
+        torch.distributed.send(logits, 0)
+        return None
+
+    def receive_logits(self, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """On global rank 0 of a pipeline: the last stage's (rows, vocab) logits."""
+        logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=device)
+        torch.distributed.recv(logits, (self.stages - 1) * self.size)
+        return logits
+
 
 NO_PARALLEL = TensorParallel()
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Which part of each checkpoint weight a rank loads, from the model's head counts."""
+    """Which part of each checkpoint weight a rank loads, from the model's head counts (and,
+    in a pipeline, its layer count and whether its head is tied to the embedding)."""
 
     tp: TensorParallel
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    num_layers: int = 0
+    tied: bool = False
 
     def slices(
         self, name: str, shape: Sequence[int]
     ) -> tuple[int, list[tuple[int, int]]] | str | None:
         """(dim, [first, end) ranges along it, concatenated) of the Hugging Face-named
         weight `name` of `shape`; None: the whole weight; SKIP: none of it."""
+        if not self.tp.holds(name, self.num_layers, self.tied):
+            return SKIP
         if not self.tp.parallel:
             return None
         tp, d = self.tp, self.head_dim

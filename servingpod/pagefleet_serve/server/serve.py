@@ -361,7 +361,8 @@ def _add_parallel_flags(flag: EnvFlags, engine) -> None:
     )
     flag(
         "--pipeline-parallel-size",
-        "stages of layers (not supported yet: 1)",
+        "split the layers into this many stages, one after the other, each of "
+        "--tensor-parallel-size ranks (with --nnodes: one stage per node)",
         "-pp",
         type=int,
         default=engine("pipeline_parallel_size"),
