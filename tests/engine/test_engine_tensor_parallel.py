@@ -1,12 +1,13 @@
 """Tensor and pipeline parallelism over gloo (two ranks, float32): greedy tokens equal one
-rank's for tiny random checkpoints (Qwen2's q/k/v biases, Qwen3's q/k norms with o biases,
-a Qwen2-MoE with a shared expert and a dense layer; in a pipeline, Gemma 2's tied head,
-soft-capping and sliding windows, and MoE layers beside dense ones split 2 and 1) and for
-the built-in GGUF model kept quantized (Q4_1/Q8_0 split at whole blocks; its 3 key/value
-heads split 2 and 1), on prompts whose long prefill runs in chunks beside decodes, with a
-prefix-cache hit and n > 1; two stages of two ranks each too, and speculative decoding
-with a draft on rank 0. Each rank holds its part of the weights: about half of the split
-ones, all of the replicated; a stage only its layers (and the embedding or the head)."""
+rank's for the tiny random checkpoint of every architecture test_engine_architectures
+builds (OLMoE's whole-projection q/k norms summed over the ranks among them) and for the
+built-in GGUF model kept quantized (Q4_1/Q8_0 split at whole blocks; its 3 key/value heads
+split 2 and 1), on prompts whose long prefill runs in chunks beside decodes, with a
+prefix-cache hit and n > 1; preemption over int8 and fp8 KV caches. In a pipeline: Gemma
+2's tied head, soft-capping and sliding windows, MoE layers beside dense ones split 2 and
+1, two stages of two ranks each, and speculative decoding with a draft on rank 0. Each
+rank holds its part of the weights: about half of the split ones, all of the replicated;
+a stage only its layers (and the embedding or the head)."""
 
 from __future__ import annotations
 
@@ -63,12 +64,43 @@ def both(model: str, parallel: dict = TP2, **settings) -> tuple[list, list]:
         llm.engine.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2-biases", "qwen3-qk-norm", "qwen2-moe-shared-expert"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_two_ranks_give_one_ranks_tokens(arch, tmp_path):
     family, extra = ARCHITECTURES[arch]
     build(family, extra, tmp_path)
     one, two = both(str(tmp_path))
     assert two == one
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_two_ranks_preempt_over_a_quantized_kv_cache_as_one_rank(kv_cache_dtype, tmp_path):
+    """Six 20-token prompts need 48 blocks; the pool holds 17 at one rank (34 at two, each
+    rank's half of the heads costing half): both preempt and recompute, and their
+    greedy tokens agree."""
+    family, extra = ARCHITECTURES["qwen2-biases"]
+    build(family, extra, tmp_path)
+    prompts = [[(5 * i + 3 * j) % 300 + 10 for j in range(20)] for i in range(6)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens, preemptions = [], []
+    for size in (1, 2):
+        llm = LLM(
+            str(tmp_path),
+            dtype="float32",
+            max_model_len=64,
+            block_size=4,
+            kv_cache_dtype=kv_cache_dtype,
+            # K and V x 3 layers x 4 tokens x 2 heads x (16 bytes + a float32 scale) a block
+            kv_cache_memory_bytes=17 * 2 * 3 * 4 * 2 * (16 + 4),
+            tensor_parallel_size=size,
+        )
+        try:
+            assert llm.engine.scheduler.block_manager.num_blocks == 17 * size
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+            preemptions.append(llm.engine.scheduler.num_preemptions)
+        finally:
+            llm.engine.close()
+    assert all(preemptions), preemptions
+    assert tokens[1] == tokens[0]
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "qwen2-mixed-layers"])
@@ -207,3 +239,13 @@ def test_a_model_that_cannot_be_split_is_refused_and_its_workers_end():
         LLM("builtin://tiny-random", dtype="float32", pipeline_parallel_size=3)
     assert not torch.distributed.is_initialized()
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagefleet-tp")]
+
+
+def test_whole_projection_norms_over_more_ranks_than_key_value_heads_are_refused():
+    """OLMoE's k norm spans every key/value head: it cannot be summed over ranks that
+    replicate one head each."""
+    from pagefleet_serve.model.tensor_parallel import check_shardable
+
+    check_shardable(2, 4, 2, qk_norm_whole=True)
+    with pytest.raises(ValueError, match="cannot replicate: use at most 2 ranks"):
+        check_shardable(4, 4, 2, qk_norm_whole=True)

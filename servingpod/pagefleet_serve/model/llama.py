@@ -236,6 +236,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = make_norm(config, kv_size if whole else config.head_dim, backend)
         self.qk_norm = config.qk_norm
         self.qk_norm_whole = config.qk_norm_whole
+        # A whole-projection norm split over the ranks: its mean square sums over them.
+        self.whole_sizes = (
+            config.num_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+        )
+        self.norm_all_reduce = tp.all_reduce if tp.parallel and config.qk_norm_whole else None
         self.clip_qkv = config.clip_qkv
         self.sliding_window = config.layer_sliding_window(layer)
         self.softcap = config.attn_logit_softcapping
@@ -253,7 +259,12 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm_whole:
             q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view_as(qk)
+            q_whole, k_whole = self.whole_sizes
+            q, k = (
+                self._whole_norm(q, self.q_norm, q_whole),
+                self._whole_norm(k, self.k_norm, k_whole),
+            )
+            qk = torch.cat((q, k), dim=1).view_as(qk)
         elif self.qk_norm:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
@@ -263,6 +274,15 @@ class LlamaAttention(nn.Module):
         # q and k side by side: rotated in one pass, then split (views).
         q, k = self.backend.rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         return q, k, v
+
+    def _whole_norm(self, x: torch.Tensor, norm: RMSNorm, whole: int) -> torch.Tensor:
+        """OLMoE's RMSNorm over a whole projection, of which this rank holds `x`'s columns
+        (and their weights): the squares summed over the ranks, in float32."""
+        if self.norm_all_reduce is None:
+            return norm(x)
+        square = self.norm_all_reduce(x.float().square().sum(-1, keepdim=True))
+        normed = x.float() * torch.rsqrt(square / whole + norm.eps)
+        return norm.weight * normed.to(x.dtype)
 
     def attend(self, q, k, v, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
         """Write k/v to the paged cache, attend: (T, heads * D), before o_proj."""

@@ -222,6 +222,8 @@ class ShardPlan:
             return 0, [q_rows]
         if kind in ("k_proj", "v_proj"):
             return 0, [kv_rows]
+        if kind in ("q_norm", "k_norm") and shape[0] != d:  # OLMoE's, over the whole projection
+            return 0, [q_rows if kind == "q_norm" else kv_rows]
         if kind == "qkv_proj":  # Phi-3's fused rows: q | k | v
             q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
             k_rows = tuple(q_size + r for r in kv_rows)
@@ -272,8 +274,9 @@ def check_shardable(
             f"tensor_parallel_size {size} exceeds the model's {num_kv_heads} key/value heads: "
             f"it must then be a multiple of them and divide the {num_heads} attention heads"
         )
-    if qk_norm_whole:
+    if qk_norm_whole and num_kv_heads < size:
         raise ValueError(
-            "tensor parallelism does not support q/k norms over the whole projection "
-            "(OLMoE) yet: use tensor_parallel_size 1"
+            f"tensor_parallel_size {size} exceeds the model's {num_kv_heads} key/value heads, "
+            "which its norm over the whole key projection (OLMoE) cannot replicate: use at "
+            f"most {num_kv_heads} ranks"
         )
