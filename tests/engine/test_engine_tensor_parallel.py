@@ -11,6 +11,7 @@ a stage only its layers (and the embedding or the head)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 
 import pytest
@@ -131,14 +132,47 @@ def test_builtin_gguf_kept_quantized_on_two_ranks(parallel):
     assert two == one
 
 
-def test_a_draft_on_rank_0_speculates_for_two_stages(tmp_path):
-    """The draft (the model itself: every draft token accepted) runs on rank 0 beside the
-    first stage; the tokens are those of one rank with the same draft."""
+@pytest.mark.parametrize("parallel", [TP2, PP2], ids=["tp2", "pp2"])
+def test_a_draft_on_rank_0_speculates_for_the_ranks(parallel, tmp_path):
+    """The draft (the model itself: every draft token accepted) runs unsplit on rank 0
+    beside its shard or first stage; the tokens are those of one rank with the same
+    draft."""
     family, extra = ARCHITECTURES["qwen2-biases"]
     build(family, extra, tmp_path)
     spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
-    one, two = both(str(tmp_path), PP2, speculative_config=spec)
+    one, two = both(str(tmp_path), parallel, speculative_config=spec)
     assert two == one
+
+
+def test_structured_outputs_on_two_ranks_as_on_one():
+    """A JSON schema's grammar masks rank 0's gathered logits: the same valid answers."""
+    from pagefleet_serve.structured.constraint import StructuredOutputs
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=20, temperature=0, structured_outputs=StructuredOutputs(json=json.dumps(schema))
+    )
+    answers = []
+    for size in (1, 2):
+        llm = LLM(
+            "builtin://smollm2-135m",
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=16 << 20,
+            tensor_parallel_size=size,
+        )
+        try:
+            prompt = llm.chat_prompt([{"role": "user", "content": "Is the sky blue? JSON."}])
+            answers.append(llm.generate([prompt], params)[0].outputs[0].text)
+        finally:
+            llm.engine.close()
+    assert answers[1] == answers[0]
+    assert json.loads(answers[0])["answer"] in ("yes", "no")
 
 
 def test_each_stage_holds_its_layers_only(tmp_path):

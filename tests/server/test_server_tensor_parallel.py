@@ -133,9 +133,10 @@ def test_two_nodes_serve_one_ranks_text_and_a_lost_node_fails_the_engine(one_ran
         leader.stop()
 
 
-def test_sigterm_takes_every_rank_down():
+@pytest.mark.parametrize("flags", [("-tp", "2"), ("-pp", "2")], ids=["tp2", "pp2"])
+def test_sigterm_takes_every_rank_down(flags):
     server = ServerProcess(
-        "--model", "builtin://tiny-random", *FLAGS, "-tp", "2", "--shutdown-timeout", "30"
+        "--model", "builtin://tiny-random", *FLAGS, *flags, "--shutdown-timeout", "30"
     ).wait_ready()
     try:
         core, workers = ranks_of(server)
