@@ -46,7 +46,8 @@ class LoRAMapping:
     slot_rows: list[tuple[int, torch.Tensor]]
     # Optional (None: not built; the operators that read them then take `slot_rows`): the
     # rows of `slot_rows` end to end (n,); the same as one (slots read, most rows of one)
-    # table padded with T (a row past the batch), flattened; where in it each row lies.
+    # table padded with row 0 (what a padding place computes is never read), flattened;
+    # where in it each row lies.
     rows: torch.Tensor | None = None
     padded_rows: torch.Tensor | None = None
     padded_positions: torch.Tensor | None = None

@@ -49,7 +49,7 @@ def add_lora_padded(
     if slots != list(range(lora_a.shape[0])):
         index = mapping.token_slots.new_tensor(slots)
         lora_a, lora_b = lora_a.index_select(0, index), lora_b.index_select(0, index)
-    padded_x = torch.nn.functional.pad(x, (0, 0, 0, 1))  # row T: zeros, for the padding
-    gathered = padded_x.index_select(0, padded_rows).view(len(slots), -1, x.shape[1])
+    # A padding place gathers row 0: its product is left out by `positions`.
+    gathered = x.index_select(0, padded_rows).view(len(slots), -1, x.shape[1])
     delta = torch.bmm(torch.bmm(gathered, lora_a.transpose(1, 2)), lora_b.transpose(1, 2))
     y.index_add_(0, rows, delta.view(-1, y.shape[1]).index_select(0, positions))

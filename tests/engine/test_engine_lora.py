@@ -226,8 +226,8 @@ def test_step_buffers_group_the_rows_of_each_slot():
         (2, [1, 2, 3, 6]),
     ]
     assert inputs.lora.rows.tolist() == [4, 5, 1, 2, 3, 6]
-    # Slot 0's two rows padded with row 7 (past the batch) to slot 2's four.
-    assert inputs.lora.padded_rows.tolist() == [4, 5, 7, 7, 1, 2, 3, 6]
+    # Slot 0's two rows padded with row 0 (its products there never read) to slot 2's four.
+    assert inputs.lora.padded_rows.tolist() == [4, 5, 0, 0, 1, 2, 3, 6]
     assert inputs.lora.padded_positions.tolist() == [0, 1, 4, 5, 6, 7]
     assert inputs.positions.tolist() == [0, 0, 1, 2, 5, 6, 9]  # the rest as without slots
     assert buffers.build([7], [0], [1], [[0]], lora_slots=[-1]).lora is None

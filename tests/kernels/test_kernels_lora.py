@@ -13,7 +13,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 def mapping_of(token_slots: list[int], device) -> LoRAMapping:
     """What the engine's step buffers build: each slot read with its rows, and the padded
-    table of them (rows past the batch as padding)."""
+    table of them (row 0 as padding: what a padding place computes is never read)."""
 
     def tensor(values):
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -21,7 +21,7 @@ def mapping_of(token_slots: list[int], device) -> LoRAMapping:
     present = sorted({s for s in token_slots if s >= 0})
     groups = [[row for row, s in enumerate(token_slots) if s == slot] for slot in present]
     width = max(map(len, groups))
-    padded = [row for g in groups for row in g + [len(token_slots)] * (width - len(g))]
+    padded = [row for g in groups for row in g + [0] * (width - len(g))]
     positions = [k * width + j for k, g in enumerate(groups) for j in range(len(g))]
     return LoRAMapping(
         tensor(token_slots),

@@ -157,9 +157,9 @@ class _LoRARows:
 
 def _lora_rows(lora_slots: Sequence[int], query_lens: list[int]) -> _LoRARows | None:
     """Each token's adapter slot (-1: none), the tokens that read one grouped by slot (in
-    order within a slot), the same as a (slots read, most rows) table padded with the
-    token count, and where each grouped token lies in that table; None when no sequence
-    reads an adapter."""
+    order within a slot), the same as a (slots read, most rows) table padded with row 0
+    (whose products there are never read back), and where each grouped token lies in that
+    table; None when no sequence reads an adapter."""
     if not lora_slots or max(lora_slots) < 0:
         return None
     token_slots = np.repeat(np.asarray(lora_slots, dtype=np.int64), query_lens)
@@ -169,7 +169,7 @@ def _lora_rows(lora_slots: Sequence[int], query_lens: list[int]) -> _LoRARows | 
     slot_index = np.repeat(np.arange(len(present)), counts)  # each grouped row's slot
     column = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
     width = int(counts.max())
-    padded = np.full((len(present), width), len(token_slots), dtype=np.int64)
+    padded = np.zeros((len(present), width), dtype=np.int64)
     padded[slot_index, column] = rows
     positions = slot_index * width + column
     arrays = (token_slots, rows, padded.ravel(), positions)
