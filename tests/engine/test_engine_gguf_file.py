@@ -61,6 +61,9 @@ def test_every_value_type_and_tensor_layout(tmp_path):
     assert_same_as_gguf_reader(path, nested=("k.nested",))
     fields = GGUFFile(path).fields
     assert fields["k.strs"] == ["a", "", "ünï"] and fields["k.u64"] == 2**40
+    # Strings in arrays are decoded as they are read: by index, slice or iteration.
+    assert fields["k.strs"][2] == "ünï" and fields["k.strs"][-2:] == ["", "ünï"]
+    assert len(fields["k.strs"]) == 3 and list(fields["k.strs"]) == ["a", "", "ünï"]
     assert fields["k.nested"] == [[1, 2], [3]]
 
 

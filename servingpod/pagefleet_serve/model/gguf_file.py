@@ -5,12 +5,14 @@ about 250,000 of them for SmolLM2's 49k-token vocabulary and its merges, several
 per load, paid by every process that starts an engine. This reader walks the header with
 `struct` and maps only the tensors' data. It follows GGUF versions 2 and 3 (little-endian),
 and gives tensors the shapes GGUFReader gives them, so `gguf.quants.dequantize` takes
-their data as it is.
+their data as it is. An array of strings (the vocabulary, its merges) is a `StringArray`:
+its strings' places found, each decoded only when read (a load reads none of them).
 """
 
 import math
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +53,30 @@ class GGUFTensor:
     # (rows, columns) of numbers for the plain types; (rows, bytes per row) of uint8 for
     # block-quantized ones. Read-only, backed by the file.
     data: np.ndarray
+
+
+class StringArray(Sequence):
+    """A metadata array of strings, decoded from the file as its items are read; equal to
+    the list of them."""
+
+    def __init__(self, data: np.ndarray, places: list[tuple[int, int]]) -> None:
+        self._data = data
+        self._places = places  # (offset, length) of each string
+
+    def __len__(self) -> int:
+        return len(self._places)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        start, length = self._places[index]
+        return self._data[start : start + length].tobytes().decode("utf-8", errors="replace")
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == other if isinstance(other, (list, StringArray)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StringArray({len(self)} strings)"
 
 
 class GGUFFile:
@@ -119,7 +145,22 @@ class GGUFFile:
             values = np.frombuffer(self._data, dtype, count, self._offset)
             self._offset += count * dtype.itemsize
             return values.tolist()
+        if element == gguf.GGUFValueType.STRING:
+            return self._string_array(count)
         return [self._value(element) for _ in range(count)]
+
+    def _string_array(self, count: int) -> StringArray:
+        """`count` strings' places, walked by their lengths (none decoded)."""
+        places, offset, end, unpack = [], self._offset, len(self._data), struct.unpack_from
+        for _ in range(count):
+            (length,) = unpack("<Q", self._data, offset)
+            offset += 8
+            if offset + length > end:
+                raise ValueError("the file ends inside a string")
+            places.append((offset, length))
+            offset += length
+        self._offset = offset
+        return StringArray(self._data, places)
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string()
