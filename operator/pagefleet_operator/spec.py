@@ -276,7 +276,15 @@ def _parse_engine(
         "speculative-config": _speculative_config(engine),
         "max-loras": _get_int(engine, "maxLoras", path, minimum=1),
         "max-lora-rank": _get_int(engine, "maxLoraRank", path, minimum=1),
+        "max-cpu-loras": _get_int(engine, "maxCpuLoras", path, minimum=1),
     }
+    max_cpu_loras, max_loras = settings["max-cpu-loras"], settings["max-loras"] or 1
+    if max_cpu_loras is not None and max_cpu_loras < max_loras:
+        raise SpecError(
+            "engine.maxCpuLoras",
+            f"{max_cpu_loras} is below maxLoras {max_loras}: the adapters on the device are "
+            "kept in host memory too",
+        )
     secret_ref = _get(engine, "apiKeySecretRef", path, dict)
     if secret_ref is not None and not (secret_ref.get("name") and secret_ref.get("key")):
         raise SpecError("engine.apiKeySecretRef", "needs both name and key")

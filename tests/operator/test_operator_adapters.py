@@ -40,7 +40,8 @@ def template(adapters: list) -> dict:
 
 
 def test_adapters_become_a_configmap_the_pods_read():
-    spec = {"model": MODEL, "adapters": ADAPTERS, "engine": {"maxLoras": 2, "maxLoraRank": 32}}
+    engine = {"maxLoras": 2, "maxLoraRank": 32, "maxCpuLoras": 3}
+    spec = {"model": MODEL, "adapters": ADAPTERS, "engine": engine}
     assert parsed(spec).adapters == (
         AdapterSpec("sql", "hf://org/sql-lora@v2"),
         AdapterSpec("support", "file:///mnt/models/adapters/support"),
@@ -48,6 +49,7 @@ def test_adapters_become_a_configmap_the_pods_read():
     env = env_of(spec)
     assert env["PAGEFLEET_ENABLE_LORA"] == "true"
     assert env["PAGEFLEET_MAX_LORAS"] == "2" and env["PAGEFLEET_MAX_LORA_RANK"] == "32"
+    assert env["PAGEFLEET_MAX_CPU_LORAS"] == "3"
     assert env["PAGEFLEET_LORA_MODULES_FILE"] == "/etc/pagefleet/adapters/adapters.json"
     assert "PAGEFLEET_LORA_MODULES" not in env
 
@@ -101,6 +103,15 @@ def test_bad_adapters_name_the_field(adapters, field):
     assert info.value.field_path == field
 
 
+def test_host_memory_below_the_device_slots_is_refused():
+    with pytest.raises(SpecError, match="below maxLoras 2") as info:
+        parsed({"model": MODEL, "adapters": ADAPTERS, "engine": {"maxLoras": 2, "maxCpuLoras": 1}})
+    assert info.value.field_path == "engine.maxCpuLoras"
+    with pytest.raises(SpecError) as info:
+        parsed({"model": MODEL, "engine": {"maxCpuLoras": 0}})
+    assert info.value.field_path == "engine.maxCpuLoras"
+
+
 def test_the_crd_admits_adapters_and_refuses_bad_ones():
     def errors(spec: dict) -> list[str]:
         obj = {
@@ -117,3 +128,4 @@ def test_the_crd_admits_adapters_and_refuses_bad_ones():
     missing = errors({"model": MODEL, "adapters": [{"name": "a"}]})
     assert missing[0] == "spec.adapters[0].uri: Required value"
     assert errors({"model": MODEL, "engine": {"maxLoras": 0}})
+    assert errors({"model": MODEL, "engine": {"maxCpuLoras": 0}})
