@@ -341,7 +341,7 @@ def worker_main(
         runner = ModelRunner(loaded, runner_config, tp=tp)
         del loaded
     except BaseException:  # rank 0 hears of it as this process's exit
-        logger.exception("tensor-parallel rank %d could not load %s", rank, config.model)
+        logger.exception("%s could not load %s", rank_name(rank, config), config.model)
         os._exit(1)
     while True:
         message: list = [None]
@@ -353,7 +353,7 @@ def worker_main(
         if call == _SHUTDOWN:
             break
         if call.method not in RUNNER_CALLS:
-            logger.error("tensor-parallel rank %d: unknown call %r", rank, call.method)
+            logger.error("%s: unknown call %r", rank_name(rank, config), call.method)
             continue
         try:
             getattr(runner, call.method)(*call.args)
