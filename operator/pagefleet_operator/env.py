@@ -11,6 +11,7 @@ from typing import Any
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR
 
 from .adapters import FILE_PATH as ADAPTERS_FILE_PATH
+from .adapters import uses_adapters_file
 from .names import HTTP_PORT
 from .spec import InferenceServiceSpec
 
@@ -51,9 +52,10 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         **spec.engine.settings,
     }
     if spec.adapters:
+        flags["enable-lora"] = True
+    if uses_adapters_file(spec):
         # A file of the mounted ConfigMap (adapters.py), not the adapters themselves: the
         # pods apply a change on their own, and the template, hence the pods, stay.
-        flags["enable-lora"] = True
         flags["lora-modules-file"] = ADAPTERS_FILE_PATH
     if spec.router.enabled:
         # Every request comes from a router pod, whose addresses are not known here: the

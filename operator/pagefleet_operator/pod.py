@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .adapters import get_adapters_volume
+from .adapters import get_adapters_args, get_adapters_volume, uses_adapters_file
 from .env import CACHE_DIR, MODEL_MOUNT_DIR, get_env
 from .names import (
     CONTAINER_NAME,
@@ -62,7 +62,7 @@ def get_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], list
             }
         )
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT_DIR, "readOnly": True})
-    if spec.adapters:
+    if uses_adapters_file(spec):
         volume, mount = get_adapters_volume(name)
         volumes.append(volume)
         mounts.append(mount)
@@ -159,7 +159,12 @@ def get_container(name: str, spec: InferenceServiceSpec, role: str = "server") -
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    args = get_parallel_args(spec, role) + get_task_args(spec) + list(spec.engine.extra_args)
+    args = (
+        get_parallel_args(spec, role)
+        + get_task_args(spec)
+        + get_adapters_args(spec)
+        + list(spec.engine.extra_args)
+    )
     if args:
         container["args"] = args
     if spec.engine.image_pull_policy:

@@ -67,6 +67,9 @@ class EngineSpec:
     api_key_secret_ref: Mapping[str, str] | None
     extra_args: tuple[str, ...]
     env: tuple[Mapping[str, Any], ...]
+    # spec.adapters changes reach running pods (True: a ConfigMap they re-read), or are
+    # arguments of the pod template (False: a change rolls the pods).
+    runtime_lora_updating: bool = True
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,7 @@ def _parse_engine(
         api_key_secret_ref=secret_ref,
         extra_args=tuple(extra_args),
         env=tuple(env),
+        runtime_lora_updating=_get(engine, "runtimeLoraUpdating", path, bool, True),
     )
 
 

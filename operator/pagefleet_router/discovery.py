@@ -56,14 +56,18 @@ class PodMetrics:
     num_requests_running: float
     kv_cache_usage: float
     adapters: frozenset[str] = frozenset()
+    cpu_adapters: frozenset[str] = frozenset()
 
 
 def parse_pod_metrics(text: str) -> PodMetrics:
     """The load gauges from a pod's Prometheus text, summed over label sets (one per
-    served model name), and the LoRA adapters its running and waiting requests use (the
-    comma-separated labels of vllm:lora_requests_info; absent when LoRA is off); a missing
-    gauge is an error naming it."""
+    served model name); the LoRA adapters its running and waiting requests use (the
+    comma-separated labels of vllm:lora_requests_info) with those resident in its device
+    slots though idle (pagefleet:lora_adapter_resident, tier "device"), and those in its
+    host memory only (tier "cpu"), all absent when LoRA is off; a missing gauge is an
+    error naming it."""
     values: dict[str, float] = {}
+    resident: dict[str, set[str]] = {"device": set(), "cpu": set()}
     # vllm:lora_requests_info per model: vLLM keeps every label set it ever exported, the
     # newest (its value is the time) is the current one.
     adapter_info: dict[str, tuple[float, set[str]]] = {}
@@ -83,11 +87,19 @@ def parse_pod_metrics(text: str) -> PodMetrics:
                     if n
                 }
                 adapter_info[model] = (sample.value, names_in_use)
+        elif family.name == names.LORA_ADAPTER_RESIDENT:
+            for sample in family.samples:
+                tier = resident.get(sample.labels.get("tier", ""))
+                if tier is not None and sample.value > 0:
+                    tier.add(sample.labels.get("lora_name", ""))
     missing = [name for name, field in POD_GAUGES.items() if field not in values]
     if missing:
         raise ValueError(f"/metrics lacks {', '.join(missing)}")
-    adapters = frozenset().union(*(names for _, names in adapter_info.values()))
-    return PodMetrics(**values, adapters=adapters)
+    in_use = frozenset().union(*(names for _, names in adapter_info.values()))
+    on_device = in_use | resident["device"]
+    return PodMetrics(
+        **values, adapters=on_device, cpu_adapters=frozenset(resident["cpu"] - on_device)
+    )
 
 
 # How long a pod that answered with a server error is routed around.
@@ -157,6 +169,7 @@ class PodRegistry:
                     in_flight=in_flight,
                     failing=failing,
                     adapters=metrics.adapters,
+                    cpu_adapters=metrics.cpu_adapters,
                 )
             )
         return states

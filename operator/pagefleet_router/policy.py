@@ -11,10 +11,13 @@ under the load bound:
   2. "hash" / "bounded": the prompt's first block's home by rendezvous (highest random
      weight) hashing, or, when the home is at its bound, the next pod in that order;
   3. "load": no full block to hash, so the least loaded pod.
-A request for a LoRA adapter (its `model`) that some of those pods report in use
-(`vllm:lora_requests_info`) is placed among those pods alone, by the same steps: its
-reason is "adapter" unless a prefix match chose; other pods take it only when every
-holder is at its bound (it then loads the adapter there).
+A request for a LoRA adapter (its `model`) is placed among the pods that hold it, by the
+same steps: those that hold it on the device (in use, `vllm:lora_requests_info`, or idle
+in a slot, `pagefleet:lora_adapter_resident`), else those that hold it in host memory (a
+copy to the device, no read from storage); its reason is "adapter" unless a prefix match
+chose. Other pods take it only when every holder is at its bound (it then loads the
+adapter there). The model name leads the prompt text the prefix is hashed from, so prefix
+affinity is per (adapter, prefix).
 The load bound is consistent hashing with bounded loads (Mirrokni et al.): a pod takes a
 new request only while its in-flight count stays within ceil(load_factor * mean), so one
 hot prefix spills over to the next pods in its hash order instead of piling onto one.
@@ -43,8 +46,10 @@ class PodState:
     in_flight: int = 0  # this router's requests to the pod right now
     # It answered a recent request with a server error: its prefixes go elsewhere.
     failing: bool = False
-    # The LoRA adapters of its running and waiting requests (vllm:lora_requests_info).
+    # The LoRA adapters of its running and waiting requests (vllm:lora_requests_info) and
+    # those idle in its device slots; those in its host memory only (--max-cpu-loras).
     adapters: frozenset[str] = frozenset()
+    cpu_adapters: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,12 @@ def choose_pod(
         return Decision(least_loaded(pool, use_metrics).url, "all_busy")
     bound = load_bound(open_pods, config.load_factor)
     within = {p.url: p for p in open_pods if p.in_flight + 1 <= bound}
-    holders = {url: p for url, p in within.items() if model is not None and model in p.adapters}
+    # The pods that hold the adapter on the device, else those that hold it in host memory.
+    holders: dict[str, PodState] = {}
+    if model is not None:
+        holders = {url: p for url, p in within.items() if model in p.adapters} or {
+            url: p for url, p in within.items() if model in p.cpu_adapters
+        }
     if holders:
         within, open_pods = holders, list(holders.values())
     for block_hash in reversed(hashes):

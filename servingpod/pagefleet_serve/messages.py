@@ -65,11 +65,15 @@ class SpecDecodeStats:
 @dataclass(frozen=True)
 class LoRAStats:
     """The adapters of the running and the waiting requests (names, sorted), and how many
-    the device holds at once."""
+    the device holds at once; the adapters resident now, in use or idle: in the device's
+    slots, and in host memory only (empty without max_cpu_loras: then host memory holds
+    every served adapter, so it tells no pod from another)."""
 
     running: tuple[str, ...]
     waiting: tuple[str, ...]
     max_loras: int
+    on_device: tuple[str, ...] = ()
+    in_host_memory: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

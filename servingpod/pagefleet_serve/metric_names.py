@@ -44,6 +44,12 @@ REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
 # waiting_lora_adapters: comma-separated names; max_lora), the value the time it was read:
 # what the Gateway API Inference Extension routes adapters by.
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+# 1 per LoRA adapter resident now, whether requests use it or not (labels lora_name, and
+# tier: "device", in one of the --max-loras slots, or "cpu", in host memory only, reported
+# with --max-cpu-loras alone): what the router keeps an idle adapter's requests on. The
+# device's adapters are in host memory too, so at most max_cpu_loras samples (max_loras
+# without it); an evicted adapter's series ends.
+LORA_ADAPTER_RESIDENT = "pagefleet:lora_adapter_resident"
 
 # The pod's own series.
 REQUESTS_REJECTED = "pagefleet:requests_rejected"

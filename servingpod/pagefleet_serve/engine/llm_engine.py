@@ -611,8 +611,15 @@ class LLMEngine:
             return None
         names = {a.lora_id: a.name for a in self.lora_adapters.values()}
 
-        def adapters(seqs) -> tuple[str, ...]:
-            return tuple(sorted({names[s.lora_id] for s in seqs if s.lora_id in names}))
+        def named(lora_ids) -> tuple[str, ...]:
+            return tuple(sorted({names[i] for i in lora_ids if i in names}))
 
-        running, waiting = self.scheduler.running, self._not_running()
-        return LoRAStats(adapters(running), adapters(waiting), self.config.max_loras)
+        on_device = set(self.scheduler.lora_slots.slot_of)
+        in_host_memory = () if self.config.max_cpu_loras is None else self.lora_cache.lora_ids()
+        return LoRAStats(
+            named(s.lora_id for s in self.scheduler.running),
+            named(s.lora_id for s in self._not_running()),
+            self.config.max_loras,
+            on_device=named(on_device),
+            in_host_memory=named(i for i in in_host_memory if i not in on_device),
+        )

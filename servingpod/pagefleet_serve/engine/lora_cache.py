@@ -35,6 +35,11 @@ class LoRAHostCache:
     def is_reserved(self, lora_id: int) -> bool:
         return lora_id in self._adapters
 
+    def lora_ids(self) -> list[int]:
+        """The adapters whose weights are here (read, not only reserved), least recent
+        first."""
+        return [lora_id for lora_id, adapter in self._adapters.items() if adapter is not None]
+
     def use(self, lora_id: int) -> LoRAAdapter:
         """The adapter's weights, now the most recently used. KeyError if not here."""
         adapter = self._adapters[lora_id]

@@ -326,6 +326,7 @@ class _EngineCollector:
         yield from _spec_decode_counters(label, stats.spec_decode)
         if stats.lora is not None:
             yield _lora_info(label, stats.lora)
+            yield _lora_resident(label, stats.lora)
         for name, (doc, value) in self.server_gauges().items():
             yield gauge(name, doc, value)
 
@@ -339,6 +340,20 @@ def _lora_info(label: list[str], lora: LoRAStats) -> GaugeMetricFamily:
     )
     running, waiting = ",".join(lora.running), ",".join(lora.waiting)
     family.add_metric([*label, running, waiting, str(lora.max_loras)], time.time())
+    return family
+
+
+def _lora_resident(label: list[str], lora: LoRAStats) -> GaugeMetricFamily:
+    """One sample per resident adapter, so that the series count stays within the slots
+    (an info gauge of comma-joined names would make a series per combination)."""
+    family = GaugeMetricFamily(
+        names.LORA_ADAPTER_RESIDENT,
+        "LoRA adapters resident now, in use or idle: in a device slot or in host memory only.",
+        labels=["model_name", "lora_name", "tier"],
+    )
+    for tier, adapters in (("device", lora.on_device), ("cpu", lora.in_host_memory)):
+        for adapter in adapters:
+            family.add_metric([*label, adapter, tier], 1.0)
     return family
 
 
