@@ -93,6 +93,7 @@ class PagedAttention(Protocol):
         plan_cache: dict | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # (Hq,): one more softmax logit per head
     ) -> torch.Tensor: ...  # (T, Hq, D)
 
 
@@ -123,12 +124,25 @@ Int8MatmulOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], t
 # row's x @ lora_a[slot]^T @ lora_b[slot]^T, in place, for the rows that have a slot
 # (Punica's shrink and expand; the adapter's scale is folded into lora_b).
 AddLoRAOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRAMapping], None]
-# fused_moe(x (T, H), gate_up (E, 2I, H), down (E, H, I), topk_weights (T, k) in x's dtype,
-# topk_ids (T, k) int64, gelu) -> (T, H): each token's chosen experts' gated MLPs, weighted
-# and summed (see pagefleet_kernels.moe).
-FusedMoEOp = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor
-]
+
+
+class FusedMoEOp(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,  # (T, H)
+        gate_up: torch.Tensor,  # (E, 2I, H)
+        down: torch.Tensor,  # (E, H, I)
+        topk_weights: torch.Tensor,  # (T, k) in x's dtype
+        topk_ids: torch.Tensor,  # (T, k) int64
+        gelu: bool = False,
+        *,
+        gate_up_bias: torch.Tensor | None = None,  # (E, 2I)
+        down_bias: torch.Tensor | None = None,  # (E, H)
+        activation: Callable[[torch.Tensor], torch.Tensor] | None = None,  # (P, 2I) -> (P, I)
+    ) -> torch.Tensor:
+        """(T, H): each token's chosen experts' gated MLPs, weighted and summed; every
+        backend's also takes gpt-oss's variant (expert biases, `moe.ClampedSwiGLU`). See
+        pagefleet_kernels.moe."""
 
 
 @dataclass(frozen=True)

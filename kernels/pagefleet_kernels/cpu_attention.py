@@ -112,7 +112,7 @@ def write_kv_cache(
     )
 
 
-def _decode(query, caches, split: _Split, scale, sliding_window, softcap) -> torch.Tensor:
+def _decode(query, caches, split: _Split, scale, sliding_window, softcap, sinks) -> torch.Tensor:
     """The C++ kernel over the batch's decode rows (`query` holds just those, in order),
     computed in float32, returned in the query's dtype."""
     return _extension().paged_attention(
@@ -122,6 +122,7 @@ def _decode(query, caches, split: _Split, scale, sliding_window, softcap) -> tor
         scale,
         sliding_window or 0,
         softcap or 0.0,
+        sinks,
     )
 
 
@@ -140,6 +141,7 @@ def paged_attention(
     plan_cache: dict | None = None,  # unused: nothing is planned per layer
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (Hq,)
 ) -> torch.Tensor:
     """The torch backend's `paged_attention`: decode rows computed in float32 by the C++
     kernel, prefill chunks by the torch backend."""
@@ -152,10 +154,12 @@ def paged_attention(
         split = _split(block_tables, seq_lens, query_start_loc, query_lens)
     caches = (key_cache, value_cache, key_scale, value_scale)
     if split.prefill is None:  # a decode-only step (the common one): no gather, no scatter
-        return _decode(query, caches, split, scale, sliding_window, softcap)
+        return _decode(query, caches, split, scale, sliding_window, softcap, sinks)
     out = torch.empty_like(query)
     if len(split.decode_tokens):
-        decoded = _decode(query[split.decode_tokens], caches, split, scale, sliding_window, softcap)
+        decoded = _decode(
+            query[split.decode_tokens], caches, split, scale, sliding_window, softcap, sinks
+        )
         out[split.decode_tokens] = decoded
     if split.prefill is not None:
         tables, lens, starts, prefill_lens = split.prefill
@@ -173,5 +177,6 @@ def paged_attention(
             plan_cache=None if plan_cache is None else plan_cache.setdefault("cpu-prefill", {}),
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=sinks,
         )
     return out

@@ -13,6 +13,12 @@ Every implementation (these, and `triton_moe`'s grouped GEMM) takes the same arg
 - topk_ids: (T, k) int64 the experts they weight, in [0, E)
 - gelu: GeGLU instead of SwiGLU
 
+and, keyword-only, gpt-oss's variant (None: absent):
+
+- gate_up_bias: (E, 2I) and down_bias: (E, H), each expert's biases, added after its
+  matmuls (before the routing weight)
+- activation: a `ClampedSwiGLU` in place of SwiGLU / GeGLU
+
 and returns (T, H): sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), the
 contributions of one token added in ascending expert order (transformers' order).
 
@@ -22,15 +28,39 @@ they hold rows for); that split is not made yet.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagefleet_kernels import layer_ops
 
-__all__ = ["expert_load", "fused_moe", "grouped_fused_moe", "route"]
+__all__ = ["ClampedSwiGLU", "expert_load", "fused_moe", "grouped_fused_moe", "route"]
 
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+# softmax / sigmoid: the scores of every expert, then the k best; top_k_softmax (gpt-oss):
+# the k largest logits, then a softmax over just those.
+ROUTER_SCORINGS = ("softmax", "sigmoid", "top_k_softmax")
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation of [gate | up]: gate clamped above at `limit`, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
+
+    def __post_init__(self) -> None:
+        if not self.limit > 0:
+            raise ValueError(f"ClampedSwiGLU limit must be > 0, got {self.limit}")
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 # Up to this many rows an expert's matmul goes to the backend's few-row `linear` (the C++
 # one reads the weight as it lies; MKL's GEMM is faster from about a dozen rows: see
 # pagefleet_serve.model.linear.FEW_ROWS_NATIVE, the dense layers' same bound).
@@ -45,6 +75,9 @@ def route(
     sum to one when the architecture says so (Mixtral always, Qwen and OLMoE by
     `norm_topk_prob`)."""
     logits = router_logits.float()
+    if scoring == "top_k_softmax":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return top.softmax(dim=-1), ids
     scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
     weights, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
@@ -57,9 +90,14 @@ def expert_load(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(topk_ids.flatten(), minlength=num_experts)
 
 
-def _expert(x, gate_up, down, gelu: bool, act_and_mul=layer_ops.act_and_mul) -> torch.Tensor:
-    """One expert's gated MLP of rows x."""
-    return F.linear(act_and_mul(F.linear(x, gate_up), gelu), down)
+def _activate(gate_up: torch.Tensor, gelu: bool, activation, act_and_mul) -> torch.Tensor:
+    """(rows, 2I) -> (rows, I): the variant's activation, else the backend's SwiGLU/GeGLU."""
+    return act_and_mul(gate_up, gelu) if activation is None else activation(gate_up)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, expert: int) -> torch.Tensor:
+    """An expert's bias added after its matmul (not fused into it: transformers' order)."""
+    return y if bias is None else y + bias[expert]
 
 
 def fused_moe(
@@ -69,6 +107,10 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     gelu: bool = False,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """The ground truth: for each expert, the tokens that chose it (gathered), its MLP, the
     output weighted and added back into those tokens' rows."""
@@ -77,7 +119,9 @@ def fused_moe(
         tokens, slot = torch.where(topk_ids == expert)
         if tokens.numel() == 0:
             continue
-        y = _expert(x[tokens], gate_up[expert], down[expert], gelu)
+        h = _add_bias(F.linear(x[tokens], gate_up[expert]), gate_up_bias, expert)
+        h = _activate(h, gelu, activation, layer_ops.act_and_mul)
+        y = _add_bias(F.linear(h, down[expert]), down_bias, expert)
         out.index_add_(0, tokens, y * topk_weights[tokens, slot, None])
     return out
 
@@ -90,6 +134,9 @@ def grouped_fused_moe(
     topk_ids: torch.Tensor,
     gelu: bool = False,
     *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
     linear=None,
     act_and_mul=layer_ops.act_and_mul,
     few_rows: int | None = FEW_ROWS,
@@ -128,8 +175,9 @@ def grouped_fused_moe(
         if count == 0:
             continue
         end = start + count
-        hidden = act_and_mul(matmul(rows[start:end], gate_up[expert]), gelu)
-        out[start:end] = matmul(hidden, down[expert])
+        hidden = _add_bias(matmul(rows[start:end], gate_up[expert]), gate_up_bias, expert)
+        hidden = _activate(hidden, gelu, activation, act_and_mul)
+        out[start:end] = _add_bias(matmul(hidden, down[expert]), down_bias, expert)
         start = end
     out.mul_(topk_weights.flatten()[order, None])
     return torch.zeros_like(x).index_add_(0, tokens, out)

@@ -203,20 +203,30 @@ def _attend(
     mask: torch.Tensor | None,  # boolean, broadcast to (B, Hq, L, S); None: L == S, causal
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # (B or 1, Hq or Hkv, L or G, 1) float32
 ) -> torch.Tensor:
     """Attention of one group of rows: SDPA, or the written-out softmax when scores are
-    soft-capped (which SDPA cannot do)."""
-    if softcap is None:
+    soft-capped or the heads have sinks (neither of which SDPA can do)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    if softcap is None:
+        scores = q @ k.transpose(-1, -2) * scale
+    else:
+        scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(q.dtype) @ v
+    # A sink is one more logit in each row's softmax, with no value: it only takes its
+    # share of the denominator.
+    sinks = sinks.expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
+    return probs.to(q.dtype) @ v
 
 
 def prepare(metadata: AttentionMetadata, block_size: int, sliding_windows: set[int | None]) -> None:
@@ -250,6 +260,7 @@ def paged_attention(
     plan_cache: dict | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (Hq,)
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context.
 
@@ -260,6 +271,8 @@ def paged_attention(
     `sliding_window`: a query at position p sees keys p - sliding_window + 1 .. p only
     (Mistral's, Hugging Face's convention); blocks wholly before that are not read.
     `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask.
+    `sinks` (gpt-oss): a learned logit per query head, one more term of each query's
+    softmax denominator (attended to, it contributes no value).
     """
     block_size = key_cache.shape[1]
     _check_scales(key_cache, key_scale, "key_scale")
@@ -277,6 +290,7 @@ def paged_attention(
             plan_cache[plan_key] = plan
     out = torch.empty_like(query)
     head_dim = query.shape[-1]
+    sink_logits = None if sinks is None else sinks.float()
 
     def context(tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, M) block ids -> K, V: (B, M * block_size, Hkv, D) in the query's dtype."""
@@ -299,6 +313,7 @@ def paged_attention(
             mask,  # (b, 1, 1, S)
             scale,
             softcap,
+            None if sink_logits is None else sink_logits.view(1, num_kv_heads, -1, 1),
         )
         out[token_idx] = o.reshape(b, -1, head_dim)
 
@@ -315,6 +330,7 @@ def paged_attention(
             mask,
             scale,
             softcap,
+            None if sink_logits is None else sink_logits.view(1, -1, 1, 1),
         )
         out[start : start + q_len] = o[0].transpose(0, 1)
     return out

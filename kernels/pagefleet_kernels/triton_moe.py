@@ -168,9 +168,17 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     gelu: bool = False,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: moe.ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
+    """gpt-oss's variant: each pair's expert biases are added to the GEMMs' rows (gathered
+    by the pair's expert), its activation is the eager one, and the routing weight is
+    applied after the down bias, outside the second GEMM."""
+    variant = {"gate_up_bias": gate_up_bias, "down_bias": down_bias, "activation": activation}
     if not _takes(x, gate_up, down, topk_weights):
-        return moe.grouped_fused_moe(x, gate_up, down, topk_weights, topk_ids, gelu)
+        return moe.grouped_fused_moe(x, gate_up, down, topk_weights, topk_ids, gelu, **variant)
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden = gate_up.shape[0], x.shape[1]
     num_pairs = num_tokens * top_k
@@ -178,10 +186,20 @@ def fused_moe(
     sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, block_m)
     gate_up_rows = torch.empty(num_pairs, gate_up.shape[1], dtype=x.dtype, device=x.device)
     _launch(gate_up_rows, x, gate_up, None, sorted_pairs, block_experts, block_m, top_k)
-    hidden_rows = triton_layer_ops.act_and_mul(gate_up_rows, gelu)  # (P, I)
+    pair_experts = topk_ids.flatten()  # (P,) each pair's expert
+    if gate_up_bias is not None:
+        gate_up_rows += gate_up_bias[pair_experts]
+    if activation is None:
+        hidden_rows = triton_layer_ops.act_and_mul(gate_up_rows, gelu)  # (P, I)
+    else:
+        hidden_rows = activation(gate_up_rows)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.contiguous().flatten()
-    _launch(out, hidden_rows, down, weights, sorted_pairs, block_experts, block_m, 1)
+    if down_bias is None:
+        _launch(out, hidden_rows, down, weights, sorted_pairs, block_experts, block_m, 1)
+    else:  # (rows @ down + bias) * weight: the weight after the bias
+        _launch(out, hidden_rows, down, None, sorted_pairs, block_experts, block_m, 1)
+        out = (out + down_bias[pair_experts]) * weights[:, None]
     # Each token's k weighted rows summed in float32 (the reference adds them one by one
     # in expert order: the same sum for k = 2, within a rounding above).
     return out.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)

@@ -20,10 +20,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # The model_types of Hugging Face directories the loader reads (config.json), and the
 # llama.cpp architectures of the GGUF files it reads (Mistral's GGUFs are `llama` files).
-# Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE are mixtures of experts.
+# Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE and gpt-oss are mixtures of experts.
 HF_MODEL_TYPES = (
     "gemma2",
     "gemma3_text",
+    "gpt_oss",
     "llama",
     "mistral",
     "mixtral",

@@ -203,7 +203,10 @@ def test_dense_layers_of_a_sparse_config(tmp_path):
     ("change", "message"),
     [
         ({"num_experts_per_tok": 9}, r"num_experts_per_tok must be in \[1, num_experts = 8\]"),
-        ({"router_scoring": "relu"}, r"router_scoring must be one of \('softmax', 'sigmoid'\)"),
+        (
+            {"router_scoring": "relu"},
+            r"router_scoring must be one of \('softmax', 'sigmoid', 'top_k_softmax'\)",
+        ),
         ({"sparse_layers": (True,)}, r"sparse_layers has 1 entries for 2 layers"),
     ],
 )

@@ -226,6 +226,7 @@ void attend(const float* q,            // (Hq, D) this token's query
             const int64_t* table,      // (max_blocks,) this sequence's blocks
             int64_t first, int64_t end, int64_t h0, int64_t h1, int64_t Hkv, int64_t bs,
             int64_t G, int64_t D, float scale, float softcap,
+            const float* sinks,        // (Hq,) or nullptr: each head's sink logit
             float* out,                // (Hq, D) this token's output
             RowKernels kernels, Scratch& w,
             float* max_out = nullptr,  // (Hq,) when given: each query head's largest score
@@ -270,7 +271,10 @@ void attend(const float* q,            // (Hq, D) this token's query
     float* sj = sc + j * L;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < L; ++i) m = std::max(m, sj[i]);
-    float sum = 0.f;
+    // A sink is one more logit in the denominator, with no value row.
+    const float sink = sinks ? sinks[h0 * G + j] : -std::numeric_limits<float>::infinity();
+    m = std::max(m, sink);
+    float sum = sinks ? pagefleet::exp_nonpositive(sink - m) : 0.f;
 #pragma omp simd reduction(+:sum)
     for (int64_t i = 0; i < L; ++i) { sj[i] = pagefleet::exp_nonpositive(sj[i] - m); sum += sj[i]; }
     if (max_out) {
@@ -332,8 +336,8 @@ void run_split(const q_t* q, const cache_t* kc, const cache_t* vc, const float* 
                const float* vsc, const int64_t* tables, const int64_t* lens,
                const int64_t* starts, const std::vector<int64_t>& seq_of, int64_t T, int64_t Hq,
                int64_t D, int64_t bs, int64_t Hkv, int64_t G, int64_t max_blocks, int64_t parts,
-               int64_t splits, float scale, int64_t sliding_window, float softcap, q_t* o,
-               RowKernels kernels) {
+               int64_t splits, float scale, int64_t sliding_window, float softcap,
+               const float* sinks, q_t* o, RowKernels kernels) {
   const int64_t per = Hkv / parts, items = T * parts * splits;
   // Per (token, split): the output rows (Hq, D), each query head's largest score and sum.
   std::vector<float> partial(T * splits * Hq * D), largest(T * splits * Hq), sums(T * splits * Hq);
@@ -359,7 +363,7 @@ void run_split(const q_t* q, const cache_t* kc, const cache_t* vc, const float* 
       }
       attend<cache_t>(query_row(q + t * Hq * D, Hq * D, q_buffer), kc, vc, ksc, vsc,
                       tables + i * max_blocks, k0, k1, h0, h1, Hkv, bs, G, D, scale, softcap,
-                      partial.data() + row * Hq * D, kernels, w, m, sum);
+                      nullptr, partial.data() + row * Hq * D, kernels, w, m, sum);
     }
   });
   std::vector<float> merged(Hq * D);
@@ -368,7 +372,9 @@ void run_split(const q_t* q, const cache_t* kc, const cache_t* vc, const float* 
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t s = 0; s < splits; ++s)
         if (sums[(t * splits + s) * Hq + j] > 0.f) top = std::max(top, largest[(t * splits + s) * Hq + j]);
-      float total = 0.f;
+      // The sink joins the merge (the runs' softmaxes know none): one more term of the sum.
+      if (sinks) top = std::max(top, sinks[j]);
+      float total = sinks ? pagefleet::exp_nonpositive(sinks[j] - top) : 0.f;
       float* acc = merged.data() + j * D;
       std::fill(acc, acc + D, 0.f);
       for (int64_t s = 0; s < splits; ++s) {
@@ -391,7 +397,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
          const torch::Tensor& value_cache, const float* key_scale, const float* value_scale,
          const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
          const torch::Tensor& query_start_loc, double scale, int64_t sliding_window,
-         double softcap, torch::Tensor& out) {
+         double softcap, const float* sinks, torch::Tensor& out) {
   const int64_t T = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t G = Hq / Hkv, num_seqs = seq_lens.size(0), max_blocks = block_tables.size(1);
@@ -414,7 +420,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
   if (T * parts < 2 * threads) {
     run_split(q, kc, vc, key_scale, value_scale, tables, lens, starts, seq_of, T, Hq, D, bs,
               Hkv, G, max_blocks, parts, ceil_div(2 * threads, T * parts),
-              static_cast<float>(scale), sliding_window, static_cast<float>(softcap), o,
+              static_cast<float>(scale), sliding_window, static_cast<float>(softcap), sinks, o,
               kernels);
     return;
   }
@@ -430,8 +436,8 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
                                                      : o_buffer.data();
       attend<cache_t>(query_row(q + t * Hq * D, Hq * D, q_buffer), kc, vc, key_scale,
                       value_scale, tables + i * max_blocks, first, pos + 1, h0, h1, Hkv, bs, G,
-                      D, static_cast<float>(scale), static_cast<float>(softcap), o_row, kernels,
-                      w);
+                      D, static_cast<float>(scale), static_cast<float>(softcap), sinks, o_row,
+                      kernels, w);
       if (!std::is_same<q_t, float>::value)
         store_row(o_row + h0 * G * D, o + t * Hq * D + h0 * G * D, (h1 - h0) * G * D);
     }
@@ -477,7 +483,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
                               torch::Tensor value_cache, c10::optional<torch::Tensor> key_scale,
                               c10::optional<torch::Tensor> value_scale, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
-                              int64_t sliding_window, double softcap) {
+                              int64_t sliding_window, double softcap,
+                              c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(query.is_contiguous(), "query must be contiguous (T, Hq, D)");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "key_cache and value_cache must be contiguous (num_blocks, block_size, Hkv, D)");
@@ -488,13 +495,20 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
   auto starts = query_start_loc.to(torch::kInt64).contiguous();
   const float* ks = key_scale ? key_scale->data_ptr<float>() : nullptr;
   const float* vs = value_scale ? value_scale->data_ptr<float>() : nullptr;
+  torch::Tensor sink_values;
+  if (sinks) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == query.size(1),
+                "sinks must be (Hq,): one logit per query head");
+    sink_values = sinks->to(torch::kFloat32).contiguous();
+  }
+  const float* sk = sinks ? sink_values.data_ptr<float>() : nullptr;
   auto out = torch::empty_like(query);
   with_query_type(query.scalar_type(), [&](auto q_tag) {
     with_cache_type(key_cache.scalar_type(), [&](auto cache_tag) {
       using q_t = typename decltype(q_tag)::type;
       using cache_t = typename decltype(cache_tag)::type;
       run<cache_t, q_t>(query, key_cache, value_cache, ks, vs, tables, lens, starts, scale,
-                        sliding_window, softcap, out);
+                        sliding_window, softcap, sk, out);
     });
   });
   return out;

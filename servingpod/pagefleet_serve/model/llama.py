@@ -5,9 +5,11 @@ differ only in switches of `ModelConfig` (q/k/v and o biases, per-head q/k RMSNo
 sliding-window layers with their own rope base, Gemma's (1 + weight) norms around both
 sublayers, GeGLU, scaled embeddings, attention and final logit soft-capping) and in
 whether the checkpoint already has q/k/v and gate/up fused (Phi-3). The mixture-of-experts
-families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) are the same decoder with `MoEBlock` in
-place of the MLP on their sparse layers: a router, the backend's fused MoE operator over
-the experts stacked in one tensor per projection, and Qwen2-MoE's gated shared expert.
+families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) are the same decoder with
+`MoEBlock` in place of the MLP on their sparse layers: a router, the backend's fused MoE
+operator over the experts stacked in one tensor per projection, and Qwen2-MoE's gated
+shared expert. gpt-oss adds attention sinks, YaRN rope, a biased router whose softmax is
+over its top k, and experts with biases and a clamped SwiGLU.
 
 The batch is flattened: `input_ids` / `positions` hold every scheduled token of every
 sequence; the kernel backend (`pagefleet_kernels.backend.KernelBackend`) attends using
@@ -60,7 +62,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # (key, value) pairs: llama3 (factor, freq factors...), linear, longrope (short_factor,
-    # long_factor, original_max_position_embeddings, attention_factor), freqs (GGUF).
+    # long_factor, original_max_position_embeddings, attention_factor), yarn (factor,
+    # beta_fast, beta_slow, original_max_position_embeddings, truncate, attention_factor),
+    # freqs (GGUF).
     rope_scaling: tuple[tuple[str, object], ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -101,6 +105,15 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # Per layer, whether its MLP is the experts; None: every layer's is (when num_experts).
     sparse_layers: tuple[bool, ...] | None = None
+    # gpt-oss: a learned logit per query head (`self_attn.sinks`) joins each softmax's
+    # denominator; the router has a bias; each expert's projections have biases; the
+    # experts' activation is moe.ClampedSwiGLU(swiglu_alpha, swiglu_limit) (None: SwiGLU
+    # or GeGLU by hidden_act).
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -130,6 +143,15 @@ class ModelConfig:
             raise ValueError(
                 f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers"
             )
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
+
+    @property
+    def expert_activation(self) -> moe.ClampedSwiGLU | None:
+        """The experts' activation when it is not hidden_act's gated one (gpt-oss's)."""
+        if self.swiglu_limit is None:
+            return None
+        return moe.ClampedSwiGLU(self.swiglu_alpha, self.swiglu_limit)
 
     @property
     def longrope_switch(self) -> int | None:
@@ -142,7 +164,8 @@ class ModelConfig:
 
     @property
     def rope_attention_factor(self) -> float:
-        """What cos and sin are multiplied by (longrope's attention scaling; else 1)."""
+        """What cos and sin are multiplied by (longrope's and YaRN's attention scaling;
+        else 1)."""
         return float(dict(self.rope_scaling or ()).get("attention_factor", 1.0))
 
     def layer_sliding_window(self, layer: int) -> int | None:
@@ -180,9 +203,32 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) 
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif scaling.get("rope_type") == "yarn":
+        inv_freq = _yarn_inv_freq(theta**exponents, scaling, dim, theta)
     elif scaling.get("rope_type") == "freqs":  # GGUF's rope_freqs tensor: divisors per dim
         inv_freq = inv_freq / torch.tensor(scaling["divisors"], dtype=torch.float32)
     return inv_freq.float()
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, scaling: dict, dim: int, theta: float) -> torch.Tensor:
+    """YaRN (as transformers computes it): the frequencies that turn fewer than beta_slow
+    times over the original context are divided by `factor` (interpolated), those that
+    turn more than beta_fast times kept (extrapolated), a linear ramp between."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:  # the dimension turning that many times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
 
 
 class RMSNorm(nn.Module):
@@ -245,6 +291,9 @@ class LlamaAttention(nn.Module):
         self.clip_qkv = config.clip_qkv
         self.sliding_window = config.layer_sliding_window(layer)
         self.softcap = config.attn_logit_softcapping
+        self.sinks: nn.Parameter | None = None
+        if config.attention_sinks:  # this rank's heads' sink logits
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.backend = backend
 
     def project(
@@ -304,6 +353,7 @@ class LlamaAttention(nn.Module):
             plan_cache=attn.plan_cache,
             sliding_window=self.sliding_window,
             softcap=self.softcap,
+            sinks=self.sinks,
         )
         return out.reshape(-1, self.num_heads * self.head_dim)
 
@@ -336,7 +386,8 @@ class LlamaMLP(nn.Module):
 class MoEExperts(nn.Module):
     """Every expert's gated MLP, stacked: gate_up_proj (E, 2I, H) = [gate | up] and down_proj
     (E, H, I), each expert's slice as `F.linear` takes it (transformers' own stacked names;
-    per-expert checkpoint tensors are stacked at load)."""
+    per-expert checkpoint tensors are stacked at load); with `bias` (gpt-oss) their biases
+    gate_up_proj_bias (E, 2I) and down_proj_bias (E, H)."""
 
     # After `prepack`: each expert's [gate | up] and down matrices in oneDNN's blocked
     # layout (the stacked parameters are dropped).
@@ -344,7 +395,9 @@ class MoEExperts(nn.Module):
     # After `keep_quantized`: each expert's [gate | up] and down as quantized layers.
     quantized: tuple[nn.ModuleList, nn.ModuleList] | None = None
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(
@@ -353,6 +406,15 @@ class MoEExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
         )
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(
+                torch.empty(num_experts, 2 * intermediate_size), requires_grad=False
+            )
+            self.down_proj_bias = nn.Parameter(
+                torch.empty(num_experts, hidden_size), requires_grad=False
+            )
 
     def keep_quantized(
         self, gate_up: list[QuantizedWeight], down: list[QuantizedWeight], backend: KernelBackend
@@ -406,8 +468,11 @@ class MoEBlock(nn.Module):
         super().__init__()
         first, end = tp.intermediate(config.moe_intermediate_size or config.intermediate_size)
         intermediate_size = end - first
-        self.gate = Linear(config.hidden_size, config.num_experts)
-        self.experts = MoEExperts(config.num_experts, config.hidden_size, intermediate_size)
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
+        self.experts = MoEExperts(
+            config.num_experts, config.hidden_size, intermediate_size, config.expert_bias
+        )
+        self.activation = config.expert_activation
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.scoring = config.router_scoring
@@ -428,6 +493,11 @@ class MoEBlock(nn.Module):
         if self.record_expert_load:
             self.expert_load = moe.expert_load(ids, self.experts.num_experts)
         experts, weights = self.experts, weights.to(x.dtype)
+        variant = {
+            "gate_up_bias": experts.gate_up_proj_bias,
+            "down_bias": experts.down_proj_bias,
+            "activation": self.activation,
+        }
         # Per-expert matrices (quantized layers, or prepacked on the CPU for oneDNN's
         # matmul): the grouped path, each expert on its rows.
         per_expert = (
@@ -444,12 +514,15 @@ class MoEBlock(nn.Module):
                 weights,
                 ids,
                 self.gelu,
+                **variant,
                 linear=linear,
                 act_and_mul=self.act_and_mul,
                 few_rows=None,
             )
         else:
-            y = self.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.gelu)
+            y = self.fused_moe(
+                x, experts.gate_up_proj, experts.down_proj, weights, ids, self.gelu, **variant
+            )
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pagefleet_serve.config import GGUF_ARCHITECTURE_NAMES, HF_MODEL_TYPES
-from pagefleet_serve.model import fp8, safetensors_reader
+from pagefleet_serve.model import fp8, mxfp4, safetensors_reader
 from pagefleet_serve.model.llama import ModelConfig
 from pagefleet_serve.model.quant import QuantizedWeight, from_gguf, quantize_int8
 from pagefleet_serve.model.resolve import builtin_gguf_path, resolve_model_uri
@@ -468,6 +468,30 @@ def _gguf_tokenizer(path: Path, reader=None):
 
 
 # -- Hugging Face directories -------------------------------------------------------------
+def _weight_scheme(path: Path, hf: dict, tp: TensorParallel) -> fp8.Fp8Scheme | None:
+    """The float8 scheme of a checkpoint's weights (model/fp8.py: dequantized as they
+    stream or, with keep_fp8 and a scale per tensor or row, kept float8), None for float
+    weights and gpt-oss's MXFP4 experts (read as their uint8 blocks and scales, dequantized
+    once loaded); an error for what is not read."""
+    model_type = hf.get("model_type")
+    if model_type == "gpt_oss" and tp.size > 1:
+        raise UnsupportedModelError(
+            f"{path}: gpt-oss is not split for tensor parallelism yet (its attention sinks "
+            "and interleaved experts); use tensor_parallel_size 1"
+        )
+    quantization = hf.get("quantization_config")
+    if not quantization:
+        return None
+    if quantization.get("quant_method") == "mxfp4":
+        if model_type != "gpt_oss":
+            raise UnsupportedModelError(f"{path}: MXFP4 weights are read for gpt_oss only")
+        return None
+    try:
+        return fp8.fp8_scheme(quantization)
+    except fp8.Fp8FormatError as exc:
+        raise UnsupportedModelError(f"{path}: {exc}") from exc
+
+
 def _load_hf_dir(
     path: Path,
     dtype: torch.dtype,
@@ -487,14 +511,7 @@ def _load_hf_dir(
         raise UnsupportedModelError(
             f"{path}: model_type {model_type!r} is not Llama-family; supported: {SUPPORTED}"
         )
-    # float8 weights with scales, dequantized as they stream or, with keep_fp8 and a scale
-    # per tensor or row, kept float8 (model/fp8.py)
-    scheme = None
-    if hf.get("quantization_config"):
-        try:
-            scheme = fp8.fp8_scheme(hf["quantization_config"])
-        except fp8.Fp8FormatError as exc:
-            raise UnsupportedModelError(f"{path}: {exc}") from exc
+    scheme = _weight_scheme(path, hf, tp)
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the shards it names: a directory may hold other copies
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -562,9 +579,16 @@ def _load_hf_dir(
                         # A copy even in the file's dtype: a view would keep the whole file
                         # mapped (and its pages resident) while any one of its tensors lives,
                         # e.g. a norm's weight after prepacking has replaced the matrices.
-                        weights[tensor_name] = tensor.to(dtype, copy=True)
+                        # MXFP4 blocks and scales stay uint8 until dequantized.
+                        kept_dtype = torch.uint8 if tensor.dtype == torch.uint8 else dtype
+                        weights[tensor_name] = tensor.to(kept_dtype, copy=True)
                     else:
                         destination.copy_(tensor)
+    if model_type == "gpt_oss":
+        try:
+            _gpt_oss_experts(weights, dtype)
+        except mxfp4.Mxfp4FormatError as exc:
+            raise UnsupportedModelError(f"{path}: {exc}") from None
     config = _model_config(hf, _rope_scaling(hf, path), _eos_token_ids(path, hf))
     tokenizer = None
     if any(
@@ -593,7 +617,9 @@ def _read_whole_tensors(
             raise UnsupportedModelError(f"{path}: {entry.name} is float8 and has no scale")
         destination = fused.destination(name, weights)
         if destination is None:
-            destination = weights[name] = torch.empty(entry.shape, dtype=dtype)
+            # MXFP4 blocks and scales (gpt-oss) stay uint8 until dequantized.
+            kept_dtype = torch.uint8 if entry.dtype == torch.uint8 else dtype
+            destination = weights[name] = torch.empty(entry.shape, dtype=kept_dtype)
         return destination
 
     try:
@@ -626,6 +652,40 @@ _EXPERT_NAME = re.compile(r"(.*\.experts)\.(\d+)\.(\w+_proj)\.weight")
 # Mixtral's names -> transformers' later ones, which the model uses.
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
 _MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
+_GPT_OSS_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_blocks|_bias)?")
+
+
+def _gpt_oss_experts(weights: dict, dtype: torch.dtype) -> None:
+    """gpt-oss's checkpoint layout -> the model's (`llama.MoEExperts`), in place: the
+    router's `mlp.router` is the block's `mlp.gate`; the experts' `gate_up_proj` (E, H, 2I)
+    with gate and up interleaved (gate the even columns) becomes (E, 2I, H) = [gate | up],
+    its bias likewise, and `down_proj` (E, I, H) becomes (E, H, I). MXFP4 experts
+    (`*_blocks` + `*_scales`, already rows x columns: (E, 2I, H) and (E, H, I)) are
+    dequantized first."""
+    for name in [n for n in weights if ".mlp.router." in n]:
+        weights[name.replace(".mlp.router.", ".mlp.gate.")] = weights.pop(name)
+    for name in list(weights):
+        match = _GPT_OSS_EXPERTS.fullmatch(name)
+        if match is None:
+            continue
+        prefix, projection, suffix = match[1], match[2], match[3]
+        tensor = weights.pop(name)
+        if suffix == "_blocks":  # rows x columns already
+            scales = weights.pop(f"{prefix}.{projection}_scales", None)
+            if scales is None:
+                raise mxfp4.Mxfp4FormatError(f"{name} has no {projection}_scales beside it")
+            tensor = mxfp4.dequantize(tensor, scales, dtype)
+        elif suffix is None:  # (E, in, out) as transformers multiplies x @ W
+            tensor = tensor.transpose(1, 2)
+        if projection == "gate_up_proj":  # interleaved rows (or bias entries) -> [gate | up]
+            tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+        name = f"{prefix}.{projection}" + ("_bias" if suffix == "_bias" else "")
+        weights[name] = tensor.to(dtype).contiguous()
+    leftover = [n for n in weights if n.endswith("_scales")]
+    if leftover:
+        raise mxfp4.Mxfp4FormatError(f"MXFP4 scales without their blocks: {leftover[:3]}")
 
 
 def _hf_name(name: str) -> str:
@@ -731,10 +791,12 @@ def _rope_scaling(hf: dict, path: Path) -> tuple | None:
         return None
     if scaling["rope_type"] in ("longrope", "su"):  # "su": early Phi-3 128k configs
         scaling = _longrope(scaling, hf)
+    elif scaling["rope_type"] == "yarn":
+        scaling = _yarn(scaling, hf)
     elif scaling["rope_type"] not in ("linear", "llama3"):
         raise UnsupportedModelError(
             f"{path}: rope scaling {scaling['rope_type']!r} is not supported (default, "
-            "linear, llama3, longrope)"
+            "linear, llama3, longrope, yarn)"
         )
     return tuple(sorted(scaling.items()))
 
@@ -757,6 +819,36 @@ def _longrope(scaling: dict, hf: dict) -> dict:
         "short_factor": tuple(scaling["short_factor"]),
         "long_factor": tuple(scaling["long_factor"]),
         "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention_factor),
+    }
+
+
+def _yarn(scaling: dict, hf: dict) -> dict:
+    """YaRN with every value resolved as transformers resolves it: the factor (by default
+    the context's extension), beta_fast 32 and beta_slow 1 when unset, truncate true unless
+    said otherwise, and the attention factor (by default 0.1 ln(factor) + 1, or the ratio
+    of mscale to mscale_all_dim's when both are given)."""
+    original = scaling.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings", hf.get("max_position_embeddings", 2048)
+    )
+    factor = scaling.get("factor") or hf.get("max_position_embeddings", original) / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+    return {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "beta_fast": float(scaling.get("beta_fast") or 32),
+        "beta_slow": float(scaling.get("beta_slow") or 1),
+        "original_max_position_embeddings": int(original),
+        "truncate": bool(scaling.get("truncate", True)),
         "attention_factor": float(attention_factor),
     }
 
@@ -817,6 +909,17 @@ def _architecture(model_type: str, hf: dict) -> dict:
         },
         "qwen2_moe": {"qkv_bias": bool(hf.get("qkv_bias", True))},
         "qwen3_moe": {"qkv_bias": bias, "o_bias": bias, "qk_norm": True},
+        # Sinks in every attention; a biased router, experts with biases and a clamped
+        # SwiGLU (see _mixture_of_experts).
+        "gpt_oss": {
+            "qkv_bias": bias,
+            "o_bias": bias,
+            "attention_sinks": True,
+            "router_bias": True,
+            "expert_bias": True,
+            "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+            "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+        },
     }[model_type] | _mixture_of_experts(model_type, hf)
     window = hf.get("sliding_window")
     if model_type.startswith("qwen") and not hf.get("use_sliding_window", False):
@@ -841,14 +944,15 @@ def _architecture(model_type: str, hf: dict) -> dict:
     return switches | {"sliding_window": int(window), "sliding_layers": sliding}
 
 
-_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+_MOE_MODEL_TYPES = ("gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 
 
 def _mixture_of_experts(model_type: str, hf: dict) -> dict:
     """The ModelConfig switches of a mixture-of-experts config ({} for a dense one): the
     experts, the router (Mixtral always renormalizes its top k, the others by
-    norm_topk_prob), Qwen2-MoE's shared expert, and which layers are sparse (Qwen's
-    decoder_sparse_step and mlp_only_layers: the others dense)."""
+    norm_topk_prob; gpt-oss's softmax is over its top k logits), Qwen2-MoE's shared expert,
+    and which layers are sparse (Qwen's decoder_sparse_step and mlp_only_layers: the others
+    dense)."""
     if model_type not in _MOE_MODEL_TYPES:
         return {}
     num_layers = hf["num_hidden_layers"]
@@ -861,6 +965,7 @@ def _mixture_of_experts(model_type: str, hf: dict) -> dict:
         "num_experts_per_tok": hf["num_experts_per_tok"] if num_experts else 0,
         "moe_intermediate_size": hf.get("moe_intermediate_size"),
         "norm_topk_prob": model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+        "router_scoring": "top_k_softmax" if model_type == "gpt_oss" else "softmax",
         "shared_expert_intermediate_size": (
             hf.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0
         ),
