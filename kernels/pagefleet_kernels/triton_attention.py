@@ -11,9 +11,11 @@ picks either as its attention backend and nothing else differs.
   sequence's context through its block table in tiles of TILE_N positions with an online
   softmax, starting at the tile of its first query token's sliding window (when the layer
   has one) and stopping at the causal limit of its last query token. Scores are
-  soft-capped (Gemma 2) before the mask when asked. Batches of decodes only
+  soft-capped (Gemma 2) before the mask when asked; a head's sink logit (gpt-oss) is one
+  more term of its softmax's denominator. Batches of decodes only
   also split the context into NUM_SEGMENTS segments (a third grid axis) so that a few
-  long decodes still fill the device; a second small kernel merges the segments.
+  long decodes still fill the device; a second small kernel merges the segments (and
+  there adds the sink, which no segment counts).
   Quantized tiles are dequantized on the fly: the K scale multiplies the score columns, the
   V scale the probability columns, never the K/V tiles themselves.
 
@@ -34,6 +36,7 @@ from pagefleet_kernels.torch_attention import MIN_AMAX
 __all__ = ["SEGMENT_COUNTS", "paged_attention", "prepare", "write_kv_cache"]
 
 _LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = tl.constexpr(_LOG2E)  # the same, for the kernels
 _MAX_SEGMENTS = 16
 # What `_num_segments` can pick: the decode kernel is compiled once per count.
 SEGMENT_COUNTS = tuple(2**i for i in range(_MAX_SEGMENTS.bit_length()))
@@ -194,6 +197,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # (B, max_blocks) int32/int64
     seq_lens_ptr,  # (B,)
     query_start_loc_ptr,  # (B + 1,)
+    sinks_ptr,  # (NUM_Q_HEADS,) each head's sink logit, HAS_SINKS only
     qk_scale,  # softmax scale * log2(e); with SOFTCAP: softmax scale / softcap
     softcap_log2,  # softcap * log2(e), SOFTCAP only
     # Integers annotated: an unannotated 1 would become a constexpr (one more compiled
@@ -222,6 +226,7 @@ def _paged_attention_kernel(
     QUANTIZED: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,  # NUM_SEGMENTS == 1 only: a split decode's merge adds them
     DOT_DTYPE: tl.constexpr,  # the operands' type in tl.dot: the query's dtype
     DOT_PRECISION: tl.constexpr,
 ):
@@ -265,8 +270,12 @@ def _paged_attention_kernel(
     tile_lo = first_tile + segment * tiles_per_segment
     tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
 
-    M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # (BLOCK_M,) running max, log2
-    L = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,) running sum of exp2
+    if HAS_SINKS:  # the sink is the softmax's first term: exp2(sink - M) == 1, no value
+        M = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E  # (BLOCK_M,) log2
+        L = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # (BLOCK_M,)
+    else:
+        M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # (BLOCK_M,) running max, log2
+        L = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,) running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)  # (BLOCK_M, HEAD_DIM_PADDED)
     table_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_block_table
     for tile in range(tile_lo, tile_hi):
@@ -349,12 +358,14 @@ def _merge_segments_kernel(
     partial_out_ptr,  # (T, NUM_Q_HEADS, NUM_SEGMENTS, HEAD_DIM_PADDED) fp32
     segment_max_ptr,  # (T, NUM_Q_HEADS, NUM_SEGMENTS) fp32, log2 domain
     segment_sum_ptr,  # (T, NUM_Q_HEADS, NUM_SEGMENTS) fp32
+    sinks_ptr,  # (NUM_Q_HEADS,) each head's sink logit, HAS_SINKS only
     stride_out_t: tl.int64,
     stride_out_h: tl.int64,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -366,8 +377,16 @@ def _merge_segments_kernel(
     partial = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM_PADDED + offs_d[None, :])
     # partial : (NUM_SEGMENTS, HEAD_DIM_PADDED); segment 0 always saw the first position
     # of the query's window (position 0 without one).
-    weight = tl.math.exp2(seg_max - tl.max(seg_max, axis=0))  # (NUM_SEGMENTS,), empty -> 0
-    out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(seg_sum * weight, axis=0)
+    top = tl.max(seg_max, axis=0)
+    if HAS_SINKS:  # counted here once: the segments' softmaxes know no sink
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E  # log2
+        top = tl.maximum(top, sink)
+        denominator = tl.math.exp2(sink - top)
+    else:
+        denominator = 0.0
+    weight = tl.math.exp2(seg_max - top)  # (NUM_SEGMENTS,), empty -> 0
+    denominator += tl.sum(seg_sum * weight, axis=0)
+    out = tl.sum(partial * weight[:, None], axis=0) / denominator
     tl.store(
         out_ptr + token * stride_out_t + head * stride_out_h + offs_d,
         out.to(out_ptr.dtype.element_ty),
@@ -527,6 +546,7 @@ def paged_attention(
     plan_cache: dict | None = None,  # the torch backend's per-pass cache; a launch needs none
     sliding_window: int | None = None,  # a query at p sees keys p - window + 1 .. p
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # (Hq,) one more softmax logit per head (gpt-oss)
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context."""
     if sliding_window is not None and sliding_window < 1:
@@ -543,6 +563,17 @@ def paged_attention(
             f"KV heads, got query {tuple(query.shape)}, cache {tuple(key_cache.shape)}"
         )
     _check_cache(key_cache, value_cache, key_scale, value_scale, num_kv_heads, head_dim)
+    if sinks is not None and (
+        sinks.shape != (num_q_heads,)
+        or sinks.stride(0) != 1
+        or sinks.dtype not in _DOT_DTYPES
+        or sinks.device != query.device
+    ):
+        raise ValueError(
+            f"sinks must be ({num_q_heads},) contiguous, float32, float16 or bfloat16, on "
+            f"{query.device}, got "
+            f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}"
+        )
     num_seqs = block_tables.shape[0]
     if (
         block_tables.dim() != 2
@@ -610,6 +641,7 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        query if sinks is None else sinks,  # not read without sinks
         scale * _LOG2E if softcap is None else scale / softcap,
         (softcap or 1.0) * _LOG2E,
         sliding_window or 1,
@@ -636,6 +668,7 @@ def paged_attention(
         QUANTIZED=is_quantized(key_cache.dtype),
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None and num_segments == 1,
         DOT_DTYPE=_dot_dtype(query.dtype),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS,
@@ -647,11 +680,13 @@ def paged_attention(
             partial_out,
             segment_max,
             segment_sum,
+            query if sinks is None else sinks,
             out.stride(0),
             out.stride(1),
             NUM_Q_HEADS=num_q_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_PADDED=head_dim_padded,
             NUM_SEGMENTS=num_segments,
+            HAS_SINKS=sinks is not None,
         )
     return out

@@ -125,8 +125,9 @@ def make_batch(
     )
 
 
-def naive_attention(batch: PagedBatch) -> torch.Tensor:
-    """A loop per sequence over the raw (never cached) K/V, in float32."""
+def naive_attention(batch: PagedBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A loop per sequence over the raw (never cached) K/V, in float32; `sinks` (Hq,): one
+    more logit per head in every softmax, with no value (gpt-oss)."""
     out = torch.empty(batch.query.shape, dtype=torch.float32)
     group = batch.query.shape[1] // batch.key.shape[1]
     kv_start = 0
@@ -139,6 +140,11 @@ def naive_attention(batch: PagedBatch) -> torch.Tensor:
         scores = torch.einsum("lhd,shd->hls", q, k) * batch.scale  # (Hq, L, S)
         q_pos = torch.arange(ctx - q_len, ctx)
         scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos[:, None], float("-inf"))
-        out[q0 : q0 + q_len] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.float().cpu().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+        out[q0 : q0 + q_len] = torch.einsum("hls,shd->lhd", probs, v)
         kv_start += ctx
     return out

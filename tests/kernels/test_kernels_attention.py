@@ -176,6 +176,38 @@ def test_sliding_window_and_softcap_match_the_torch_backend(
     assert not torch.allclose(expected, batch.attention(torch_attention), atol=1e-3)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "num_segments"),
+    [
+        ([1] * len(CONTEXT_LENS), CONTEXT_LENS, None),
+        ([1, 1, 1, 1], [300, 17, 1, 100], 4),  # the merge kernel adds the sink
+        ([1, 17, 1, 5, 1, 33], [300, 17, 16, 100, 1, 300], None),
+    ],
+    ids=["decode", "decode-segments", "mixed"],
+)
+def test_attention_sinks_match_the_torch_backend_and_the_naive_loop(
+    query_lens, context_lens, num_segments, sliding_window, device
+):
+    """gpt-oss's sinks: one more logit per query head in each softmax, with no value. Sinks
+    from very negative (no effect) to large (most of the weight) on different heads."""
+    batch = make_batch(query_lens, context_lens, 6, 2, dtype=torch.float32, device=device)
+    sinks = torch.tensor([-30.0, -1.0, 0.0, 0.5, 2.0, 6.0], device=device)
+    kwargs = {"sliding_window": sliding_window, "sinks": sinks}
+    expected = batch.attention(torch_attention, **kwargs)
+    actual = batch.attention(triton_attention, num_segments=num_segments, **kwargs)
+    atol, rtol = KERNEL_TOLERANCE[torch.float32]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    if sliding_window is None:
+        torch.testing.assert_close(
+            expected.cpu(), naive_attention(batch, sinks), atol=atol, rtol=rtol
+        )
+    # The sinks are really applied: the head whose sink is 6 is scaled far down.
+    plain = batch.attention(torch_attention, sliding_window=sliding_window)
+    assert not torch.allclose(expected[:, 5], plain[:, 5], atol=1e-3)
+    torch.testing.assert_close(expected[:, 0], plain[:, 0], atol=1e-5, rtol=1e-5)
+
+
 def test_sliding_window_tiles_before_the_window_are_not_read(device):
     """K/V of whole tiles before every query's window hold NaN: reading one would poison
     the output, so the kernel must skip them rather than mask them."""

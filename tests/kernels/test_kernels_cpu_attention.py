@@ -103,6 +103,28 @@ def test_cpu_kernel_sliding_window_and_softcap(sliding_window, softcap):
     )
 
 
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("layout", BATCHES)
+def test_cpu_kernel_attention_sinks(layout, sliding_window, cache):
+    """gpt-oss's sinks (one more logit per head in each softmax, with no value) against
+    the torch backend, and against the naive loop without a window."""
+    query_lens, context_lens = BATCHES[layout]
+    batch = make_batch(query_lens, context_lens, 6, 2, cache=cache)
+    sinks = torch.tensor([-30.0, -1.0, 0.0, 0.5, 2.0, 6.0])
+    kwargs = {"sliding_window": sliding_window, "sinks": sinks}
+    actual = batch.attention(cpu_attention, **kwargs)
+    atol, rtol = KERNEL_TOLERANCE[torch.float32]
+    torch.testing.assert_close(
+        actual, batch.attention(torch_attention, **kwargs), atol=atol, rtol=rtol
+    )
+    if sliding_window is None:
+        if cache != "auto":
+            atol, rtol = QUANTIZATION_TOLERANCE[cache]
+        torch.testing.assert_close(actual, naive_attention(batch, sinks), atol=atol, rtol=rtol)
+    assert not torch.allclose(actual, batch.attention(cpu_attention, sliding_window=sliding_window))
+
+
 def test_cpu_kernel_bfloat16_query_and_cache():
     batch = make_batch([1, 5], [30, 70], 6, 2, dtype=torch.bfloat16)
     actual = batch.attention(cpu_attention)
