@@ -8,6 +8,7 @@ ClusterRole it needs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import socket
 import sys
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     election.wait_until_leader()
     try:
-        _run_kopf(args, metrics, stop_flag=election.lost)
+        asyncio.run(_operate(args, metrics, election))
     finally:
         election.stop()
     return 1 if election.lost.is_set() else 0
@@ -196,10 +197,27 @@ def liveness_endpoint(args: argparse.Namespace) -> str | None:
     return f"http://{host or '0.0.0.0'}:{port}/healthz"
 
 
-def _run_kopf(args: argparse.Namespace, metrics: OperatorMetrics, stop_flag) -> None:
-    kopf.run(
+async def _operate(
+    args: argparse.Namespace, metrics: OperatorMetrics, election: LeaderElection
+) -> None:
+    """kopf until SIGTERM/SIGINT or a lost Lease, which cancels it. No kopf stop_flag:
+    kopf leaves the task waiting on one pending when a signal stops it, and then waits 5 s
+    for that "hung" task (and a threading.Event's waiter is an executor thread that
+    asyncio.run's exit joins: the operator never exited on SIGTERM, and the kubelet killed
+    it terminationGracePeriodSeconds later)."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    election.when_lost(lambda: loop.call_soon_threadsafe(task.cancel))
+    try:
+        await _kopf_operator(args, metrics)
+    except asyncio.CancelledError:
+        if not election.lost.is_set():
+            raise
+
+
+async def _kopf_operator(args: argparse.Namespace, metrics: OperatorMetrics) -> None:
+    await kopf.operator(
         standalone=True,  # the Lease, not kopf's peering, keeps a second operator idle
-        stop_flag=stop_flag,
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness_endpoint(args),

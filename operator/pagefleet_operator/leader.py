@@ -184,7 +184,8 @@ class Lease:
 
 class LeaderElection:
     """Holds every Lease of a scope: `wait_until_leader` blocks until it does, then a
-    thread renews them and sets `lost` when one could not be renewed in time."""
+    thread renews them and sets `lost` when one could not be renewed in time (and calls
+    what `when_lost` was given)."""
 
     def __init__(self, leases: list[Lease], timing: LeaseTiming) -> None:
         self.leases = leases
@@ -192,6 +193,17 @@ class LeaderElection:
         self.lost = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._on_lost: list[Callable[[], None]] = []
+
+    def when_lost(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once a Lease is lost (from the renewal thread), or now if one
+        already is."""
+        with self._lock:
+            if not self.lost.is_set():
+                self._on_lost.append(callback)
+                return
+        callback()
 
     def wait_until_leader(self) -> None:
         for lease in self.leases:
@@ -234,7 +246,11 @@ class LeaderElection:
                         lease.name,
                         lease.holder,
                     )
-                    self.lost.set()
+                    with self._lock:
+                        self.lost.set()
+                        callbacks, self._on_lost = self._on_lost, []
+                    for callback in callbacks:
+                        callback()
                     return
 
     def stop(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 
 import kubernetes
 import pytest
@@ -142,3 +143,23 @@ async def test_a_leader_whose_lease_is_taken_stops_acting(kmock, tmp_path):
             log.read_text()
         )
     assert stored_lease(kmock)["spec"]["holderIdentity"] == "elsewhere"  # not given up
+
+
+@pytest.mark.kmock(cls=ApiServerEmulator)
+@pytest.mark.asyncio
+async def test_sigterm_stops_the_operator_at_once_and_gives_the_lease_up(kmock, tmp_path):
+    """What the kubelet sends at a rollout or a node drain: the operator exits 0 well
+    within the pod's 30 s grace period (it hung until killed: kopf's wait on the Lease's
+    stop flag kept a thread and a task alive) and releases its Lease, so a successor
+    takes over without waiting out the lease's duration."""
+    declare_resources(kmock)
+    log = tmp_path / "operator.log"
+    async with run_operator(kmock, tmp_path, "--liveness", "", "--namespace", "ml") as client:
+        await eventually(lambda: "holding Lease ml/" in log.read_text(), what="lease")
+        await client.call("POST", isvc_path(), make_isvc("one", BUILTIN))
+        await eventually(lambda: stored(kmock, "apps/v1/deployments", "one"), what="acting")
+        start = time.monotonic()
+        client.process.terminate()
+        assert await asyncio.wait_for(client.process.wait(), 30) == 0
+        assert time.monotonic() - start < 3, log.read_text()[-3000:]
+    assert stored_lease(kmock)["spec"].get("holderIdentity") is None  # merge-patch null: removed
