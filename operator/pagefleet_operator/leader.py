@@ -194,9 +194,9 @@ class LeaderElection:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._on_lost: list[Callable[[], None]] = []
+        self._on_lost: list[Callable[[], object]] = []
 
-    def when_lost(self, callback: Callable[[], None]) -> None:
+    def when_lost(self, callback: Callable[[], object]) -> None:
         """Call `callback` once a Lease is lost (from the renewal thread), or now if one
         already is."""
         with self._lock:
