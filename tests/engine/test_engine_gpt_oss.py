@@ -8,7 +8,8 @@ A tiny random GptOssForCausalLM built with transformers (16 experts, 2 a token, 
 save_pretrained; its sinks, expert biases and router are made large enough to decide
 tokens, and the SwiGLU limit small enough to clamp. PageFleet's greedy tokens must equal
 transformers' generate in float32: in batches where prefill chunks and decodes share
-steps, with prefix-cache hits, and under preemption."""
+steps, with prefix-cache hits, under preemption, for n=3 samples and with speculative
+decoding."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tests.engine.test_engine_architectures import (
     load,
     reference_tokens,
 )
+from tests.engine.test_engine_moe import assert_n_samples_share_the_prompt_and_draw_apart
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
 WINDOW = 8
@@ -146,6 +148,29 @@ def test_preempted_sequences_resume_with_their_tokens(gpt_oss):
     assert llm.engine.stats().num_preemptions >= 1
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == reference_tokens(reference, prompt)
+    llm.engine.block_manager.check_no_leaks()
+
+
+def test_n_samples_share_the_prompt_and_draw_apart(gpt_oss):
+    assert_n_samples_share_the_prompt_and_draw_apart(*gpt_oss)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_keeps_the_greedy_tokens(gpt_oss, method):
+    """Prompt-lookup drafts, and drafts of the checkpoint itself as its own draft model
+    (most of them accepted): verify steps of several tokens cross the 8-token window and
+    attend with sinks over sliding and full layers alike, and keep transformers' tokens."""
+    path, reference = gpt_oss
+    spec = {"num_speculative_tokens": 4}
+    spec |= {"method": "ngram"} if method == "ngram" else {"model": str(path)}
+    llm = load(path, speculative_config=spec)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == reference_tokens(reference, prompt)
+    stats = llm.engine.stats().spec_decode
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.num_accepted_tokens > stats.num_draft_tokens // 2
     llm.engine.block_manager.check_no_leaks()
 
 

@@ -263,9 +263,12 @@ def test_preempted_mixture_sequences_resume_with_their_tokens(qwen3_moe):
 
 
 def test_n_samples_of_a_mixture_share_the_prompt_and_draw_apart(qwen3_moe):
+    assert_n_samples_share_the_prompt_and_draw_apart(*qwen3_moe)
+
+
+def assert_n_samples_share_the_prompt_and_draw_apart(path, reference) -> None:
     """n=3 greedy samples are the one greedy answer three times; seeded samples of n=3
     differ from each other, and each is what the same request gives again."""
-    path, reference = qwen3_moe
     llm = load(path)
     prompt = PROMPTS[1]
     greedy = SamplingParams(n=3, max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -54,7 +54,8 @@ AXES = {
     "block_size": (16, 32),
     # decode batches at each segment count the launcher can pick; prefill chunks never split
     "shape": tuple(("decode", n) for n in triton_attention.SEGMENT_COUNTS) + (("prefill", 1),),
-    "features": ("plain", "sliding_window", "sliding_window+softcap"),
+    # gpt-oss: sinks with a window on half its layers (the merge kernel adds them too)
+    "features": ("plain", "sliding_window", "sliding_window+softcap", "sliding_window+sinks"),
 }
 NUM_KV_HEADS = 8  # Llama-3-8B's; the strides' divisibility by 16 follows from it
 KERNELS = ("_write_kv_cache_kernel", "_paged_attention_kernel", "_merge_segments_kernel")
@@ -222,6 +223,11 @@ def launch_variant(variant: dict) -> None:
         num_segments=num_segments if kind == "decode" else None,
         sliding_window=SLIDING_WINDOW if "sliding_window" in features else None,
         softcap=SOFTCAP if "softcap" in features else None,
+        sinks=(
+            torch.zeros(batch.query.shape[1], dtype=variant["dtype"])
+            if "sinks" in features
+            else None
+        ),
     )
 
 
