@@ -1,7 +1,8 @@
 """The mixture-of-experts operator: the CPU backend's grouped path (`moe.grouped_fused_moe`
 with the C++ few-row matmul) and the Triton grouped GEMM (`triton_moe`, interpreted on the
 CPU, compiled on CUDA) against the reference loop over experts (`moe.fused_moe`), across
-token counts from a decode row to 512, 8-64 experts, top 1-8, and uneven loads: most
+token counts from a decode row to 512, 8-64 experts, top 1-8, and uneven loads (gpt-oss's
+biased experts with the clamped SwiGLU too): most
 tokens crowd onto a few experts and a quarter of the experts get none. Also the router and
 the alignment of pairs into per-expert tiles, with exact ids."""
 
@@ -138,3 +139,31 @@ def test_triton_falls_back_for_what_it_does_not_take():
     strided = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
     expected = moe.fused_moe(x, gate_up, down, weights, ids)
     torch.testing.assert_close(triton_moe.fused_moe(x, strided, down, weights, ids), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), cases([(1, 8, 2), (33, 16, 4), (64, 32, 4)])
+)
+def test_gpt_oss_variant_equals_the_reference(tokens, experts, top_k, name, dtype, monkeypatch):
+    """Experts with biases (added after each matmul, the routing weight after the down
+    bias) and the clamped SwiGLU, whose clamp bites on most rows, on uneven loads."""
+    device = "cpu" if name == "cpu" else triton_moe.triton_layer_ops.KERNEL_DEVICE
+    x, gate_up, down, weights, ids = moe_inputs(tokens, experts, top_k, dtype, device)
+    generator = torch.Generator().manual_seed(1)
+    variant = {
+        "gate_up_bias": torch.randn(experts, 2 * INTERMEDIATE, generator=generator).to(dtype),
+        "down_bias": torch.randn(experts, HIDDEN, generator=generator).to(dtype),
+        "activation": moe.ClampedSwiGLU(alpha=1.702, limit=0.5),
+    }
+    variant = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in variant.items()}
+    expected = moe.fused_moe(x, gate_up, down, weights, ids, **variant)
+    if name == "cpu":
+        actual = cpu_fused_moe()(x, gate_up, down, weights, ids, False, **variant)
+    else:
+        monkeypatch.setattr(triton_moe, "moe", NoFallback())
+        actual = triton_moe.fused_moe(x, gate_up, down, weights, ids, **variant)
+    torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
+    plain = moe.fused_moe(x, gate_up, down, weights, ids)
+    assert not torch.allclose(expected, plain, atol=1e-2)  # the variant is really applied
