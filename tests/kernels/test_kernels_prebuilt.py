@@ -93,3 +93,26 @@ def test_the_builder_refuses_an_unknown_family_with_a_readable_message(capsys):
     assert "unknown CPU family ['avx9000']: choose from native, avx512, avx2, generic" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_a_compiler_error_fails_the_build_and_leaves_no_object(tmp_path, monkeypatch, capsys):
+    """`make install` runs this build and CI stops when it fails: a compile error must be
+    exit status 1 naming each extension that failed, not 0 with the engine quietly on the
+    torch kernels. The compiler is the real one, given a header that does not exist."""
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" -c "*) exec c++ "$@" -include pagefleet-no-such-header.h;; esac\n'
+        'exec c++ "$@"\n'
+    )
+    compiler.chmod(0o755)
+    folder = tmp_path / "prebuilt"
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("PAGEFLEET_KERNELS_DIR", str(folder))
+    assert cpu_build.main(["--families", "generic"]) == 1
+    err = capsys.readouterr().err
+    for name in cpu_build.EXTENSIONS:
+        assert f"build failed: {name} (generic)" in err
+        assert load(name) is None  # nothing half-built is left to load
+    assert list(folder.iterdir()) == []
