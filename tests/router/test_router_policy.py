@@ -1,6 +1,8 @@
 """The routing policy on its own: prefix affinity under bounded load, consistent hashing,
 load and queue limits, tie-breaks, pods appearing and vanishing, stale metrics."""
 
+import hashlib
+
 import pytest
 from pagefleet_router.discovery import PodMetrics, PodRegistry, parse_pod_metrics
 from pagefleet_router.policy import PodState, PolicyConfig, choose_pod, rendezvous_order
@@ -234,3 +236,45 @@ def test_the_adapters_in_use_are_each_models_newest_lora_info_sample():
     )
     assert parse_pod_metrics(text).adapters == {"sql", "chat", "poet"}
     assert parse_pod_metrics(gauges).adapters == frozenset()  # LoRA off: no info gauge
+
+
+def test_the_limits_themselves_are_valid_settings():
+    """Each limit is inclusive: a queue limit of 0 (only pods with nothing waiting), no
+    headroom over the mean load (load factor 1), and a metrics age under a second are
+    accepted, not refused as out of range."""
+    config = PolicyConfig(max_queue_depth=0, load_factor=1, max_metrics_age_s=0.5)
+    assert (config.max_queue_depth, config.load_factor, config.max_metrics_age_s) == (0, 1, 0.5)
+    assert PolicyConfig(max_queue_depth=0.5, max_metrics_age_s=1).max_queue_depth == 0.5
+
+
+def test_a_queue_exactly_at_the_limit_and_metrics_exactly_at_the_age_limit_still_count():
+    """A pod whose queue equals max_queue_depth is open (only one over it is skipped), and
+    metrics exactly max_metrics_age_s old are fresh: the pod is chosen by its metrics."""
+    at_limit = pod(URLS[0], waiting=CONFIG.max_queue_depth, age=CONFIG.max_metrics_age_s)
+    over = pod(URLS[1], waiting=CONFIG.max_queue_depth + 1, age=0.1)
+    assert choose_pod([], [over, at_limit], lambda h: None, CONFIG).reason == "load"
+    assert choose_pod([], [over, at_limit], lambda h: None, CONFIG).url == URLS[0]
+    # Were its metrics stale, only the other pod's would count, and it is over the limit.
+    stale = pod(URLS[0], waiting=0, age=CONFIG.max_metrics_age_s + 0.1)
+    assert choose_pod([], [over, stale], lambda h: None, CONFIG).reason == "all_busy"
+
+
+def test_an_adapter_request_without_a_full_block_goes_to_the_least_loaded_holder():
+    """No block to hash: among the pods holding the adapter the least loaded takes it, and
+    the reason is "adapter" (the holders chose), not "load"."""
+    pods = [
+        pod(URLS[0], waiting=0),
+        pod(URLS[1], waiting=2, adapters={"sql"}),
+        pod(URLS[2], waiting=1, adapters={"sql"}),
+    ]
+    decision = choose_pod([], pods, lambda h: None, CONFIG, model="sql")
+    assert (decision.url, decision.reason) == (URLS[2], "adapter")
+
+
+def test_rendezvous_order_is_by_descending_hash_of_key_and_pod():
+    """Highest random weight first: the pods in descending order of sha256(key + url), so
+    a key's home is the pod with the largest hash."""
+    key = hashes_of("system: you are terse.")[0]
+    expected = sorted(URLS, key=lambda u: hashlib.sha256(key + u.encode()).digest())[::-1]
+    assert rendezvous_order(key, URLS) == expected
+    assert expected != sorted(URLS) and expected != sorted(URLS, reverse=True)
