@@ -439,3 +439,14 @@ def _why(kv: str, pods_: int, waiting: int) -> str:
 )
 def test_every_field_of_the_decision_on_each_path(args, expected):
     assert decide(*args) == expected
+
+
+def test_float_noise_below_a_millionth_of_a_replica_does_not_add_one():
+    """The replica count is rounded to 6 decimals before its ceiling: a load a ten-millionth
+    over one replica's target (float noise, as 2 x 0.4 / 0.8 makes) holds at 1; a load a
+    hundred-thousandth over it is real and asks for a second replica."""
+    target = POLICY.target_kv_cache_utilization
+    noise = decide(1, pods((target * 1.0000001, 0)), POLICY, (), now=1000.0)
+    assert (noise.recommended, noise.replicas) == (1, 1)
+    real = decide(1, pods((target * 1.00001, 0)), POLICY, (), now=1000.0)
+    assert (real.recommended, real.replicas) == (2, 2)
