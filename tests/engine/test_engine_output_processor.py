@@ -270,3 +270,21 @@ def test_a_stop_string_inside_a_draft_run_drops_the_rest_of_that_run_only(tokeni
         ("r", " The", "stop"),
         ("other", "Hello", None),
     ]
+
+
+def test_the_core_output_carries_the_prompt_and_a_finished_sample_drops_only_its_token():
+    """The tracker on its own: its output names the prompt's token ids and says
+    `finished is False` while a sample runs; a token for a sample that ended since it was
+    scheduled (a stop string the frontend found) is dropped, and the tokens after it in the
+    same step, another request's, are not."""
+    tracker = OutputTracker()
+    two = SamplingParams(n=2)
+    tracker.add_request("a", [5, 6], two, 0.0)
+    tracker.add_request("b", [7], SamplingParams(), 0.0)
+    ended = Sequence("a", 0, [5, 6, 9], 2, two, None, 0.0)
+    other = Sequence("b", 0, [7, 9], 1, SamplingParams(), None, 0.0)
+    out = tracker.finish("a", "stop", 1.0, sample_index=0)
+    assert (out.request_id, out.prompt_token_ids, out.finished) == ("a", [5, 6], False)
+    (out,) = tracker.process([(ended, SampledToken(9)), (other, SampledToken(9))], 2.0)
+    assert (out.request_id, out.prompt_token_ids, out.finished) == ("b", [7], False)
+    assert [(c.index, c.token_ids) for c in out.outputs] == [(0, [9])]
