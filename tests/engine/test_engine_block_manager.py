@@ -322,3 +322,35 @@ def test_a_leak_report_names_the_first_20_held_blocks_and_the_count():
     assert str(caught.value) == (
         f"blocks still referenced: {list(range(20))} (25 in all); free queue holds 7 of 32"
     )
+
+
+def test_holds_slots_looks_only_at_the_blocks_of_those_slots():
+    """A fork that copied its partial block on its first write holds the slots in it alone,
+    even though a lookahead block after it (allocated by the parent, past the slots asked
+    about) is still shared."""
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    parent = make_seq(range(6))
+    assert bm.allocate(parent, 10) is not None  # 6 tokens and 4 lookahead slots: 3 blocks
+    parent.num_computed_tokens = 6
+    child = parent.fork(1, None)
+    bm.fork(child)
+    assert bm.allocate(child, 1) is not None  # copy-on-write of block 1 only
+    assert child.block_table[2] == parent.block_table[2] != child.block_table[1]
+    assert bm.holds_slots(child, 2)  # positions 6, 7: its own copy
+    assert not bm.holds_slots(child, 3)  # position 8: the shared lookahead block
+
+
+def test_the_same_tokens_under_another_adapter_are_another_prefix():
+    """A sequence's first block hashes from its adapter's seed: the same tokens cached for
+    the base model or one adapter are no hit for another adapter, and a hit for the same
+    one."""
+    bm = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    tokens = range(9)
+    for lora_id in (None, 1):
+        seq = make_seq(tokens, request_id=f"warm-{lora_id}")
+        seq.lora_id = lora_id
+        compute(bm, seq, 9)
+    for lora_id, hits in ((None, 2), (1, 2), (2, 0)):
+        seq = make_seq(tokens, request_id=f"probe-{lora_id}")
+        seq.lora_id = lora_id
+        assert len(bm.find_cached_prefix(seq)) == hits, lora_id
