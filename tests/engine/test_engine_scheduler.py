@@ -501,3 +501,47 @@ def test_every_new_token_of_a_step_is_returned_decodes_and_forks_alike():
         ("f", 0, 5),
         ("f", 1, 6),
     ]
+
+
+def with_adapter(request_id, lora_id, first_token):
+    seq = make_seq(request_id, 4, first_token=first_token)
+    seq.lora_id = lora_id
+    return seq
+
+
+def test_an_adapter_without_a_free_slot_waits_while_the_requests_behind_it_run():
+    """One adapter slot: the first adapter's request takes it (one load handed out), a
+    second adapter's request finds no free slot and waits, while a later request of the
+    resident adapter and a base-model one are admitted behind it. Once the slot's readers
+    finish, the waiting adapter is loaded into it."""
+    s = make_scheduler(enable_lora=True, max_loras=1)
+    first, other = with_adapter("a", 1, 0), with_adapter("b", 2, 10)
+    same, base = with_adapter("a2", 1, 20), make_seq("c", 4, first_token=30)
+    for seq in (first, other, same, base):
+        s.add(seq)
+    scheduled, out = run_step(s)
+    assert set(scheduled) == {"a", "a2", "c"} and [q.request_id for q in s.waiting] == ["b"]
+    assert out.lora_loads == [(0, 1)]
+    assert (first.lora_slot, same.lora_slot, base.lora_slot) == (0, 0, None)
+    run_step(s)
+    assert run_step(s)[1].lora_loads == []  # resident: no copy while it runs
+    for seq in (first, same):
+        s.finish(seq, "abort")
+    assert first.lora_slot is None
+    scheduled, out = run_step(s)
+    assert "b" in scheduled and out.lora_loads == [(0, 2)] and other.lora_slot == 0
+
+
+def test_an_embedding_request_finishes_when_its_prompt_is_done_and_the_step_goes_on():
+    """An embedding request's step that completes its prompt finishes it ("stop", its
+    blocks freed); the sequences after it in the same step still get their tokens."""
+    s = make_scheduler()
+    pooled, generated = make_seq("embed", 4), make_seq("gen", 4, first_token=10)
+    pooled.pooling = True
+    s.add(pooled)
+    s.add(generated)
+    scheduled, _ = run_step(s)
+    assert scheduled == {"embed": 4, "gen": 4}
+    assert pooled.status is SequenceStatus.FINISHED and pooled.finish_reason == "stop"
+    assert pooled.block_table == [] and s.running == [generated]
+    assert generated.num_output_tokens == 1
