@@ -4,7 +4,7 @@ import hashlib
 from array import array
 
 import pytest
-from pagefleet_serve.engine.block_manager import BlockManager, hash_block
+from pagefleet_serve.engine.block_manager import BlockManager, hash_block, lora_hash_seed
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -354,3 +354,15 @@ def test_the_same_tokens_under_another_adapter_are_another_prefix():
         seq = make_seq(tokens, request_id=f"probe-{lora_id}")
         seq.lora_id = lora_id
         assert len(bm.find_cached_prefix(seq)) == hits, lora_id
+
+
+def test_an_adapters_seed_is_the_hash_of_its_id():
+    """The first block's parent: none for the base model, sha256(b"lora:<id>") for an
+    adapter, so a block hash is reproducible from the adapter id and the tokens alone."""
+    assert lora_hash_seed(None) is None
+    assert lora_hash_seed(7) == hashlib.sha256(b"lora:7").digest()
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(5))
+    seq.lora_id = 7
+    bm.update_block_hashes(seq)
+    assert seq.block_hashes == [hash_block(lora_hash_seed(7), [0, 1, 2, 3])]

@@ -1,6 +1,7 @@
 """The scheduler's fairness between clients (no model): who is admitted first, and who
 gives up seats when one client fills the batch."""
 
+import pytest
 from pagefleet_serve.engine.sequence import SequenceStatus
 
 from tests.engine.test_engine_scheduler import make_scheduler, make_seq, run_step, steps_while
@@ -165,3 +166,72 @@ def test_every_preempted_decode_gives_its_token_back():
     scheduled, out = run_step(s)
     assert len(out.preempted) == 2 and scheduled["pair"] == 4
     assert out.num_batched_tokens == 6
+
+
+@pytest.mark.parametrize("order", [("a1", "b1", "b2"), ("b1", "b2", "a1")])
+def test_the_client_holding_fewer_seats_gets_the_free_seat_whichever_arrived_first(order):
+    """One free seat, two waiting clients' requests of one priority: the client holding
+    fewer seats gets it, before or after the other's requests in arrival order, and nobody
+    is preempted for a wrong pick (a client's second waiting request is not a client of
+    its own)."""
+    s = make_scheduler(max_num_seqs=4, num_blocks=256)
+    fill(s, {"a": 1, "b": 2})
+    for index, request_id in enumerate(order):
+        s.add(from_client(request_id[0], request_id, first_token=100 + 10 * index))
+    scheduled, out = run_step(s)
+    assert "a1" in scheduled and not out.preempted
+    assert [q.request_id for q in s.waiting] == ["b1", "b2"]
+
+
+def test_a_new_client_is_preferred_to_an_earlier_request_of_a_client_holding_one_seat():
+    """The scan does not stop at a client holding one seat: a later request of a client
+    holding none takes the free seat, and the first waits (the batch is then full), with
+    nobody preempted."""
+    s = make_scheduler(max_num_seqs=4, num_blocks=256)
+    fill(s, {"a": 1, "b": 2})
+    s.add(from_client("a", "a1", first_token=100))
+    s.add(from_client("c", "c1", first_token=110))
+    scheduled, out = run_step(s)
+    assert "c1" in scheduled and not out.preempted
+    assert [q.request_id for q in s.waiting] == ["a1"]
+
+
+def test_a_worse_priority_behind_the_best_request_does_not_stop_its_admission():
+    """The scan stops at the first request of a worse priority, and admits the best one it
+    found before it, of whichever client; the worse one runs after it."""
+    s = make_scheduler(max_num_seqs=8, num_blocks=256)
+    fill(s, {"a": 1})
+    s.add(from_client("a", "urgent", first_token=100))
+    s.add(from_client("b", "later", first_token=110, priority=1))
+    scheduled, _ = run_step(s)
+    assert {"urgent", "later"} <= set(scheduled)
+
+
+def test_a_client_is_first_to_a_new_seat_while_any_request_of_it_waits():
+    """A client with two waiting requests still counts as waiting after the first is
+    admitted: for the next free seat its second request, holding fewer seats, is preferred
+    to an earlier request of a client holding more, and nobody is preempted to undo a
+    wrong pick."""
+    s = make_scheduler(max_num_seqs=5, num_blocks=256)
+    fill(s, {"b": 3})
+    s.add(from_client("b", "b1", first_token=100))
+    s.add(from_client("a", "a1", first_token=110))
+    s.add(from_client("a", "a2", first_token=120))
+    scheduled, out = run_step(s)
+    assert {"a1", "a2"} <= set(scheduled) and not out.preempted
+    assert [q.request_id for q in s.waiting] == ["b1"]
+
+
+def test_the_waiting_clients_are_counted_exactly_and_forgotten_when_none_waits():
+    """The count of each client's waiting requests (which ends the admission scan once
+    every waiting client was seen) follows adds and admissions exactly, and a client with
+    nothing waiting leaves it, so that a server seeing many clients keeps no entry for
+    those gone."""
+    s = make_scheduler(max_num_seqs=2, num_blocks=256)
+    for request_id in ("a1", "a2", "b1"):
+        s.add(from_client(request_id[0], request_id, first_token=10 * len(s.waiting)))
+    assert s._waiting_clients == {"a": 2, "b": 1}
+    run_step(s)  # a1 and b1 take the two seats
+    assert s._waiting_clients == {"a": 1}
+    s.finish(s.sequences_of("a2")[0], "abort")
+    assert s._waiting_clients == {}
