@@ -11,9 +11,11 @@ import xgrammar as xgr
 from pagefleet_serve import LLM
 from pagefleet_serve.engine.sampler import (
     CDF_BLOCK,
+    SampledToken,
     SampleRow,
     _apply_penalties,
     _apply_top_k_top_p_min_p,
+    _sample,
     sample,
 )
 from pagefleet_serve.sampling_params import SamplingParams
@@ -290,6 +292,34 @@ def test_batched_sampling_equals_sampling_each_row_alone(case, device):
     # The comparison tells rows apart: the same rows over each other's logits differ.
     shifted = one_at_a_time(logits.roll(1, dims=0), batch_rows(BATCH_CASES[case], device)[1])
     assert [t.token_id for t in shifted] != [t.token_id for t in batched]
+
+
+NO_DISTRIBUTION = (
+    "sampling failed: the row's logits hold no distribution (NaN, infinite, or nothing "
+    "finite once its penalties and constraint were applied)"
+)
+
+
+@pytest.mark.parametrize("case", sorted(BATCH_CASES))
+def test_the_batched_path_itself_samples_every_case_without_falling_back(case):
+    """`sample` retries a batch that raises row by row, which draws the same tokens: a
+    batched path broken for some setting would go unseen but for its cost (every step
+    sampled row by row). `_sample`, the batched path alone, must give each case's tokens
+    itself, with unseeded rows (drawn from the generator passed) among seeded and greedy
+    ones, and a row with no distribution (a NaN) failing alone with its reason."""
+    logits, rows = batch_rows(BATCH_CASES[case], "cpu")
+    _, again = batch_rows(BATCH_CASES[case], "cpu")
+    for r in (rows[1], again[1]):  # one row draws from the shared generator
+        r.generator = None
+    logits[2, 5] = float("nan")
+    batched = _sample(logits, rows, torch.Generator().manual_seed(3))
+    expected = sample(logits, again, torch.Generator().manual_seed(3))
+    assert [t.token_id for t in batched] == [t.token_id for t in expected]
+    assert [(t.logprob, t.top_logprobs) for t in batched] == [
+        (t.logprob, t.top_logprobs) for t in expected
+    ]
+    assert batched[2] == SampledToken(-1, error=NO_DISTRIBUTION)
+    assert all(t.error is None and t.token_id >= 0 for i, t in enumerate(batched) if i != 2)
 
 
 def test_greedy_rows_in_a_sampled_batch_never_read_uninitialized_noise():
