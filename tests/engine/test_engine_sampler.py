@@ -320,6 +320,24 @@ def test_the_batched_path_itself_samples_every_case_without_falling_back(case):
     ]
     assert batched[2] == SampledToken(-1, error=NO_DISTRIBUTION)
     assert all(t.error is None and t.token_id >= 0 for i, t in enumerate(batched) if i != 2)
+    # Every other row that asked for logprobs has them, those after the failed row too.
+    assert all(
+        (t.logprob is not None) == (r.params.logprobs is not None)
+        for i, (t, r) in enumerate(zip(batched, rows, strict=True))
+        if i != 2
+    )
+
+
+def test_the_logprob_of_a_sampled_token_zero_is_token_zeros():
+    """Token id 0 is a token like any other: its logprob is read at index 0 (a failed
+    row's -1 is clamped to 0 for the gather, and nothing else)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]])
+    rows = [row(SamplingParams(temperature=0.0, logprobs=1)) for _ in range(2)]
+    tokens = sample(logits, rows)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert [t.token_id for t in tokens] == [0, 2]
+    assert tokens[0].logprob == pytest.approx(expected[0, 0].item(), abs=1e-6)
+    assert tokens[1].logprob == pytest.approx(expected[1, 2].item(), abs=1e-6)
 
 
 def test_greedy_rows_in_a_sampled_batch_never_read_uninitialized_noise():
