@@ -166,3 +166,18 @@ def test_u_zero_skips_whole_blocks_without_mass():
     probs = torch.zeros(1, 3 * CDF_BLOCK)
     probs[0, 2 * CDF_BLOCK + 40], probs[0, 2 * CDF_BLOCK + 90] = 0.5, 0.5
     assert invert(probs, [0.0, 0.25, 0.75]) == [2 * CDF_BLOCK + 40] * 2 + [2 * CDF_BLOCK + 90]
+
+
+def test_a_seeded_row_draws_one_float64_uniform_from_its_generator():
+    """A seeded row's token is the inverse CDF at one float64 uniform number drawn from its
+    own generator, and the draw leaves the generator exactly one such number on (so a
+    seed's tokens are the same on every engine, and the next step draws the next number)."""
+    logits = torch.tensor([LOGITS] * 3) + torch.arange(12.0).reshape(3, 4) / 7
+    rows = [row(SamplingParams(), seed) for seed in (5, 6, 7)]
+    tokens = sample(logits, rows)
+    for i, seed in enumerate((5, 6, 7)):
+        reference = torch.Generator().manual_seed(seed)
+        u = torch.empty(1, 1, dtype=torch.float64).uniform_(generator=reference)
+        expected = _invert_cdf(torch.softmax(logits[i : i + 1], dim=-1), u)
+        assert tokens[i].token_id == expected.item()
+        assert torch.equal(rows[i].generator.get_state(), reference.get_state())
