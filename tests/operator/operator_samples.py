@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
 from typing import Any
 
 import yaml
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-CRD_PATH = REPO / "crds" / "inferenceservices.pagefleet.dev.yaml"
+# PAGEFLEET_CRD_PATH: a changed copy of the CRD for the tests to judge instead of the real
+# one (mutation/cel_mutants.py writes one per mutant of a CEL rule).
+CRD_PATH = pathlib.Path(
+    os.environ.get("PAGEFLEET_CRD_PATH", REPO / "crds" / "inferenceservices.pagefleet.dev.yaml")
+)
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 DEFAULT_IMAGE = "ghcr.io/pagefleet/servingpod:0.1.0"
 
