@@ -92,8 +92,17 @@ def test_pvc_paths_cannot_climb_out_of_the_claim(uri):
         parse_spec(spec, default_image=DEFAULT_IMAGE)
 
 
-def test_pvc_paths_with_dots_in_names_are_fine():
-    spec = {"model": {"uri": "pvc://claim/llama..v3/model.gguf"}}
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "pvc://claim/llama..v3/model.gguf",
+        "pvc://claim/llama../model.gguf",  # `..` ends a name, not a segment
+        "pvc://claim/..cache/model.gguf",  # `..` starts one
+        "pvc://claim/models/llama..",
+    ],
+)
+def test_pvc_paths_with_dots_in_names_are_fine(uri):
+    spec = {"model": {"uri": uri}}
     assert admit(resource(spec))[1] == []
     parse_spec(spec, default_image=DEFAULT_IMAGE)
 

@@ -248,6 +248,14 @@ def test_the_crd_validates_parallelism_in_the_api_servers_words():
     )
 
 
+@pytest.mark.parametrize(
+    "parallelism", [{"tensor": 2, "nodes": 2}, {"pipeline": 2, "nodes": 2}], ids=str
+)
+def test_nodes_may_divide_tensor_or_pipeline_alone(parallelism):
+    """The rule multiplies both sizes: each one counts, the other's default 1 with it."""
+    assert admit_isvc(parallelism) == []
+
+
 def test_the_built_in_models_shape_is_its_gguf_header():
     reader = gguf.GGUFReader(str(builtin_gguf_path()))
 
