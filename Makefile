@@ -81,6 +81,9 @@ test-random: install
 # the router's policy against their fast tests (a few minutes on one core; not part of `make test`). mutmut 3
 # wants the code under src/: a copy is staged in $(MUTATION_DIR). Prints the score and
 # the surviving mutants; mutation/equivalent-mutants.md explains the ones that cannot die.
+# Then the CRD's CEL rules: mutation/cel_mutants.py changes each rule one operator at a time
+# and runs the admission tests (tests/operator, through their CEL evaluator) against each
+# changed copy of the CRD, printing each mutant and the score (about 8 minutes).
 # One torch thread: mutmut forks a process per mutant, and torch's thread pool hangs in a
 # forked child.
 MUTATION_DIR := .mutation
@@ -97,6 +100,7 @@ mutation: install
 		$(CURDIR)/$(VENV)/bin/mutmut run --max-children 1 >/dev/null
 	cd $(MUTATION_DIR) && $(CURDIR)/$(VENV)/bin/mutmut export-cicd-stats >/dev/null
 	$(PY) mutation/report.py $(MUTATION_DIR)
+	$(PY) mutation/cel_mutants.py
 
 # The walk on the cluster in the current kubeconfig (kind, k3d, real); skipped without one.
 e2e: install
