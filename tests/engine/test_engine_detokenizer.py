@@ -5,6 +5,7 @@ the stop-string matcher where a stop string opens the text or occurs twice in on
 token's text."""
 
 import json
+import random
 
 import pytest
 from pagefleet_serve.frontend.detokenizer import (
@@ -137,6 +138,43 @@ def test_a_character_split_over_byte_fallback_pieces_is_held_back(fallback_token
         "é",
         " 5",
     ]
+
+
+@pytest.mark.parametrize("character", ["€", "😀"])  # 3 and 4 bytes
+def test_a_character_of_three_or_four_byte_fallback_pieces_is_sent_whole(
+    fallback_tokenizer, character
+):
+    """Llama 2's decoder writes one U+FFFD per byte of a partial character ("��" after two
+    of the euro sign's three bytes): none of them is sent, and the character is sent whole
+    once its last byte arrives (it was dropped: the first U+FFFD went out instead)."""
+    pieces = [fallback_tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in character.encode()]
+    five = fallback_tokenizer.convert_tokens_to_ids("▁5")
+    price = fallback_tokenizer.convert_tokens_to_ids("▁Price:")
+    sent = stream(fallback_tokenizer, [five, *pieces, five], prompt=[price])
+    assert sent == [" 5", *[""] * (len(pieces) - 1), character, " 5"]
+
+
+def test_byte_fallback_streams_the_decoded_text(fallback_tokenizer):
+    """Random runs of words and 2-, 3- and 4-byte characters as byte-fallback pieces, the
+    last character perhaps cut short: each delta is whole text, and the stream is the text
+    the tokenizer decodes, less only the U+FFFDs of a character still partial at the end.
+    (A run of bytes that is not UTF-8 is out of scope: the ByteFallback decoder turns a
+    whole run of byte pieces into U+FFFDs when any of it is invalid.)"""
+    rng = random.Random(0)
+    ids = fallback_tokenizer.convert_tokens_to_ids
+    words = [[ids("▁5")], [ids("▁Price:")]]
+    characters = [[ids(f"<0x{b:02X}>") for b in c.encode()] for c in "é€😀"]
+    price = ids("▁Price:")
+    context = fallback_tokenizer.decode([price])
+    for _ in range(300):
+        units = [rng.choice(words + characters) for _ in range(rng.randrange(1, 12))]
+        character = rng.choice(characters)
+        cut = character[: rng.randrange(len(character))]  # bytes of a character to come
+        tokens = [t for unit in units for t in unit]
+        deltas = stream(fallback_tokenizer, [*tokens, *cut], prompt=[price])
+        whole = fallback_tokenizer.decode([price, *tokens])[len(context) :]
+        assert "".join(deltas) == whole, (units, cut)
+        assert "\ufffd" not in whole
 
 
 def test_a_skipped_special_token_sends_nothing_and_keeps_the_next_words_space(
