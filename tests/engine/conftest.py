@@ -5,6 +5,7 @@ test."""
 import pytest
 from pagefleet_serve import LLM
 from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.frontend.detokenizer import _BYTE_LEVEL
 from pagefleet_serve.model.loader import load_tokenizer
 
 from tests.engine.engine_prompts import QUESTIONS, SYSTEM_PROMPT
@@ -73,3 +74,16 @@ def make_llm(llm_cache):
         except AssertionError:
             llm_cache[:] = [entry for entry in llm_cache if entry[1] is not llm]
             raise
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    """The built-in model's tokenizer (byte-level BPE)."""
+    return load_tokenizer("builtin://smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def byte_token(smollm_tokenizer):
+    """byte -> the built-in tokenizer's token for that single byte."""
+    pieces = {byte: char for char, byte in _BYTE_LEVEL.items()}
+    return lambda byte: smollm_tokenizer.convert_tokens_to_ids(pieces[byte])

@@ -20,17 +20,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 
-@pytest.fixture(scope="module")
-def smollm_tokenizer():
-    return load_tokenizer("builtin://smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def byte_token(smollm_tokenizer):
-    pieces = {byte: char for char, byte in _BYTE_LEVEL.items()}
-    return lambda byte: smollm_tokenizer.convert_tokens_to_ids(pieces[byte])
-
-
 def sentencepiece(directory, decoder):
     """A SentencePiece-style tokenizer: whole words are "▁" pieces, bytes `<0xNN>` pieces,
     `<s>` its special token; saved and loaded through the product's loader as a model

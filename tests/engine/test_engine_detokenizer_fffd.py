@@ -6,21 +6,14 @@ character's bytes are held back, and a stream costs time linear in its tokens.""
 import random
 
 import pytest
-from pagefleet_serve.frontend.detokenizer import _BYTE_LEVEL, IncrementalDetokenizer
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.detokenizer import IncrementalDetokenizer
 
 FFFD_TOKEN = 24211
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("builtin://smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def byte_token(tokenizer):
-    pieces = {byte: char for char, byte in _BYTE_LEVEL.items()}
-    return lambda byte: tokenizer.convert_tokens_to_ids(pieces[byte])
+def tokenizer(smollm_tokenizer):
+    return smollm_tokenizer
 
 
 class CountingTokenizer:
