@@ -91,13 +91,11 @@ class IncrementalDetokenizer:
             return out
         if not self.token_bytes.byte_level:
             # SentencePiece's byte fallback decodes a partial character's bytes as one
-            # U+FFFD each, and the whole run of byte pieces they end (whole characters too)
-            # as U+FFFDs: send the text of the tokens before it, decoded without its bytes.
-            if boundary <= self.read_offset:
-                return ""
-            out = self._decode(self.prefix_offset, boundary)[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, boundary
-            return out
+            # U+FFFD each (and the whole run of byte pieces they end, whole characters too,
+            # as U+FFFDs), so nothing of this decode may be sent. Nothing whole waits either:
+            # its pieces are whole characters or single bytes, so every character before the
+            # partial one was sent by the token that completed it.
+            return ""
         # Byte-level BPE decodes a partial character as one U+FFFD: send all before it, and
         # move the window up to the last token that ends on a character boundary, so that
         # it stays a few tokens long.
