@@ -30,11 +30,6 @@ def run(tokenizer, prompt: str, answer: str, params: SamplingParams) -> list[Com
     return deltas
 
 
-@pytest.fixture(scope="module")
-def smollm_tokenizer():
-    return load_tokenizer("builtin://smollm2-135m")
-
-
 @pytest.mark.parametrize("stop", [["swer", "answ"], ["answ", "swer"]])
 def test_two_stop_strings_completed_by_one_token_cut_at_the_earlier(smollm_tokenizer, stop):
     # " answer" is one token: it completes "answ" (at 5 in " The answer") and "swer" (at 7).
