@@ -120,10 +120,23 @@ FewRowLinearOp = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 # int8_matmul(x (M, K), codes (N, K) int8, scales (N, K / group) float32, group,
 # int8_activations) -> (M, N): GGUF's Q8_0, w = code * scale
 Int8MatmulOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor | None]
-# add_lora(y (T, N), x (T, K), lora_a (slots, R, K), lora_b (slots, N, R), mapping): y += each
-# row's x @ lora_a[slot]^T @ lora_b[slot]^T, in place, for the rows that have a slot
-# (Punica's shrink and expand; the adapter's scale is folded into lora_b).
-AddLoRAOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRAMapping], None]
+
+
+class AddLoRAOp(Protocol):
+    def __call__(
+        self,
+        y: torch.Tensor,  # (T, N), added to in place
+        x: torch.Tensor,  # (T, K)
+        lora_a: torch.Tensor,  # (slots, R, K)
+        lora_b: torch.Tensor,  # (slots, N, R), the adapter's scale folded in
+        mapping: LoRAMapping,
+        parts: tuple[int, ...] = (),
+    ) -> None:
+        """y += each row's x @ lora_a[slot]^T @ lora_b[slot]^T for the rows that have a slot
+        (Punica's shrink and expand). `parts`: the output sizes of a fused linear's parts
+        (q, k, v; gate, up), over which lora_b is block-diagonal: part p's outputs read
+        ranks [p R / P, (p + 1) R / P) of the P parts and hold zeros at the others, which an
+        operator may skip (the dense product is the same)."""
 
 
 class FusedMoEOp(Protocol):
@@ -251,8 +264,13 @@ def cpu_backend() -> KernelBackend:
 
     if not cpu_attention.available():
         raise RuntimeError("the C++ attention kernel could not be built here (no compiler?)")
-    # The adapters' matmuls are small: PyTorch's, batched over the slots a step reads.
-    native: dict[str, object] = {"add_lora": lora_ops.add_lora_padded}
+    # The adapters' operator: one C++ call for float32 when the extension builds, PyTorch's
+    # matmuls batched over the slots a step reads otherwise.
+    native: dict[str, object] = {
+        "add_lora": cpu_layer_ops.add_lora
+        if cpu_layer_ops.available()
+        else lora_ops.add_lora_padded
+    }
     # Tokens grouped by expert, each expert's matmuls on its rows (few rows through the C++
     # matmul when it builds).
     few_rows = cpu_layer_ops.linear if cpu_layer_ops.available() else None

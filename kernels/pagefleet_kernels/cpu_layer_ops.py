@@ -9,11 +9,13 @@ the CPU, and inside torch.compile, which traces (and fuses) the eager ops instea
 
 import torch
 
-from pagefleet_kernels import layer_ops
+from pagefleet_kernels import layer_ops, lora_ops
+from pagefleet_kernels.backend import LoRAMapping
 from pagefleet_kernels.cpu_build import load_extension
 
 __all__ = [
     "act_and_mul",
+    "add_lora",
     "add_rms_norm",
     "available",
     "decoder_layer",
@@ -129,6 +131,33 @@ def linear(x, weight):
     if x.dim() != 2 or x.stride(-1) != 1 or not weight.is_contiguous():
         return None
     return ext.linear(x, weight)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    mapping: LoRAMapping,
+    parts: tuple[int, ...] = (),
+) -> None:
+    """`lora_ops.add_lora` in one call for float32 (a step calls it four times a layer, and
+    the eager form's gathers, two matmuls and scatter cost more than their arithmetic at
+    decode sizes): each rank row of a slot's A and each output row of its B read once for
+    all of the slot's rows, and B's zeros outside the blocks of `parts` not read. Other
+    dtypes go to `lora_ops.add_lora_padded`."""
+    ext = _native(y)
+    tensors = (y, x, lora_a, lora_b)
+    if (
+        ext is None
+        or any(t.dtype != torch.float32 or t.device != y.device for t in tensors)
+        or y.stride(-1) != 1
+        or x.stride(-1) != 1
+        or not (lora_a.is_contiguous() and lora_b.is_contiguous())
+    ):
+        lora_ops.add_lora_padded(y, x, lora_a, lora_b, mapping)
+        return
+    ext.add_lora(y, x, lora_a, lora_b, mapping.token_slots, list(parts))
 
 
 def quantized_linear(

@@ -1,6 +1,6 @@
 """The batched LoRA operator in PyTorch (Punica's shrink-then-expand, one pair of matmuls
-per adapter slot present in the step): the ground truth and the implementation every
-backend declares today.
+per adapter slot present in the step): the ground truth, the torch backend's operator, and
+the cpu backend's for what its C++ one does not take (`cpu_layer_ops.add_lora`).
 
 Each row of a step carries its own adapter slot or none (`LoRAMapping`); the rows of one
 slot are gathered, multiplied by that slot's A then B, and added back into the layer's
@@ -21,6 +21,7 @@ def add_lora(
     lora_a: torch.Tensor,  # (slots, R, K)
     lora_b: torch.Tensor,  # (slots, N, R), the adapter's scale folded in
     mapping: LoRAMapping,
+    parts: tuple[int, ...] = (),  # lora_b's blocks: read whole (see `AddLoRAOp`)
 ) -> None:
     """y[t] += lora_b[s] @ (lora_a[s] @ x[t]) for each row t of slot s; the rows without an
     adapter are left as they are."""
@@ -35,6 +36,7 @@ def add_lora_padded(
     lora_a: torch.Tensor,  # (slots, R, K)
     lora_b: torch.Tensor,  # (slots, N, R)
     mapping: LoRAMapping,
+    parts: tuple[int, ...] = (),  # lora_b's blocks: read whole (see `AddLoRAOp`)
 ) -> None:
     """`add_lora` in a fixed handful of ops whatever the step mixes (the cpu backend's: on
     a small CPU each op costs microseconds, and a step calls this four times a layer): the

@@ -116,6 +116,7 @@ def add_lora(
     lora_a: torch.Tensor,  # (S, R, K)
     lora_b: torch.Tensor,  # (S, N, R)
     mapping: LoRAMapping,
+    parts: tuple[int, ...] = (),  # lora_b's blocks: read whole (see `AddLoRAOp`)
 ) -> None:
     """`lora_ops.add_lora`, in two launches for up to MAX_ROWS rows (see the module
     docstring for what goes to the PyTorch form instead)."""

@@ -214,6 +214,45 @@ def test_few_slots_many_adapters(checkpoint):
     assert slots.num_slots == 1 and llm.engine.runner.lora.layers[0]["qkv_proj"][0].shape[0] == 1
 
 
+def test_a_fused_module_adapted_whole_is_handed_to_the_operator_dense(llm):
+    """A slot whose adapter adapts q/k/v as one (Phi-3's fused `qkv_proj`) holds a dense B
+    over the parts: the operator is told no parts for that module while the slot holds it
+    (the C++ operator skips what lies off the blocks), and the parts again once the slot
+    holds an adapter per part; the delta is the adapter's in both."""
+    from pagefleet_kernels.backend import LoRAMapping
+    from pagefleet_serve.model.lora import LayerLoRA, LoRAWeights, fused_layout
+
+    config = llm.engine.runner.model.config
+    layout = fused_layout(config)
+    (hidden, outs), rank = layout["qkv_proj"], 4
+    weights = LoRAWeights(config, 1, rank, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(rank, hidden, generator=generator), torch.randn(sum(outs), rank)
+    x = torch.randn(3, hidden, generator=generator)
+    slots = torch.tensor([0, 0, -1])
+    mapping = LoRAMapping(slots, [(0, torch.tensor([0, 1]))])
+    expected = torch.zeros(3, sum(outs))
+    expected[:2] = x[:2] @ a.T @ b.T
+
+    def delta() -> torch.Tensor:
+        layer = LayerLoRA(
+            weights.layers[0], weights.blocks, mapping, llm.engine.runner.model.backend.add_lora
+        )
+        return layer.add("qkv_proj", torch.zeros(3, sum(outs)), x)
+
+    weights.load(0, LoRAAdapter("whole", 1, "", rank, {(0, "qkv_proj", None): (a, b)}))
+    assert (
+        weights.blocks["qkv_proj"] == ()
+        and weights.blocks["gate_up_proj"] == (layout["gate_up_proj"][1])
+    )
+    torch.testing.assert_close(delta(), expected)
+    q = b[: outs[0]]
+    weights.load(0, LoRAAdapter("q", 2, "", rank, {(0, "qkv_proj", 0): (a, q)}))
+    assert weights.blocks["qkv_proj"] == outs
+    expected[:2, outs[0] :] = 0
+    torch.testing.assert_close(delta(), expected)
+
+
 # -- the slots ---------------------------------------------------------------------------
 def test_step_buffers_group_the_rows_of_each_slot():
     buffers = StepBuffers(torch.device("cpu"), block_size=4)

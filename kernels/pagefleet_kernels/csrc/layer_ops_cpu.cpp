@@ -597,6 +597,85 @@ void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t N,
   });
 }
 
+// The dot product of n floats, in two vector accumulators (the LoRA operator's rows: a few
+// hundred inputs for the shrink, the rank of one part for the expand).
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t k = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; k + 16 <= n; k += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc1);
+  }
+  for (; k + 8 <= n; k += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
+  sum = pagefleet::sum_lanes(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; k < n; ++k) sum += a[k] * b[k];
+  return sum;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The lane sums of v[0..7], as one vector (lane j: the sum of v[j]'s lanes).
+inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
+
+// y (T, N) += lora_b[s] (lora_a[s] x[t]) for each row t of each slot s in `slot_rows`.
+// The shrink reads each rank row of a slot's A once for all of the slot's rows. The expand
+// takes the outputs in tiles of up to 8 within one part (`tiles`: first output, end, the
+// part's first rank): each of the tile's B rows (`width` ranks from the part's first) meets
+// each of the slot's rows, and the tile's 8 sums are reduced together, not one at a time.
+struct LoRATile {
+  int64_t n0, n1, first;
+};
+
+void add_lora_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride,
+                   const float* a, const float* b, const std::vector<std::vector<int64_t>>& slot_rows,
+                   const std::vector<int64_t>& slots, const std::vector<LoRATile>& tiles,
+                   int64_t width, int64_t T, int64_t N, int64_t K, int64_t R) {
+  std::vector<float> shrunk(T * R);
+  const int64_t S = static_cast<int64_t>(slots.size());
+  at::parallel_for(0, S * R, grain(K), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = slots[i / R], r = i % R;
+      const float* ar = a + (s * R + r) * K;
+      for (int64_t t : slot_rows[s]) shrunk[t * R + r] = dot(ar, x + t * x_stride, K);
+    }
+  });
+  const int64_t tiles_n = static_cast<int64_t>(tiles.size());
+  at::parallel_for(0, tiles_n, grain(8 * width * S), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const LoRATile tile = tiles[i];
+      for (int64_t s : slots) {
+        const float* bs = b + s * N * R + tile.first;
+        for (int64_t t : slot_rows[s]) {
+          const float* sh = &shrunk[t * R + tile.first];
+          float* yt = y + t * y_stride;
+#if defined(__AVX2__) && defined(__FMA__)
+          if (tile.n1 - tile.n0 == 8 && width % 8 == 0) {
+            __m256 acc[8];
+            for (int64_t j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < width; k += 8) {
+              const __m256 shv = _mm256_loadu_ps(sh + k);
+              for (int64_t j = 0; j < 8; ++j)
+                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(bs + (tile.n0 + j) * R + k), shv, acc[j]);
+            }
+            _mm256_storeu_ps(yt + tile.n0, _mm256_add_ps(_mm256_loadu_ps(yt + tile.n0), sum_lanes8(acc)));
+            continue;
+          }
+#endif
+          for (int64_t n = tile.n0; n < tile.n1; ++n) yt[n] += dot(bs + n * R, sh, width);
+        }
+      }
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
@@ -851,7 +930,57 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight) {
   return out;
 }
 
+// The batched LoRA operator, float32 (lora_ops.add_lora): y (T, N) += lora_b[s] lora_a[s]
+// x[t] in place for each row t whose slot s = token_slots[t] is not -1; lora_a (S, R, K),
+// lora_b (S, N, R), contiguous. `parts`: the output sizes of a fused linear's parts (empty:
+// one), over which lora_b is block-diagonal (part p's outputs read ranks [p R / P,
+// (p + 1) R / P) of the P parts, the rest are zeros), so that the zeros are not read.
+void add_lora(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& lora_a,
+              const torch::Tensor& lora_b, const torch::Tensor& token_slots,
+              const std::vector<int64_t>& parts) {
+  check_rows(y, "y");
+  check_rows(x, "x");
+  for (const torch::Tensor& t : {y, x, lora_a, lora_b})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32, "add_lora takes float32 tensors");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3 && lora_a.is_contiguous() && lora_b.is_contiguous(),
+              "lora_a and lora_b must be contiguous (S, R, K) and (S, N, R)");
+  const int64_t T = y.size(0), N = y.size(1), K = x.size(1);
+  const int64_t S = lora_a.size(0), R = lora_a.size(1);
+  TORCH_CHECK(x.size(0) == T && lora_a.size(2) == K && lora_b.size(0) == S && lora_b.size(1) == N &&
+                  lora_b.size(2) == R,
+              "add_lora: x, lora_a and lora_b do not fit y");
+  TORCH_CHECK(token_slots.dim() == 1 && token_slots.size(0) == T && token_slots.scalar_type() == torch::kInt64 &&
+                  token_slots.is_contiguous(),
+              "add_lora: token_slots must be contiguous (T,) int64");
+  const int64_t P = parts.empty() ? 1 : static_cast<int64_t>(parts.size());
+  TORCH_CHECK(R % P == 0, "add_lora: the rank ", R, " is not a multiple of the ", P, " parts");
+  const std::vector<int64_t> sizes = parts.empty() ? std::vector<int64_t>{N} : parts;
+  std::vector<LoRATile> tiles;
+  int64_t n = 0;
+  for (int64_t p = 0; p < static_cast<int64_t>(sizes.size()); ++p) {
+    TORCH_CHECK(sizes[p] >= 0 && n + sizes[p] <= N, "add_lora: the parts do not add up to ", N);
+    for (int64_t n0 = n; n0 < n + sizes[p]; n0 += 8)
+      tiles.push_back({n0, std::min(n0 + 8, n + sizes[p]), p * (R / P)});
+    n += sizes[p];
+  }
+  TORCH_CHECK(n == N, "add_lora: the parts do not add up to ", N);
+  const int64_t* slot_of = token_slots.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> slot_rows(S);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot_of[t] >= -1 && slot_of[t] < S, "add_lora: row ", t, " reads slot ", slot_of[t], " of ", S);
+    if (slot_of[t] >= 0) slot_rows[slot_of[t]].push_back(t);
+  }
+  std::vector<int64_t> slots;
+  for (int64_t s = 0; s < S; ++s)
+    if (!slot_rows[s].empty()) slots.push_back(s);
+  if (slots.empty()) return;
+  add_lora_rows(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
+                lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), slot_rows, slots, tiles, R / P,
+                T, N, K, R);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_lora", &add_lora, "y += each row's LoRA delta, float32 (CPU)");
   m.def("linear", &linear, "x times a float32 weight's transpose, for a few rows (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm of the sum (CPU)");

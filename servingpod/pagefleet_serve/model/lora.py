@@ -255,6 +255,17 @@ class LoRAWeights:
             {module: slot_pair(*shape) for module, shape in self.layout.items()}
             for _ in range(config.num_layers)
         ]
+        # The fused modules that a slot's adapter adapts whole (a dense B), per slot; and
+        # each module's parts over which every slot's B is block-diagonal (() where one is
+        # dense): what the operator may skip (`AddLoRAOp`'s `parts`).
+        self._whole: list[set[str]] = [set() for _ in range(num_slots)]
+        self.blocks = self._blocks()
+
+    def _blocks(self) -> dict[str, tuple[int, ...]]:
+        return {
+            module: () if any(module in whole for whole in self._whole) else outs
+            for module, (_, outs) in self.layout.items()
+        }
 
     @property
     def nbytes(self) -> int:
@@ -275,6 +286,12 @@ class LoRAWeights:
             stacked_a, stacked_b = self.layers[index][module]
             stacked_a[slot, ranks][: a.shape[0]] = a
             stacked_b[slot, rows, ranks][:, : b.shape[1]] = b
+        self._whole[slot] = {
+            module
+            for _, module, part in adapter.weights
+            if part is None and len(self.layout[module][1]) > 1
+        }
+        self.blocks = self._blocks()
 
 
 @dataclass(frozen=True)
@@ -286,7 +303,9 @@ class LoRABatch:
     add_lora: AddLoRAOp
 
     def layer(self, index: int) -> LayerLoRA:
-        return LayerLoRA(self.weights.layers[index], self.mapping, self.add_lora)
+        return LayerLoRA(
+            self.weights.layers[index], self.weights.blocks, self.mapping, self.add_lora
+        )
 
 
 @dataclass(frozen=True)
@@ -294,6 +313,7 @@ class LayerLoRA:
     """One layer's view of a `LoRABatch`: `add(module, y, x)` adds the rows' deltas."""
 
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    blocks: dict[str, tuple[int, ...]]  # `LoRAWeights.blocks`
     mapping: LoRAMapping
     add_lora: AddLoRAOp
 
@@ -301,5 +321,5 @@ class LayerLoRA:
         """y (the output of the layer's linear `module` for inputs x) plus each row's
         adapter delta, in place; returns y."""
         a, b = self.tensors[module]
-        self.add_lora(y, x, a, b, self.mapping)
+        self.add_lora(y, x, a, b, self.mapping, self.blocks[module])
         return y
