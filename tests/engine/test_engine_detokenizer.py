@@ -75,6 +75,20 @@ def test_the_byte_level_alphabet_is_gpt2s():
     assert reference == _BYTE_LEVEL  # the module's copy, made by the same function
 
 
+@pytest.mark.parametrize("specials", [0, 1, 4, 9])
+def test_the_first_token_keeps_its_space_after_skipped_special_tokens(fallback_tokenizer, specials):
+    """A prompt ending in skipped special tokens (a chat template's): the first output word
+    keeps its leading space, as the decode of prompt and output less the prompt's has it,
+    however many specials end the prompt (the context is the last few that are text)."""
+    prompt = [2, *[1] * specials]  # "▁Price:", then <s> x specials
+    reference = fallback_tokenizer.decode([*prompt, 3, 3], skip_special_tokens=True)
+    reference = reference[len(fallback_tokenizer.decode(prompt, skip_special_tokens=True)) :]
+    assert reference == " 5 5"
+    assert "".join(stream(fallback_tokenizer, [3, 3], prompt)) == reference
+    # A prompt of specials alone: the text opens with the first word, as in the reference.
+    assert stream(fallback_tokenizer, [3, 3], [1] * specials) == ["5", " 5"]
+
+
 def test_a_byte_level_piece_gives_its_bytes_and_a_skipped_special_token_none(
     smollm_tokenizer, byte_token
 ):

@@ -12,6 +12,8 @@ import codecs
 import re
 
 _REPLACEMENT = "\ufffd"
+# How far back into the prompt the first decode's context is looked for.
+CONTEXT_WINDOW = 64
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -60,8 +62,11 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_bytes = TokenBytes(tokenizer, skip_special_tokens)
-        # A few prompt tokens of context make the first output token's leading space right.
-        self.token_ids = list(prompt_token_ids[-4:])
+        # A few prompt tokens of context make the first output token's leading space right:
+        # the last ones that are text, since a skipped special token decodes to nothing (and
+        # a SentencePiece decoder strips the leading space of the first piece after it).
+        skipped = self.token_bytes.skipped
+        self.token_ids = [t for t in prompt_token_ids[-CONTEXT_WINDOW:] if t not in skipped][-4:]
         # The window decoded: text of [prefix_offset, read_offset) was sent; of the text
         # after it, the first `sent` characters were sent too (all but a partial character).
         self.prefix_offset = 0
