@@ -5,6 +5,7 @@ The generation routes read their bodies themselves (size-limited, off the event 
 FastAPI does not validate them; their pydantic models are declared in the OpenAPI schema
 by hand. /docs and /openapi.json are off when an API key is set, unless asked for."""
 
+import asyncio
 import hmac
 import logging
 import time
@@ -33,6 +34,7 @@ from pagefleet_serve.server.openai_api import (
     read_json_body,
 )
 from pagefleet_serve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagefleet_serve.server.refusals import RefusalGuard
 from pagefleet_serve.server.responses_api import ResponsesEndpoint, ResponsesRequest
 from pagefleet_serve.server.state import ServerState
 from pagefleet_serve.server.tokenize_api import (
@@ -192,28 +194,39 @@ def build_app(state: ServerState) -> FastAPI:
     def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    _install_error_handlers(app)
+    _install_error_handlers(
+        app, RefusalGuard(state.settings.refusals_per_second, state.settings.refusal_delay)
+    )
     install_tracing(app, state.settings.otlp_traces_endpoint)
     return app
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI's JSON: ours, FastAPI's validation, Starlette's, unexpected."""
+def _install_error_handlers(app: FastAPI, refusals: RefusalGuard) -> None:
+    """Every error as OpenAI's JSON: ours, FastAPI's validation, Starlette's, unexpected;
+    a client's refusals past its allowance answered late (`refusals`)."""
+
+    async def refuse(request: Request, error: APIError) -> Response:
+        if error.status_code < 500:
+            delay = refusals.record(request.client.host if request.client else "")
+            if delay:
+                await asyncio.sleep(delay)
+        return error.response()
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return await refuse(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        return APIError(400, f"{where}: {first['msg']}", param=where).response()
+        return await refuse(request, APIError(400, f"{where}: {first['msg']}", param=where))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+        error = APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+        return await refuse(request, error)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:

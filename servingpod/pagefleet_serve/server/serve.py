@@ -232,6 +232,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
     )
     flag(
+        "--refusals-per-second",
+        "refusals (4xx answers) one client may get a second, in bursts of two seconds' "
+        "worth, before each further one is answered --refusal-delay seconds late",
+        type=float,
+        default=server("refusals_per_second"),
+    )
+    flag(
+        "--refusal-delay",
+        "seconds a refusal past a client's --refusals-per-second waits before it is "
+        "answered (0: refusals are never delayed); accepted requests never wait",
+        type=float,
+        default=server("refusal_delay"),
+    )
+    flag(
         "--forwarded-allow-ips",
         "comma-separated addresses or networks (or *) whose X-Forwarded-For header names "
         "the client, as uvicorn's flag: set it to the router's or load balancer's so that "
@@ -453,6 +467,8 @@ def run(args: argparse.Namespace) -> int:
             body_read_timeout=args.body_read_timeout,
             limit_concurrency=args.limit_concurrency,
             max_connections_per_client=args.max_connections_per_client,
+            refusals_per_second=args.refusals_per_second,
+            refusal_delay=args.refusal_delay,
             forwarded_allow_ips=args.forwarded_allow_ips,
             scheduling_policy=args.scheduling_policy,
             serve_docs=args.serve_docs,

@@ -38,6 +38,12 @@ class ServerSettings:
     # Connections one client address may hold open; more are closed at once. None: no cap
     # (the default: behind the router or a load balancer every client shares one address).
     max_connections_per_client: int | None = None
+    # Refusals (4xx answers) one client may get a second, in bursts of two seconds' worth;
+    # past them each refusal is answered `refusal_delay` seconds late (0: never), so that
+    # a client looping on faulty requests cannot take the API process from the others
+    # (server/refusals.py). Accepted requests are never delayed.
+    refusals_per_second: float = 20.0
+    refusal_delay: float = 1.0
     # Peers whose X-Forwarded-For names the client (uvicorn's --forwarded-allow-ips: a
     # comma-separated list of addresses or networks, "*" for any): behind the router,
     # which appends it, fairness between clients and the access log see the real client.
@@ -70,7 +76,12 @@ class ServerSettings:
             raise ValueError(
                 f"max_num_queued_requests must be >= 0, got {self.max_num_queued_requests}"
             )
-        for name in ("shutdown_timeout", "stream_coalesce_interval", "sse_keepalive_interval"):
+        for name in (
+            "shutdown_timeout",
+            "stream_coalesce_interval",
+            "sse_keepalive_interval",
+            "refusal_delay",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (
@@ -78,6 +89,7 @@ class ServerSettings:
             "body_read_timeout",
             "max_request_body_bytes",
             "limit_concurrency",
+            "refusals_per_second",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
