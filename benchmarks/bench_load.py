@@ -105,26 +105,33 @@ def measure(uri: str, files: list[Path], dtype, quantization: str, repeats: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quantization", default="auto", help="for the GGUF (auto keeps Q4_1)")
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["none", "auto"],
+        help="for the GGUF, each measured: none expands Q4_1 to --dtype (serve's default), "
+        "auto keeps it",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", default="bench-load.json")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     rows = []
     builtin = "builtin://smollm2-135m"
-    rows.append(
-        measure(builtin, [resolve_model_uri(builtin).path], dtype, args.quantization, args.repeats)
-    )
+    for quantization in args.quantization:
+        gguf = [resolve_model_uri(builtin).path]
+        rows.append(measure(builtin, gguf, dtype, quantization, args.repeats))
+        rows[-1]["uri"] = f"{builtin} --quantization {quantization}"
     with tempfile.TemporaryDirectory(prefix="bench-load-") as scratch:
         folder = random_checkpoint(Path(scratch))
         rows.append(measure(str(folder), files_of(folder), dtype, "none", args.repeats))
         rows[-1]["uri"] = "random Llama, 4 safetensors shards"
-    print(f"{'model':38} {'GB':>6} {'cache':>5} {'disk GB/s':>10} {'load GB/s':>10} {'ratio':>6}")
+    print(f"{'model':48} {'GB':>6} {'cache':>5} {'disk GB/s':>10} {'load GB/s':>10} {'ratio':>6}")
     for row in rows:
         for cache in ("cold", "warm"):
             r = row[cache]
             print(
-                f"{row['uri'][:38]:38} {row['bytes'] / 1e9:6.2f} {cache:>5} "
+                f"{row['uri'][:48]:48} {row['bytes'] / 1e9:6.2f} {cache:>5} "
                 f"{r['disk_gb_s']:10.2f} {r['load_gb_s']:10.2f} {r['ratio']:6.2f}"
             )
         if not row["eviction_took"]:

@@ -13,6 +13,7 @@ from pagefleet_kernels import cpu_layer_ops, layer_ops
 from pagefleet_kernels.backend import cpu_backend, torch_backend
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.model.gguf_file import GGUFFile
 from pagefleet_serve.model.linear import (
     DEQUANTIZE_ROWS,
     DEQUANTIZE_ROWS_FLOAT32,
@@ -21,7 +22,7 @@ from pagefleet_serve.model.linear import (
 )
 from pagefleet_serve.model.llama import LlamaForCausalLM
 from pagefleet_serve.model.loader import builtin_gguf_path, load_model
-from pagefleet_serve.model.quant import from_gguf, quantize_int8
+from pagefleet_serve.model.quant import dequantize_gguf, from_gguf, quantize_int8
 
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -44,6 +45,31 @@ def test_gguf_codes_stand_for_the_dequantized_weights_exactly(type_name):
     weight = from_gguf(blocks, type_name)
     assert weight.shape == (96, 256)
     torch.testing.assert_close(weight.dequantize(), torch.from_numpy(expected), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_blocks_expand_into_any_dtype_bit_for_bit_as_the_gguf_package(type_name, dtype):
+    """The loader's expansion of a float model's GGUF weights (dequantize_gguf) against
+    gguf's own: every float32 bit, 2-D and stacked experts (3-D), then one rounding."""
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    for blocks in (gguf_blocks(type_name, 40, 96, seed=1), gguf_blocks(type_name, 3 * 8, 64)):
+        if len(blocks) == 24:
+            blocks = blocks.reshape(3, 8, -1)
+        expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).to(dtype)
+        out = torch.full(expected.shape, float("nan"), dtype=dtype)
+        dequantize_gguf(blocks, type_name, out)
+        assert torch.equal(bits(out), bits(expected))
+    real = GGUFFile(builtin_gguf_path()).tensors  # the built-in model's Q4_1 matrices
+    tensor = next(t for t in real if t.tensor_type.name == "Q4_1")
+    expected = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+    out = torch.empty(expected.shape)
+    dequantize_gguf(tensor.data, "Q4_1", out)
+    assert torch.equal(bits(out), bits(expected))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 @pytest.mark.parametrize("ops", ["torch", "cpu"])  # the float32 rows' matmul: torch's, C++

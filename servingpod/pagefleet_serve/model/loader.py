@@ -25,7 +25,13 @@ import torch
 from pagefleet_serve.config import GGUF_ARCHITECTURE_NAMES, HF_MODEL_TYPES
 from pagefleet_serve.model import fp8, mxfp4, safetensors_reader
 from pagefleet_serve.model.llama import ModelConfig
-from pagefleet_serve.model.quant import QuantizedWeight, from_gguf, quantize_int8
+from pagefleet_serve.model.quant import (
+    GGUF_BLOCK_BYTES,
+    QuantizedWeight,
+    dequantize_gguf,
+    from_gguf,
+    quantize_int8,
+)
 from pagefleet_serve.model.resolve import builtin_gguf_path, resolve_model_uri
 from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, SKIP, ShardPlan, TensorParallel, take
 from pagefleet_serve.model.uri import UnsupportedModelError
@@ -271,7 +277,12 @@ def _dequantize(
     data = tensor.data if data is None else data
     if out is None:
         out = torch.empty(_gguf_shape(tensor, data), dtype=dtype)
+    type_name = tensor.tensor_type.name
     for start in range(0, data.shape[0], _DEQUANTIZE_ROWS):
+        if type_name in GGUF_BLOCK_BYTES and data.ndim > 1 and not offset:
+            rows = data[start : start + _DEQUANTIZE_ROWS]
+            dequantize_gguf(rows, type_name, out[start : start + len(rows)])
+            continue
         part = gguf.quants.dequantize(data[start : start + _DEQUANTIZE_ROWS], tensor.tensor_type)
         part = np.require(part - offset if offset else part, requirements="W")
         out[start : start + len(part)] = torch.from_numpy(part)

@@ -14,6 +14,7 @@ Every weight is exactly what dequantizing the GGUF gives (the scales are float16
 held in float32); only the order of the additions differs from a float matmul.
 """
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +104,43 @@ def _nibbles(qs: np.ndarray) -> torch.Tensor:
     np.right_shift(words, np.uint64(4), out=out[..., 2:])
     out[..., 2:] &= _LOW_NIBBLES
     return torch.from_numpy(out.view(np.uint8))
+
+
+# Bytes per 32-weight block of the GGUF types expanded here without the gguf package.
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def dequantize_gguf(data: np.ndarray, type_name: str, out: torch.Tensor) -> None:
+    """GGUF blocks, (..., blocks' bytes) uint8 of a type in GGUF_BLOCK_BYTES, expanded into
+    `out` (..., weights) of any float dtype. Bit for bit what `gguf.quants.dequantize` gives,
+    the same float32 product and sum per weight (Q4_0 (q - 8) * d, Q4_1 d * q + m, Q8_0
+    q * d), rounded once to `out`'s dtype, in a few whole torch operations that read the
+    blocks in place (a float model's load from a Q4 GGUF was mostly gguf's per-row numpy)."""
+    blocks = data.reshape(*data.shape[:-1], -1, GGUF_BLOCK_BYTES[type_name])
+    with warnings.catch_warnings():  # read, never written: the file is mapped read-only
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        halves = torch.from_numpy(blocks.view(np.float16))  # d (and Q4_1's m) lead a block
+        raw = torch.from_numpy(blocks)
+    d = halves[..., 0:1].float()
+    exact = out.dtype == torch.float32
+    w = out.view(*blocks.shape[:-1], GGUF_GROUP)
+    if not exact:
+        w = torch.empty(w.shape, dtype=torch.float32)
+    if type_name == "Q8_0":
+        torch.mul(raw[..., 2:].view(torch.int8), d, out=w)
+    else:  # 16 bytes: low nibbles are weights 0-15, high nibbles 16-31
+        qs = raw[..., 4:] if type_name == "Q4_1" else raw[..., 2:]
+        low, high = w[..., : GGUF_GROUP // 2], w[..., GGUF_GROUP // 2 :]
+        if type_name == "Q4_1":
+            torch.mul(qs & 0x0F, d, out=low)
+            torch.mul(qs >> 4, d, out=high)
+            w.add_(halves[..., 1:2].float())
+        else:
+            low.copy_(qs & 0x0F)
+            high.copy_(qs >> 4)
+            w.sub_(INT4_OFFSET).mul_(d)
+    if not exact:
+        out.copy_(w.view(out.shape))
 
 
 def from_gguf(data: np.ndarray, type_name: str) -> QuantizedWeight:
