@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from pagefleet_serve.server.refusals import MAX_CLIENTS, RefusalGuard
+from pagefleet_serve.server.refusals import MAX_CLIENTS, MAX_DELAY_S, RefusalGuard
 
 from tests.server.server_harness import ThreadServer
 
@@ -29,17 +29,40 @@ def test_the_allowance_is_two_seconds_of_the_rate_and_refills_at_it():
     guard = RefusalGuard(rate=2, delay=DELAY, clock=clock)
     assert [guard.record("a") for _ in range(5)] == [0, 0, 0, 0, DELAY]
     assert guard.record("b") == 0  # another client's allowance is its own
-    clock.now += 0.5  # one refusal's worth back
+    clock.now += 1.0  # the refusal past the allowance was owed: two refusals' worth back
     assert [guard.record("a") for _ in range(2)] == [0, DELAY]
     clock.now += 60  # refilled, and no more than full
     assert [guard.record("a") for _ in range(5)] == [0, 0, 0, 0, DELAY]
 
 
+def test_a_refusal_costs_its_work_and_past_the_allowance_the_debt_sets_the_wait():
+    """At 20 a second and 2.5 ms a refusal: 50 ms of checks cost 20 refusals; the client
+    waits until its debt would refill, at least the delay, at most MAX_DELAY_S."""
+    clock = Clock()
+    guard = RefusalGuard(rate=20, delay=0.5, clock=clock)
+    assert [guard.record("a", work_s=0.05) for _ in range(2)] == [0, 0]  # 40: the allowance
+    assert guard.record("a", work_s=0.05) == pytest.approx(1.0)  # 20 owed: a second
+    assert guard.record("a", work_s=0.05) == pytest.approx(2.0)
+    clock.now += 2.0  # the debt refilled
+    assert guard.record("a") == 0.5  # one owed: the delay, not 0.05 s
+    assert guard.record("b", work_s=0.0001) == 0  # cheap work costs one refusal
+    assert max(guard.record("a", work_s=10) for _ in range(100)) == MAX_DELAY_S
+
+
+def test_one_refusal_costs_at_most_the_whole_allowance():
+    clock = Clock()
+    guard = RefusalGuard(rate=2, delay=DELAY, clock=clock)
+    assert guard.record("a", work_s=60) == 0  # an honest client's one slow mistake
+    assert guard.record("a") == DELAY  # the allowance is spent
+
+
 def test_a_zero_delay_turns_it_off_and_bad_settings_are_refused():
     guard = RefusalGuard(rate=1, delay=0)
     assert all(guard.record("a") == 0 for _ in range(100))
-    with pytest.raises(ValueError, match="rate must be > 0"):
+    with pytest.raises(ValueError, match="rate and unit must be > 0"):
         RefusalGuard(rate=0, delay=1)
+    with pytest.raises(ValueError, match="rate and unit must be > 0"):
+        RefusalGuard(rate=1, delay=1, unit_s=0)
     with pytest.raises(ValueError, match="delay >= 0"):
         RefusalGuard(rate=1, delay=-1)
 
@@ -98,5 +121,43 @@ def test_a_client_past_its_allowance_waits_for_its_refusals_alone(server):
             assert response.status_code == 400
             assert response.json()["error"]["param"] == first.json()["error"]["param"]
             assert time.monotonic() - started >= DELAY
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def costly_server():
+    # An allowance of four refusals, 10 ms of checks: one expensive refusal spends it.
+    running = ThreadServer(
+        {"refusals_per_second": 2, "refusal_delay": 1.0},
+        max_num_seqs=2,
+        max_model_len=256,
+        kv_cache_memory_bytes=32 << 20,
+    )
+    yield running
+    running.stop()
+
+
+def test_an_expensive_refusal_spends_the_allowance_of_many(costly_server):
+    """20,000 chat messages are validated before their count is refused (tens of ms or
+    more: many refusals' worth): the client's next cheap refusal waits, another client's
+    does not. Charged one refusal each, the client would have three left."""
+    many = {"messages": [{"role": "user", "content": "hi"}] * 20_000, "max_tokens": 2}
+    bad = {"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e300}
+
+    async def scenario() -> None:
+        async with (
+            client(costly_server, "127.0.0.5") as costly,
+            client(costly_server, "127.0.0.6") as other,
+        ):
+            expensive = await costly.post("/v1/chat/completions", json=many)
+            assert expensive.status_code == 400, expensive.text
+            assert expensive.json()["error"]["param"] == "messages"
+            started = time.monotonic()
+            late = asyncio.create_task(costly.post("/v1/completions", json=bad))
+            refused = await other.post("/v1/completions", json=bad)
+            assert refused.status_code == 400 and not late.done()
+            assert (await late).status_code == 400
+            assert time.monotonic() - started >= 1.0
 
     asyncio.run(scenario())

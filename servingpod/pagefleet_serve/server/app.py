@@ -34,7 +34,7 @@ from pagefleet_serve.server.openai_api import (
     read_json_body,
 )
 from pagefleet_serve.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagefleet_serve.server.refusals import RefusalGuard
+from pagefleet_serve.server.refusals import RefusalGuard, work_seconds
 from pagefleet_serve.server.responses_api import ResponsesEndpoint, ResponsesRequest
 from pagefleet_serve.server.state import ServerState
 from pagefleet_serve.server.tokenize_api import (
@@ -207,7 +207,9 @@ def _install_error_handlers(app: FastAPI, refusals: RefusalGuard) -> None:
 
     async def refuse(request: Request, error: APIError) -> Response:
         if error.status_code < 500:
-            delay = refusals.record(request.client.host if request.client else "")
+            client = request.client.host if request.client else ""
+            work = 0.0 if error.status_code == 429 else work_seconds(request.scope)
+            delay = refusals.record(client, work)
             if delay:
                 await asyncio.sleep(delay)
         return error.response()

@@ -48,6 +48,7 @@ from pagefleet_serve.server.protocol import (
     too_many_prompts,
     value_error,
 )
+from pagefleet_serve.server.refusals import mark_body_read
 from pagefleet_serve.server.state import ServerState
 from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, plan_tools, split_output
 from pagefleet_serve.structured.grammar import CompileQueueFull
@@ -580,6 +581,7 @@ async def read_json_body(raw: Request, limit: int) -> bytes:
     except ClientDisconnect:
         # Nobody will read this answer; it only ends the request quietly.
         raise bad_request("the client disconnected before sending the whole body") from None
+    mark_body_read(raw.scope)  # a refusal from here on is charged by its work
     return bytes(body)
 
 
