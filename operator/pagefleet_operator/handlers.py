@@ -64,6 +64,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo["metrics"] = OperatorMetrics()
 
 
+@kopf.on.cleanup()
+async def stop_late_timers(**_: Any) -> None:
+    """The operator is stopping (SIGTERM), its watches and workers are done: cancel the
+    timers and daemons still running. kopf stops those it knows of when the signal comes,
+    but one it spawned for an event it was still handling then (a new InferenceService's
+    resync timer) was told nothing and slept out its interval: the exit waited kopf's 5 s
+    grace for left-over tasks, and a successor waited as long for the Lease. kopf names
+    their tasks "runner of <handler>"."""
+    for task in asyncio.all_tasks():
+        if task.get_name().startswith("runner of ") and not task.done():
+            task.cancel()
+
+
 @kopf.on.startup()
 async def wait_for_crd(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Hold the start until the API serves InferenceServices.
