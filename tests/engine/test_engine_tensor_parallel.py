@@ -246,6 +246,20 @@ def test_each_rank_holds_half_of_the_split_weights(tmp_path):
     assert sum(r.weights[name].shape[0] for r in ranks) == whole.weights[name].shape[0]
 
 
+def test_only_rank_0_loads_the_tokenizer():
+    """The engine core (global rank 0) tokenizes; the other ranks run the model alone and
+    load no tokenizer (the built-in model's is ~46 MiB resident, a worker's whole)."""
+    from pagefleet_serve.model.loader import load_model
+    from pagefleet_serve.model.tensor_parallel import TensorParallel
+
+    ranks = {
+        tp: load_model("builtin://smollm2-135m", torch.bfloat16, "auto", tp=tp).tokenizer
+        for tp in (TensorParallel(0, 2), TensorParallel(1, 2), TensorParallel(stage=1, stages=2))
+    }
+    assert [tokenizer is None for tokenizer in ranks.values()] == [False, True, True]
+    assert ranks[TensorParallel(0, 2)].encode("Hello") != []
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

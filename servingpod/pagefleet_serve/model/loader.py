@@ -93,7 +93,8 @@ def load_model(
     linear layer's matrix into int8 codes with one scale per output row, fp8 keeps a float8
     checkpoint's matrices (scaled per tensor or per row) in float8. `tp`: only this rank's
     shard of each weight is read (see model.tensor_parallel): safetensors slices, a GGUF's
-    rows or whole blocks of its columns."""
+    rows or whole blocks of its columns. The tokenizer is rank 0's alone (the engine core's;
+    the other ranks run the model only, and a tokenizer is tens of MiB and up to seconds)."""
     local = resolve_model_uri(uri)
     if local.path is None:
         loaded = _tiny_random(dtype, tp)
@@ -449,7 +450,8 @@ def _load_gguf(
     hf["vocab_size"] = vocab_size
     hf["bos_token_id"] = reader.fields.get("tokenizer.ggml.bos_token_id")
     config = _model_config(hf, scaling, () if eos is None else (eos,))
-    return LoadedModel(name, config, weights, _gguf_tokenizer(path, reader))
+    tokenizer = _gguf_tokenizer(path, reader) if tp.global_rank == 0 else None
+    return LoadedModel(name, config, weights, tokenizer)
 
 
 def _gguf_tokenizer(path: Path, reader=None):
@@ -602,7 +604,7 @@ def _load_hf_dir(
             raise UnsupportedModelError(f"{path}: {exc}") from None
     config = _model_config(hf, _rope_scaling(hf, path), _eos_token_ids(path, hf))
     tokenizer = None
-    if any(
+    if tp.global_rank == 0 and any(
         (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     ):
         tokenizer = AutoTokenizer.from_pretrained(path)
