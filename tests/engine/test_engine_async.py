@@ -9,7 +9,7 @@ from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.core import EngineCore, ThreadLink
 from pagefleet_serve.engine.llm_engine import LLMEngine
 from pagefleet_serve.frontend.core_client import EngineCoreClient, EngineDeadError
-from pagefleet_serve.messages import Request
+from pagefleet_serve.messages import CoreFailed, Request
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -131,6 +131,16 @@ def test_repeated_failures_mark_the_engine_dead(engine, core, monkeypatch):
             await collect(engine, "late", [1, 2, 3])
 
     asyncio.run(main())
+
+
+def test_a_core_that_reports_its_failure_then_exits_keeps_the_reported_reason(engine):
+    """A lost tensor-parallel rank: the core sends CoreFailed with the rank and signal, then
+    exits; its pipe's end (what the process link reports next) must not replace the cause
+    in /health with "exited with code 1"."""
+    reason = "engine failed: tensor-parallel rank 1 (pid 7) was killed by SIGKILL"
+    engine._on_message(CoreFailed(reason))
+    engine._on_core_lost("the engine core process exited with code 1")
+    assert engine.unhealthy_reason == reason and engine.dead_reason == reason
 
 
 def test_a_duplicate_request_id_is_refused_and_the_first_request_carries_on(engine, core):

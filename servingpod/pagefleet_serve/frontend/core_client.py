@@ -362,7 +362,10 @@ class EngineCoreClient:
             mailbox.put(error)
 
     def _fail_all(self, reason: str) -> None:
-        self._dead = reason
+        # The first reason is the cause: a core that reports its failure (a lost rank) then
+        # exits, and its pipe's end must not replace why with "exited with code 1".
+        if self._dead is None:
+            self._dead = reason
         for loop, answer in list(self._lora_changes.values()):
             try:
                 loop.call_soon_threadsafe(_settle, answer, EngineDeadError(reason))
