@@ -79,7 +79,17 @@ def test_block_copy_on_write_copies_the_scales():
             assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+# The quantized caches' Triton kernels (int8, fp8) are each compared with the torch backend
+# in test_kernels_attention (decode, prefill, mixed batches, block sizes); in the engine,
+# under the interpreter, they cost about two minutes here: `make test-kernels` runs them.
+@pytest.mark.parametrize(
+    "kv_cache_dtype",
+    [
+        "auto",
+        pytest.param("int8", marks=pytest.mark.slow),
+        pytest.param("fp8", marks=pytest.mark.slow),
+    ],
+)
 def test_triton_backend_generates_what_the_torch_backend_does(kv_cache_dtype):
     outputs = {}
     for backend in ("torch", "triton"):
@@ -102,7 +112,11 @@ def test_config_and_backend_choices(monkeypatch):
         get_kernel_backend("triton", cpu)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+# The Triton kernel's window and cap are compared with the torch backend's in
+# test_kernels_attention (test_sliding_window_and_softcap_match_the_torch_backend, tiles
+# before the window never read); the whole model under the interpreter (about 1.5 minutes
+# here) runs in `make test-kernels`.
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_window_and_softcap_model_on_every_backend(backend, tmp_path):
     """Gemma 2 (sliding and global layers, soft-capped attention) on prompts longer than
     its window, prefill chunks mixed with decodes: each backend's greedy tokens equal

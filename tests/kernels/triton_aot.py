@@ -17,8 +17,11 @@ import contextlib
 import io
 import itertools
 import json
+import multiprocessing
+import os
 import re
 import sys
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -396,53 +399,69 @@ def compile_for(source: ASTSource, options: dict, capability: int) -> dict:
     }
 
 
-def compile_launches(launches: list[tuple], targets: tuple, compiled: dict) -> list[dict]:
-    """Every launch compiled for each target; `compiled` keeps the reports by source, so
-    that a kernel several variants share compiles once."""
-    reports = []
-    for kernel, args, kwargs in launches:
-        source, options = compile_source(kernel, args, kwargs)
-        for capability in targets:
-            key = (source.hash(), str(options), capability)
-            if key not in compiled:
-                compiled[key] = compile_for(source, options, capability)
-            reports.append({"kernel": kernel.__name__, "capability": capability} | compiled[key])
-    return reports
+# The distinct compiles of a run, read by the forked workers of compile_every_launch.
+_PENDING: list[tuple[ASTSource, dict, int]] = []
+
+
+def _compile_pending(index: int) -> dict:
+    return compile_for(*_PENDING[index])
+
+
+def compile_every_launch(runs: Iterator[tuple[str, list[tuple], tuple]]) -> dict:
+    """(run id, launches, targets) -> {"num_compiles", "variants": {run id: reports}}: every
+    launch compiled for each of its targets, a kernel that several variants share compiled
+    once, the distinct compiles spread over the machine's CPUs (forked workers; each compile
+    is a single-threaded walk down to ptxas). `runs` is consumed one at a time: a variant's
+    tensors (hundreds of MB at Mixtral's shapes) are gone before the next is recorded."""
+    global _PENDING
+    distinct: dict[tuple, tuple[ASTSource, dict, int]] = {}
+    plans: dict[str, list[tuple[str, int, tuple]]] = {}
+    for run_id, launches, targets in runs:
+        plan = plans[run_id] = []
+        for kernel, args, kwargs in launches:
+            source, options = compile_source(kernel, args, kwargs)
+            for capability in targets:
+                key = (source.hash(), str(options), capability)
+                distinct.setdefault(key, (source, options, capability))
+                plan.append((kernel.__name__, capability, key))
+    keys = list(distinct)
+    _PENDING = [distinct[key] for key in keys]
+    workers = min(len(keys), os.cpu_count() or 1)
+    if workers > 1:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            done = pool.map(_compile_pending, range(len(keys)), chunksize=1)
+    else:
+        done = [_compile_pending(index) for index in range(len(keys))]
+    compiled = dict(zip(keys, done, strict=True))
+    variants = {
+        run_id: [
+            {"kernel": kernel, "capability": capability} | compiled[key]
+            for kernel, capability, key in plan
+        ]
+        for run_id, plan in plans.items()
+    }
+    return {"num_compiles": len(compiled), "variants": variants}
+
+
+def recorded_runs(mode: str) -> Iterator[tuple[str, list[tuple], tuple]]:
+    """(run id, launches, targets) of each variant of `mode`, recorded when asked for."""
+    if mode == "moe":
+        for variant in MOE_VARIANTS:
+            yield moe_variant_id(variant), record_moe(variant), MOE_TARGETS
+    elif mode == "lora":
+        for variant in LORA_VARIANTS:
+            yield lora_variant_id(variant), record_lora(variant), DEFAULT_TARGETS
+    else:
+        for variant in {"pairwise": pairwise, "product": product}[mode](AXES):
+            targets = TARGETS.get(variant["cache"], DEFAULT_TARGETS)
+            yield variant_id(variant), record_step(variant), targets
+        for variant in LAYER_OP_VARIANTS:
+            yield layer_op_id(variant), record_layer_op(variant), DEFAULT_TARGETS
 
 
 def main(mode: str, out_path: str) -> None:
-    compiled: dict = {}
-    if mode == "moe":
-        moe_results = {
-            moe_variant_id(variant): compile_launches(record_moe(variant), MOE_TARGETS, compiled)
-            for variant in MOE_VARIANTS
-        }
-        with open(out_path, "w") as out:
-            json.dump({"num_compiles": len(compiled), "variants": moe_results}, out)
-        return
-    if mode == "lora":
-        lora_results = {
-            lora_variant_id(variant): compile_launches(
-                record_lora(variant), DEFAULT_TARGETS, compiled
-            )
-            for variant in LORA_VARIANTS
-        }
-        with open(out_path, "w") as out:
-            json.dump({"num_compiles": len(compiled), "variants": lora_results}, out)
-        return
-    variants = {"pairwise": pairwise, "product": product}[mode](AXES)
-    results = {
-        variant_id(variant): compile_launches(
-            record_step(variant), TARGETS.get(variant["cache"], DEFAULT_TARGETS), compiled
-        )
-        for variant in variants
-    }
-    for variant in LAYER_OP_VARIANTS:
-        results[layer_op_id(variant)] = compile_launches(
-            record_layer_op(variant), DEFAULT_TARGETS, compiled
-        )
     with open(out_path, "w") as out:
-        json.dump({"num_compiles": len(compiled), "variants": results}, out)
+        json.dump(compile_every_launch(recorded_runs(mode)), out)
 
 
 if __name__ == "__main__":
