@@ -10,8 +10,10 @@ the other, the median), then again while `--attackers` clients loop the attack f
   victim's request carries a one-property schema of its own (it must compile in time);
 - `expensive_refusals` (item 6): 64 prompts of 60,000 characters, and 20,000 short chat
   messages, each refused for the context length;
-- `repetition_penalty` (item 7): n=64 samples of a 3,000-token prompt with
-  repetition_penalty 1.1;
+- `repetition_penalty` (item 7): n=64 samples of a long prompt (5,670 tokens of the
+  built-in model) with repetition_penalty 1.1, and `long_prompt_n64`, the same request
+  without a penalty: the pair tells the penalty's own cost from that of the prompt's
+  prefill and of 64 rows decoding over it;
 - `streaming_tool_calls` (item 8): tool_choice "required" with a schema of an array of
   items, streamed, 256 tokens;
 - `fffd_detokenizer` (item 9): `guided_regex` "\\ufffd{1,}", 256 tokens, streamed;
@@ -123,13 +125,13 @@ async def attack_once(client: httpx.AsyncClient, attack: str, prompt_3k: str) ->
         elif attack == "expensive_refusals":
             path, content = expensive_bodies()[next(_counter) % 2]
             response = await client.post(path, content=content, headers=JSON)
-        elif attack == "repetition_penalty":
+        elif attack in ("repetition_penalty", "long_prompt_n64"):
             body = {
                 "model": MODEL[0],
                 "prompt": prompt_3k,
                 "n": 64,
                 "max_tokens": 16,
-                "repetition_penalty": 1.1,
+                "repetition_penalty": 1.1 if attack == "repetition_penalty" else 1.0,
             }
             response = await client.post("/v1/completions", json=body)
         elif attack == "streaming_tool_calls":
@@ -239,6 +241,7 @@ ATTACKS = (
     "compile_queue",
     "expensive_refusals",
     "repetition_penalty",
+    "long_prompt_n64",
     "streaming_tool_calls",
     "fffd_detokenizer",
     "float_overflow",
@@ -256,7 +259,7 @@ def main() -> None:
     parser.add_argument("--serve-flag", action="append", default=[])
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/hostile.json"))
     args = parser.parse_args()
-    prompt_3k = " ".join(f"word{i % 500}" for i in range(1500))  # about 3,000 tokens
+    prompt_3k = " ".join(f"word{i % 500}" for i in range(1500))  # 5,670 tokens (SmolLM2)
 
     process, port, log = start_server(args)
     try:
