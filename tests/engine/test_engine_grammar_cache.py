@@ -27,3 +27,31 @@ def test_a_constraint_asked_for_again_outlives_newer_ones(compiler, monkeypatch)
     assert again is not first[b]
     for future in (*first.values(), again):
         future.result(timeout=60)  # every one compiles (none was lost by the eviction)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "quota", "expected"),
+    [
+        (2, None, 1),  # a 2-core machine: one core for one client's compiles
+        (16, None, 3),  # many cores: all workers but one
+        (16, 2.0, 1),  # a pod limited to 2 CPUs on a large node
+        (16, 0.5, 1),  # less than a core: still one
+        (8, None, 3),
+        (6, None, 3),
+        (4, None, 2),
+    ],
+)
+def test_one_client_holds_at_most_half_the_cpus_of_compile_workers(
+    monkeypatch, cpus, quota, expected
+):
+    """By default one client's compiles hold all workers but one, and no more than half the
+    CPUs the process may use (affinity and cgroup quota), so its slow schemas cannot take
+    every core from the engine and the other clients' compiles."""
+    monkeypatch.setattr(grammar, "available_cpus", lambda: list(range(cpus)))
+    monkeypatch.setattr(grammar, "cpu_quota", lambda: quota)
+    compiler = GrammarCompiler(None, 100, [], workers=4)
+    assert compiler.max_running_per_client == expected
+    assert (
+        GrammarCompiler(None, 100, [], workers=4, max_running_per_client=4).max_running_per_client
+        == 4
+    )

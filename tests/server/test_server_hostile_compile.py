@@ -170,10 +170,11 @@ def test_a_client_over_its_compile_budget_gets_a_429(server, monkeypatch):
 
 
 def test_one_clients_slow_compiles_leave_a_worker_for_another_client(server, monkeypatch):
-    """Four workers: one client's four slow compiles hold three of them (the fourth waits
-    in the queue); another client's constraint compiles on the free worker at once, and
-    its request is answered while the first client's are still held."""
-    compiler = compiler_for(server, HeldCompiler, max_per_client=10)
+    """Four workers, of which one client may hold three (set here: the default also
+    depends on the CPUs): its four slow compiles hold three (the fourth waits in the
+    queue); another client's constraint compiles on the free worker at once, and its
+    request is answered while the first client's are still held."""
+    compiler = compiler_for(server, HeldCompiler, max_per_client=10, max_running_per_client=3)
     monkeypatch.setattr(server.engine.inputs, "grammar_compiler", compiler)
     other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=120)
     try:

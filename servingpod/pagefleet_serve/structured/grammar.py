@@ -21,10 +21,10 @@ the same constraint sent again fails at once instead of costing another timeout.
 Callers that admit untrusted requests name a `client`: their compiles wait in a bounded
 queue (`max_queued`), each client may have at most `max_per_client` compiles queued or
 running (`CompileQueueFull` beyond either: a 429) and hold at most
-`max_running_per_client` workers (all but one: a free worker takes the job of the client
-compiling least, so one client's slow compiles never hold every worker), and each such
-call is a waiter to
-`stop_waiting` when it stops waiting; a queued or running compile with no waiter left is
+`max_running_per_client` workers (all but one, and at most half the CPUs the process may
+use: a free worker takes the job of the client compiling least, so one client's slow
+compiles never hold every worker, nor every core the engine and the others need), and
+each such call is a waiter to `stop_waiting` when it stops waiting; a queued or running compile with no waiter left is
 dropped. Callers without a client (the engine, offline use) are always served.
 """
 
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from pagefleet_serve.cpu_placement import available_cpus, cpu_quota
 from pagefleet_serve.structured.compile_worker import CompileFailed, CompileWorker
 from pagefleet_serve.structured.constraint import StructuredOutputs
 
@@ -127,6 +128,19 @@ def mask_logits(logits: torch.Tensor, matchers: dict[int, GrammarMatcher]) -> No
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(matchers))
 
 
+def default_running_per_client(workers: int) -> int:
+    """Workers one client's compiles may hold by default: all but one (kept for the other
+    clients), and no more than half the CPUs this process may use (its affinity, its
+    cgroup's quota), at least one. A compile is a core's work, so on a 2-core pod one
+    client's slow schemas take one core and leave the other to the engine and to the
+    other clients' compiles."""
+    cpus = float(len(available_cpus()))
+    quota = cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, quota)
+    return max(1, min(workers - 1, int(cpus // 2)))
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe. The vocabulary is read on the
     first constraint (a quarter of a second), so servers that never see one pay nothing.
@@ -147,9 +161,9 @@ class GrammarCompiler:
         max_running_per_client: int | None = None,
     ) -> None:
         """`max_running_per_client`: workers one client's compiles may hold at once
-        (default: all but one, which stays for the other clients)."""
+        (default: `default_running_per_client`)."""
         if max_running_per_client is None:
-            max_running_per_client = max(1, workers - 1)
+            max_running_per_client = default_running_per_client(workers)
         for name, value in (
             ("memory_limit_bytes", memory_limit_bytes),
             ("max_queued", max_queued),
