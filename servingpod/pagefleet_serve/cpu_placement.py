@@ -68,7 +68,7 @@ def _plan_cpus(spec: str, available: list[int], quota: float | None) -> CpuPlace
     if spec == "none":
         return CpuPlacement(None, None)
     if spec == "auto":
-        usable = len(available) if quota is None else min(len(available), math.ceil(quota))
+        usable = usable_cpus(available, quota)
         if usable < len(available):
             threads = usable - 1 if usable >= _MIN_CPUS_TO_SPLIT else usable
             return CpuPlacement(None, None, threads)
@@ -84,6 +84,12 @@ def _plan_cpus(spec: str, available: list[int], quota: float | None) -> CpuPlace
         )
     frontend = sorted(set(available) - set(core))
     return CpuPlacement(core, frontend or None, len(core))
+
+
+def usable_cpus(available: list[int], quota: float | None) -> int:
+    """CPUs this process can keep busy: those its affinity allows, no more than its
+    cgroup's quota (rounded up)."""
+    return len(available) if quota is None else min(len(available), math.ceil(quota))
 
 
 def omp_num_threads(environ=os.environ) -> int | None:

@@ -24,8 +24,9 @@ running (`CompileQueueFull` beyond either: a 429) and hold at most
 `max_running_per_client` workers (all but one, and at most half the CPUs the process may
 use: a free worker takes the job of the client compiling least, so one client's slow
 compiles never hold every worker, nor every core the engine and the others need), and
-each such call is a waiter to `stop_waiting` when it stops waiting; a queued or running compile with no waiter left is
-dropped. Callers without a client (the engine, offline use) are always served.
+each such call is a waiter to `stop_waiting` when it stops waiting; a queued or running
+compile with no waiter left is dropped. Callers without a client (the engine, offline
+use) are always served.
 """
 
 import collections
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
-from pagefleet_serve.cpu_placement import available_cpus, cpu_quota
+from pagefleet_serve.cpu_placement import available_cpus, cpu_quota, usable_cpus
 from pagefleet_serve.structured.compile_worker import CompileFailed, CompileWorker
 from pagefleet_serve.structured.constraint import StructuredOutputs
 
@@ -134,11 +135,7 @@ def default_running_per_client(workers: int) -> int:
     cgroup's quota), at least one. A compile is a core's work, so on a 2-core pod one
     client's slow schemas take one core and leave the other to the engine and to the
     other clients' compiles."""
-    cpus = float(len(available_cpus()))
-    quota = cpu_quota()
-    if quota is not None:
-        cpus = min(cpus, quota)
-    return max(1, min(workers - 1, int(cpus // 2)))
+    return max(1, min(workers - 1, usable_cpus(available_cpus(), cpu_quota()) // 2))
 
 
 class GrammarCompiler:
