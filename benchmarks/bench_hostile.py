@@ -107,7 +107,7 @@ async def ttft(client: httpx.AsyncClient, body: dict) -> float | None:
     return None
 
 
-async def attack_once(client: httpx.AsyncClient, attack: str, prompt_3k: str) -> int:
+async def attack_once(client: httpx.AsyncClient, attack: str, long_prompt: str) -> int:
     """One attacking request; its HTTP status (0 for an abandoned or failed one)."""
     chat = "/v1/chat/completions"
     try:
@@ -128,7 +128,7 @@ async def attack_once(client: httpx.AsyncClient, attack: str, prompt_3k: str) ->
         elif attack in ("repetition_penalty", "long_prompt_n64"):
             body = {
                 "model": MODEL[0],
-                "prompt": prompt_3k,
+                "prompt": long_prompt,
                 "n": 64,
                 "max_tokens": 16,
                 "repetition_penalty": 1.1 if attack == "repetition_penalty" else 1.0,
@@ -193,7 +193,7 @@ async def victim_run(client: httpx.AsyncClient, attack: str, count: int) -> tupl
     return times, failures
 
 
-async def scenario(base: str, attack: str, args, prompt_3k: str) -> dict:
+async def scenario(base: str, attack: str, args, long_prompt: str) -> dict:
     limits = httpx.Limits(max_connections=args.attackers + 4)
     timeout = httpx.Timeout(120.0)
     # The victim is another client: its own loopback address (the pod's per-client limits
@@ -209,7 +209,7 @@ async def scenario(base: str, attack: str, args, prompt_3k: str) -> dict:
 
         async def attacker() -> None:
             while not stop.is_set():
-                status = await attack_once(client, attack, prompt_3k)
+                status = await attack_once(client, attack, long_prompt)
                 statuses[status] = statuses.get(status, 0) + 1
 
         tasks = [asyncio.create_task(attacker()) for _ in range(args.attackers)]
@@ -259,7 +259,7 @@ def main() -> None:
     parser.add_argument("--serve-flag", action="append", default=[])
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/hostile.json"))
     args = parser.parse_args()
-    prompt_3k = " ".join(f"word{i % 500}" for i in range(1500))  # 5,670 tokens (SmolLM2)
+    long_prompt = " ".join(f"word{i % 500}" for i in range(1500))  # 5,670 tokens (SmolLM2)
 
     process, port, log = start_server(args)
     try:
@@ -268,7 +268,7 @@ def main() -> None:
         rows = []
         print(f"{'attack':<22} {'control s':>9} {'attack s':>9} {'ratio':>6} {'victim fail':>11}")
         for attack in args.attacks:
-            row = asyncio.run(scenario(f"http://127.0.0.1:{port}", attack, args, prompt_3k))
+            row = asyncio.run(scenario(f"http://127.0.0.1:{port}", attack, args, long_prompt))
             rows.append(row)
             print(
                 f"{attack:<22} {row['control_ttft_s']:>9.3f} {row['attack_ttft_s']:>9.3f} "
