@@ -32,10 +32,10 @@ def test_a_constraint_asked_for_again_outlives_newer_ones(compiler, monkeypatch)
 @pytest.mark.parametrize(
     ("cpus", "quota", "expected"),
     [
-        (2, None, 1),  # a 2-core machine: one core for one client's compiles
+        (2, None, 2),  # a 2-core machine: two, so one slow schema holds up nothing else
         (16, None, 3),  # many cores: all workers but one
-        (16, 2.0, 1),  # a pod limited to 2 CPUs on a large node
-        (16, 0.5, 1),  # less than a core: still one
+        (16, 2.0, 2),  # a pod limited to 2 CPUs on a large node
+        (16, 0.5, 2),  # less than a core: still two
         (8, None, 3),
         (6, None, 3),
         (4, None, 2),
@@ -46,7 +46,8 @@ def test_one_client_holds_at_most_half_the_cpus_of_compile_workers(
 ):
     """By default one client's compiles hold all workers but one, and no more than half the
     CPUs the process may use (affinity and cgroup quota), so its slow schemas cannot take
-    every core from the engine and the other clients' compiles."""
+    every core from the engine and the other clients' compiles; two at least, so that a
+    client (behind a proxy: every client) is not held up by its own one slow schema."""
     monkeypatch.setattr(grammar, "available_cpus", lambda: list(range(cpus)))
     monkeypatch.setattr(grammar, "cpu_quota", lambda: quota)
     compiler = GrammarCompiler(None, 100, [], workers=4)
@@ -55,3 +56,4 @@ def test_one_client_holds_at_most_half_the_cpus_of_compile_workers(
         GrammarCompiler(None, 100, [], workers=4, max_running_per_client=4).max_running_per_client
         == 4
     )
+    assert GrammarCompiler(None, 100, [], workers=2).max_running_per_client == 1

@@ -21,9 +21,9 @@ the same constraint sent again fails at once instead of costing another timeout.
 Callers that admit untrusted requests name a `client`: their compiles wait in a bounded
 queue (`max_queued`), each client may have at most `max_per_client` compiles queued or
 running (`CompileQueueFull` beyond either: a 429) and hold at most
-`max_running_per_client` workers (all but one, and at most half the CPUs the process may
-use: a free worker takes the job of the client compiling least, so one client's slow
-compiles never hold every worker, nor every core the engine and the others need), and
+`max_running_per_client` workers (all but one, at most half the CPUs the process may use
+and two at least: a free worker takes the job of the client compiling least, so one
+client's slow compiles never hold every worker), and
 each such call is a waiter to `stop_waiting` when it stops waiting; a queued or running
 compile with no waiter left is dropped. Callers without a client (the engine, offline
 use) are always served.
@@ -131,11 +131,14 @@ def mask_logits(logits: torch.Tensor, matchers: dict[int, GrammarMatcher]) -> No
 
 def default_running_per_client(workers: int) -> int:
     """Workers one client's compiles may hold by default: all but one (kept for the other
-    clients), and no more than half the CPUs this process may use (its affinity, its
-    cgroup's quota), at least one. A compile is a core's work, so on a 2-core pod one
-    client's slow schemas take one core and leave the other to the engine and to the
-    other clients' compiles."""
-    return max(1, min(workers - 1, usable_cpus(available_cpus(), cpu_quota()) // 2))
+    clients), no more than half the CPUs this process may use (its affinity, its cgroup's
+    quota), so that one client's slow schemas leave cores to the engine; and two at least
+    (while there are three workers): a client is an address, and behind a proxy every
+    request has the proxy's, so with one worker its one slow schema would hold up every
+    other constraint it sends. On a 2-core pod that is both cores; the compile timeout
+    bounds for how long."""
+    half = usable_cpus(available_cpus(), cpu_quota()) // 2
+    return max(1, min(workers - 1, max(2, half)))
 
 
 class GrammarCompiler:
