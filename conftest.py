@@ -10,6 +10,7 @@ teardown of its tests, module fixtures included) as a Markdown table, slowest fi
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections import defaultdict
@@ -33,7 +34,7 @@ def _is_serve_command(args) -> bool:
     parts = [str(part) for part in args]
     return any(
         (part == "pagefleet_serve.cli" or Path(part).name == "pagefleet") and following == "serve"
-        for part, following in zip(parts, parts[1:], strict=False)
+        for part, following in itertools.pairwise(parts)
     )
 
 

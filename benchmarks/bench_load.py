@@ -14,12 +14,20 @@ each, side by side in one run and each `--repeats` times:
 
 Throughput is the files' bytes over the seconds. Prints a table and writes JSON; the target
 is load / disk >= 0.7 cold.
+
+Then the same checkpoint as hf:// from a Hub on loopback (tests/engine/hub_server.py) that
+sends at most `--hub-mib-per-s`, into an empty cache each time, in a fresh process (the
+Hub's address is read at import): the download and then the load, as `load_model` does,
+against the engine's way, which reads each shard as it arrives while the later ones
+download (`resolve_model_uri(weights="background")`, `load_local`).
 """
 
 import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -102,6 +110,44 @@ def measure(uri: str, files: list[Path], dtype, quantization: str, repeats: int)
     return result
 
 
+# Run in a fresh process per measurement: prints the seconds to a loaded model.
+HUB_LOAD = """
+import sys, time
+import torch
+from pagefleet_serve.model.loader import load_local
+from pagefleet_serve.model.resolve import resolve_model_uri
+started = time.perf_counter()
+load_local(resolve_model_uri(sys.argv[1], weights=sys.argv[2]), torch.float32)
+print(time.perf_counter() - started)
+"""
+
+
+def measure_hub(folder: Path, mib_per_s: float, repeats: int) -> dict:
+    """Download-then-load against load-while-downloading of `folder` as an hf:// model."""
+    from tests.engine.hub_server import LocalHub, Repo
+
+    size = sum(f.stat().st_size for f in files_of(folder))
+    result: dict = {"uri": "hf://bench/random-llama", "bytes": size, "mib_per_s": mib_per_s}
+    with LocalHub({"bench/random-llama": Repo.from_dir(folder)}, 1 / mib_per_s) as hub:
+        for weights in ("now", "background"):
+            seconds = []
+            for _ in range(repeats):
+                with tempfile.TemporaryDirectory(prefix="bench-load-hf-") as home:
+                    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+                    env |= {"HF_ENDPOINT": hub.url, "HF_HOME": home}
+                    done = subprocess.run(
+                        [sys.executable, "-c", HUB_LOAD, result["uri"], weights],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
+                    seconds.append(float(done.stdout.split()[-1]))
+            result[weights] = {"seconds": seconds, "median_s": statistics.median(seconds)}
+    result["download_s"] = size / (mib_per_s * 2**20)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32")
@@ -113,19 +159,30 @@ def main() -> None:
         "auto keeps it",
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--hub-mib-per-s",
+        type=float,
+        default=100.0,
+        help="the loopback Hub's sending rate for the hf:// part (0: skip it)",
+    )
+    parser.add_argument("--skip-disk", action="store_true", help="the hf:// part only")
     parser.add_argument("--output", default="bench-load.json")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     rows = []
     builtin = "builtin://smollm2-135m"
-    for quantization in args.quantization:
+    for quantization in () if args.skip_disk else args.quantization:
         gguf = [resolve_model_uri(builtin).path]
         rows.append(measure(builtin, gguf, dtype, quantization, args.repeats))
         rows[-1]["uri"] = f"{builtin} --quantization {quantization}"
+    hub = None
     with tempfile.TemporaryDirectory(prefix="bench-load-") as scratch:
         folder = random_checkpoint(Path(scratch))
-        rows.append(measure(str(folder), files_of(folder), dtype, "none", args.repeats))
-        rows[-1]["uri"] = "random Llama, 4 safetensors shards"
+        if not args.skip_disk:
+            rows.append(measure(str(folder), files_of(folder), dtype, "none", args.repeats))
+            rows[-1]["uri"] = "random Llama, 4 safetensors shards"
+        if args.hub_mib_per_s:
+            hub = measure_hub(folder, args.hub_mib_per_s, args.repeats)
     print(f"{'model':48} {'GB':>6} {'cache':>5} {'disk GB/s':>10} {'load GB/s':>10} {'ratio':>6}")
     for row in rows:
         for cache in ("cold", "warm"):
@@ -136,6 +193,13 @@ def main() -> None:
             )
         if not row["eviction_took"]:
             print(f"  ({row['uri']}: the cold read was no slower than the cached one)")
+    if hub is not None:
+        print(
+            f"{hub['uri']} at {hub['mib_per_s']:.0f} MiB/s ({hub['download_s']:.1f} s to send): "
+            f"download then load {hub['now']['median_s']:.1f} s, load while downloading "
+            f"{hub['background']['median_s']:.1f} s (medians of {args.repeats}, process "
+            "imports excluded)"
+        )
     info = cpu_info()
     report = {
         "cpu": info["model"],
@@ -143,6 +207,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
         "models": rows,
+        "hub": hub,
     }
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(f"written to {args.output}")

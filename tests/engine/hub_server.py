@@ -5,10 +5,10 @@ It speaks the part of the Hub's HTTP API that huggingface_hub's `model_info`,
 `hf_hub_download` and offline `snapshot_download` rely on:
   GET  /api/models/{org}/{name}[/revision/{rev}]   -> {"id", "sha", "siblings": [...]}
   HEAD /{org}/{name}/resolve/{rev}/{file}          -> X-Repo-Commit, ETag, Content-Length
-  GET  /{org}/{name}/resolve/{rev}/{file}          -> the bytes (Range honoured)
+  GET  /{org}/{name}/resolve/{rev}/{file}          -> the bytes (Range honoured: bytes=a- or a-b)
 and the Hub's error answers (X-Error-Code RepoNotFound / RevisionNotFound / EntryNotFound,
 401 without a valid token). It counts the file bodies it sends, so tests can see what was
-downloaded and how often.
+downloaded and how often, and when each whole body was sent.
 """
 
 from __future__ import annotations
@@ -51,22 +51,34 @@ def save_tiny_llama(path: Path) -> Path:
     return path
 
 
+def _byte_range(header: str | None, size: int) -> tuple[int, int]:
+    """[start, end) of a Range header's "bytes=a-" or "bytes=a-b" (the whole without one)."""
+    if not header:
+        return 0, size
+    first, last = header.removeprefix("bytes=").split("-")
+    return int(first), min(size, int(last) + 1) if last else size
+
+
 _API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(/revision/(?P<rev>[^/?]+))?$")
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
 
 
 @dataclass
 class Repo:
+    """A repository's files (not changed once served: its commit and the files' digests
+    are computed once, not at every request, which cost seconds a request for a 1 GB one)."""
+
     files: dict[str, bytes]
     token: str | None = None  # a gated repository: this bearer token is required
     branch: str = "main"
 
-    @property
-    def sha(self) -> str:
+    def __post_init__(self) -> None:
+        self.etags = {name: hashlib.sha256(data).hexdigest() for name, data in self.files.items()}
+        self.blob_ids = {name: hashlib.sha1(data).hexdigest() for name, data in self.files.items()}
         digest = hashlib.sha1()
         for name in sorted(self.files):
-            digest.update(name.encode() + hashlib.sha1(self.files[name]).digest())
-        return digest.hexdigest()
+            digest.update(name.encode() + bytes.fromhex(self.blob_ids[name]))
+        self.sha = digest.hexdigest()
 
     @staticmethod
     def from_dir(path: Path, **kwargs) -> Repo:
@@ -77,6 +89,8 @@ class Repo:
 @dataclass
 class HubStats:
     bodies_sent: dict[str, int] = field(default_factory=dict)  # "org/name/file" -> count
+    # "org/name/file" -> time.time() when its last whole body (not a range) was sent
+    bodies_finished: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -134,36 +148,41 @@ class LocalHub:
                 content = repo.files.get(match["file"])
                 if content is None:
                     return self._error(404, "EntryNotFound", "Entry not found", repo)
-                self._file(f"{match['repo']}/{match['file']}", repo, content, body)
+                self._file(match["repo"], match["file"], repo, content, body)
 
             def _model_info(self, repo_id: str, repo: Repo) -> None:
                 siblings = [
-                    {"rfilename": name, "size": len(data), "blobId": hashlib.sha1(data).hexdigest()}
+                    {"rfilename": name, "size": len(data), "blobId": repo.blob_ids[name]}
                     for name, data in sorted(repo.files.items())
                 ]
                 payload = json.dumps({"id": repo_id, "sha": repo.sha, "siblings": siblings})
                 self._send(200, {"Content-Type": "application/json"}, payload.encode())
 
-            def _file(self, key: str, repo: Repo, content: bytes, body: bool) -> None:
-                start = 0
-                status = 200
-                range_header = self.headers.get("Range")
-                if range_header and body:
-                    start = int(range_header.removeprefix("bytes=").split("-")[0])
-                    status = 206
+            def _file(
+                self, repo_id: str, name: str, repo: Repo, content: bytes, body: bool
+            ) -> None:
+                key = f"{repo_id}/{name}"
+                range_header = self.headers.get("Range") if body else None
+                start, end = _byte_range(range_header, len(content))
+                status = 206 if range_header else 200
                 headers = {
                     "X-Repo-Commit": repo.sha,
-                    "ETag": f'"{hashlib.sha256(content).hexdigest()}"',
+                    "ETag": f'"{repo.etags[name]}"',
                     "Accept-Ranges": "bytes",
                 }
                 if status == 206:
-                    headers["Content-Range"] = f"bytes {start}-{len(content) - 1}/{len(content)}"
+                    headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(content)}"
                 if not body:
                     headers["Content-Length"] = str(len(content))
                     return self._send(200, headers, b"", length=len(content))
-                with hub.stats.lock:
-                    hub.stats.bodies_sent[key] = hub.stats.bodies_sent.get(key, 0) + 1
-                self._send(status, headers, content[start:], slow=True)
+                whole = status == 200
+                if whole:
+                    with hub.stats.lock:
+                        hub.stats.bodies_sent[key] = hub.stats.bodies_sent.get(key, 0) + 1
+                self._send(status, headers, content[start:end], slow=whole)
+                if whole:
+                    with hub.stats.lock:
+                        hub.stats.bodies_finished[key] = time.time()
 
             def _error(self, status: int, code: str | None, message: str, repo=None) -> None:
                 headers = {"X-Error-Message": message}

@@ -6,6 +6,7 @@ cache leave one intact copy."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -245,6 +246,72 @@ def test_concurrent_downloaders_share_one_cache(hub, tiny_repo_dir, tmp_path):
     assert {n for n in source if n.endswith(".safetensors")} <= set(got)
     assert set(hub.stats.bodies_sent.values()) == {1}, hub.stats.bodies_sent
     assert not list((tmp_path / "shared-cache").rglob("*.incomplete"))
+
+
+# In a subprocess: huggingface_hub reads HF_ENDPOINT and HF_HOME when it is imported.
+LOAD_WHILE_DOWNLOADING = """
+import json, sys, time
+import torch
+from pagefleet_serve.model import safetensors_reader
+from pagefleet_serve.model.loader import load_local, load_model
+from pagefleet_serve.model.resolve import resolve_model_uri
+
+read_started = {}
+read_into = safetensors_reader.read_into
+
+def timed(path, placed):
+    read_started.setdefault(path.name, time.time())
+    return read_into(path, placed)
+
+safetensors_reader.read_into = timed
+local = resolve_model_uri(sys.argv[1], weights="background")
+assert local.shards is not None
+loaded = load_local(local, torch.float32).weights
+reference = load_model(sys.argv[2], torch.float32).weights
+same = sorted(loaded) == sorted(reference) and all(
+    torch.equal(loaded[name], reference[name]) for name in reference
+)
+print(json.dumps({"read_started": read_started, "same": same}))
+"""
+
+
+def test_an_engine_reads_each_shard_while_the_later_ones_download(hub, tmp_path):
+    """A sharded hf:// checkpoint, as an engine loads it: the shards' headers come from
+    the Hub first, the first shard is read while the last one is still downloading, and
+    the weights equal those loaded from a local copy of the same files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    local_copy = tmp_path / "sharded"
+    LlamaForCausalLM(config).save_pretrained(local_copy, max_shard_size="3MB")
+    shards = sorted(p.name for p in local_copy.glob("model-*.safetensors"))
+    assert len(shards) >= 4, shards
+    hub.repos["org/sharded"] = Repo.from_dir(local_copy)
+    hub.seconds_per_mib = 0.5  # about 5 s for the 10 MB of shards
+    env = hub_env(hub.url, tmp_path / "hf-home")
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_WHILE_DOWNLOADING, "hf://org/sharded", str(local_copy)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["same"]
+    assert sorted(result["read_started"]) == shards
+    last_downloaded = hub.stats.bodies_finished[f"org/sharded/{shards[-1]}"]
+    assert result["read_started"][shards[0]] < last_downloaded, (result, hub.stats)
+    assert set(hub.stats.bodies_sent.values()) == {1}, hub.stats.bodies_sent
 
 
 def crd_uri_pattern() -> re.Pattern:

@@ -43,7 +43,7 @@ from pagefleet_serve.messages import (
     RequestLimits,
     SpecDecodeStats,
 )
-from pagefleet_serve.model.loader import load_model
+from pagefleet_serve.model.loader import load_local, load_model
 from pagefleet_serve.model.lora import (
     LoRAAdapter,
     LoRABusy,
@@ -92,17 +92,18 @@ class LLMEngine:
         # Start-up phases, in seconds: logged, and exported by the server as a gauge.
         self.startup_seconds: dict[str, float] = {}
         phase = _Phases(self.startup_seconds)
-        with phase("download"):  # nothing to do for a local or cached model
-            local = resolve_model_uri(config.model)
         with phase("kernel_load"):  # the C++ extensions are imported here, compiled never
             get_kernel_backend(self.runner_config.attention_backend, self.device)
         weights_started = time.monotonic()
         # Tensor parallelism: the other ranks start loading their shards meanwhile.
         self.workers, tp = start_workers(config, self.device, placement)
         try:
-            loaded = load_model(
-                config.model, self.dtype, self.runner_config.weight_quantization, tp
-            )
+            # Nothing to download for a local or cached model; a sharded hf:// checkpoint's
+            # shards go on downloading while the weight load reads those that have arrived.
+            with phase("download"):
+                local = resolve_model_uri(config.model, weights="background")
+            weights_started += self.startup_seconds["download"]
+            loaded = load_local(local, self.dtype, self.runner_config.weight_quantization, tp)
         except BaseException:
             self.close()
             raise

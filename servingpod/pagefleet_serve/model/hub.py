@@ -6,6 +6,11 @@ skips them, an interrupted one resumes; replicas sharing one cache volume serial
 its per-blob file locks and publish each blob by an atomic rename, so none reads a half
 written file. HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE are read by huggingface_hub.
 
+An engine asks for the shards of a sharded checkpoint in the background: their headers are
+read from the Hub first (a range request each), the download goes on in a thread, and the
+loader reads each shard as it arrives (`ArrivingShards`). A tokenizer's caller asks for no
+weights at all.
+
 Hub errors become messages that say what to change in the InferenceService or the pod.
 """
 
@@ -17,6 +22,9 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -45,8 +53,54 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 _LOG_EVERY_S = 10.0
 
 
+# What `download_model` does with the weights: downloads them before it returns, leaves a
+# sharded checkpoint's shards downloading in the background, or downloads none.
+WEIGHTS_MODES = ("now", "background", "none")
+
+
 class ModelDownloadError(UnsupportedModelError):
     """An hf:// model that could not be downloaded; the message says what to do."""
+
+
+class ArrivingShards:
+    """The shards of a sharded safetensors checkpoint, downloading one after another (the
+    index's order) in a thread of their own. `headers`: each shard's tensors as the Hub's
+    copy of its header lists them (name -> dtype and shape), read before any shard, so
+    the loader can give every tensor its place first; `wait(shard)` returns its path once
+    it is on disk (or raises the download's error)."""
+
+    def __init__(
+        self,
+        shards: list[str],
+        headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]],
+        fetch: Callable[[str], Path],
+    ) -> None:
+        self.headers = headers
+        pool = ThreadPoolExecutor(1, "hf-download")
+        self._futures: dict[str, Future[Path]] = {s: pool.submit(fetch, s) for s in shards}
+        pool.shutdown(wait=False)
+
+    def wait(self, shard: str) -> Path:
+        return self._futures[shard].result()
+
+    def wait_all(self) -> None:
+        for future in self._futures.values():
+            future.result()
+
+    def cancel(self) -> None:
+        """Drops the downloads not started yet (the loader failed: nobody will read them)."""
+        for future in self._futures.values():
+            future.cancel()
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    path: Path  # the snapshot directory, or the .gguf file
+    shards: ArrivingShards | None = None  # weights="background" and a sharded checkpoint
+
+
+def _is_weights(filename: str) -> bool:
+    return filename.endswith(".safetensors") or filename == SAFETENSORS_INDEX
 
 
 def select_files(repo_files: list[str], gguf_file: str | None) -> list[str]:
@@ -109,15 +163,20 @@ class _LogProgress(tqdm):
         return True
 
 
-def download_model(model: ModelURI) -> Path:
-    """The local directory (or .gguf file) of an hf:// model, downloading what is missing."""
+def download_model(model: ModelURI, weights: str = "now") -> Downloaded:
+    """The local directory (or .gguf file) of an hf:// model, downloading what is missing.
+    `weights` (WEIGHTS_MODES): "background" leaves a sharded checkpoint's shards to
+    `Downloaded.shards`; "none" fetches the config and tokenizer files only (a GGUF file
+    holds its tokenizer: it is fetched)."""
     from huggingface_hub import constants
 
+    if weights not in WEIGHTS_MODES:
+        raise ValueError(f"weights={weights!r}: one of {WEIGHTS_MODES}")
     where = f"hf://{model.repo_id}@{model.revision or 'main'}"
     try:
         if constants.is_offline_mode():
-            return _cached(model)
-        return _download(model)
+            return Downloaded(_cached(model))
+        return _download(model, weights, where)
     except ModelDownloadError as exc:
         raise ModelDownloadError(f"{where}: {exc}") from exc
     # huggingface_hub raises OSErrors and, for a dead connection, its HTTP client's own.
@@ -135,12 +194,15 @@ def _cached(model: ModelURI) -> Path:
     return snapshot / model.filename if model.filename else snapshot
 
 
-def _download(model: ModelURI) -> Path:
+def _download(model: ModelURI, weights: str, where: str) -> Downloaded:
     from huggingface_hub import HfApi, constants, hf_hub_download
 
-    info = HfApi().model_info(model.repo_id, revision=model.revision, files_metadata=True)
+    api = HfApi()
+    info = api.model_info(model.repo_id, revision=model.revision, files_metadata=True)
     sizes = {s.rfilename: s.size for s in info.siblings or ()}
     files = select_files(list(sizes), model.filename)
+    if weights == "none" and model.filename is None:
+        files = [f for f in files if not _is_weights(f)]
     logger.info(
         "downloading %s (commit %s) from %s into %s",
         model.uri,
@@ -164,15 +226,48 @@ def _download(model: ModelURI) -> Path:
         )
         return path
 
+    def fetch_in_background(filename: str) -> Path:
+        try:
+            return fetch(filename)
+        except Exception as exc:
+            raise ModelDownloadError(f"{where}: {_explain(model, exc)}") from exc
+
     paths = [fetch(f) for f in files]
-    if files[-1] == SAFETENSORS_INDEX:
-        paths += [fetch(f) for f in shards_of(paths[-1])]
+    shards = None
+    if files and files[-1] == SAFETENSORS_INDEX:
+        names = shards_of(paths[-1])
+        if weights == "background":
+            shards = ArrivingShards(
+                names, _remote_headers(api, model, info.sha, names), fetch_in_background
+            )
+        else:
+            paths += [fetch(f) for f in names]
     # Record which commit the branch or tag pointed at, so an offline restart finds it.
     if model.revision != info.sha:
         hf_hub_download(model.repo_id, files[0], revision=model.revision)
     snapshot = paths[0].parent
-    logger.info("%s: %d files in %s", model.uri, len(paths), snapshot)
-    return paths[0] if model.filename else snapshot
+    logger.info(
+        "%s: %d files in %s%s",
+        model.uri,
+        len(paths),
+        snapshot,
+        f", and {len(shards.headers)} shards on their way" if shards else "",
+    )
+    return Downloaded(paths[0] if model.filename else snapshot, shards)
+
+
+def _remote_headers(
+    api, model: ModelURI, sha: str, shards: list[str]
+) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
+    """Each shard's tensors (name -> dtype, shape) from its header on the Hub: a range
+    request of its first bytes each, in parallel."""
+
+    def header(shard: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        parsed = api.parse_safetensors_file_metadata(model.repo_id, shard, revision=sha)
+        return {name: (t.dtype, tuple(t.shape)) for name, t in parsed.tensors.items()}
+
+    with ThreadPoolExecutor(min(8, len(shards)), "hf-headers") as pool:
+        return dict(zip(shards, pool.map(header, shards), strict=True))
 
 
 def _explain(model: ModelURI, exc: Exception) -> str:

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch
 
 from pagefleet_serve.config import GGUF_ARCHITECTURE_NAMES, HF_MODEL_TYPES
 from pagefleet_serve.model import fp8, mxfp4, safetensors_reader
+from pagefleet_serve.model.hub import ArrivingShards
 from pagefleet_serve.model.llama import ModelConfig
 from pagefleet_serve.model.quant import (
     GGUF_BLOCK_BYTES,
@@ -32,7 +34,7 @@ from pagefleet_serve.model.quant import (
     from_gguf,
     quantize_int8,
 )
-from pagefleet_serve.model.resolve import builtin_gguf_path, resolve_model_uri
+from pagefleet_serve.model.resolve import LocalModel, builtin_gguf_path, resolve_model_uri
 from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, SKIP, ShardPlan, TensorParallel, take
 from pagefleet_serve.model.uri import UnsupportedModelError
 
@@ -40,6 +42,7 @@ __all__ = [
     "LoadedModel",
     "UnsupportedModelError",
     "builtin_gguf_path",
+    "load_local",
     "load_model",
     "load_tokenizer",
 ]
@@ -86,7 +89,19 @@ LINEAR_WEIGHTS = ("_proj.weight", "lm_head.weight")
 def load_model(
     uri: str, dtype: torch.dtype, quantization: str = "none", tp: TensorParallel = NO_PARALLEL
 ) -> LoadedModel:
-    """Resolve a model URI (downloading hf:// models) and load its weights and tokenizer.
+    """Resolve a model URI (downloading hf:// models) and load its weights and tokenizer
+    (see `load_local`)."""
+    return load_local(resolve_model_uri(uri), dtype, quantization, tp)
+
+
+def load_local(
+    local: LocalModel,
+    dtype: torch.dtype,
+    quantization: str = "none",
+    tp: TensorParallel = NO_PARALLEL,
+) -> LoadedModel:
+    """Load a resolved model's weights and tokenizer; a sharded hf:// checkpoint whose
+    shards are still downloading (`local.shards`) is read shard by shard as they arrive.
 
     `quantization` (see pagefleet_serve.config.QUANTIZATIONS): auto keeps a GGUF's
     Q4_0/Q4_1/Q8_0 matrices quantized, none expands everything to `dtype`, int8 turns every
@@ -95,17 +110,27 @@ def load_model(
     shard of each weight is read (see model.tensor_parallel): safetensors slices, a GGUF's
     rows or whole blocks of its columns. The tokenizer is rank 0's alone (the engine core's;
     the other ranks run the model only, and a tokenizer is tens of MiB and up to seconds)."""
-    local = resolve_model_uri(uri)
-    if local.path is None:
-        loaded = _tiny_random(dtype, tp)
-    elif local.path.is_dir():
-        loaded = _load_hf_dir(local.path, dtype, local.name, keep_fp8=quantization == "fp8", tp=tp)
-    elif _is_gguf(local.path):
-        loaded = _load_gguf(
-            local.path, dtype, local.name, keep_quantized=quantization == "auto", tp=tp
-        )
-    else:
-        raise UnsupportedModelError(f"{local.path} is not a GGUF file; supported: {SUPPORTED}")
+    try:
+        if local.path is None:
+            loaded = _tiny_random(dtype, tp)
+        elif local.path.is_dir():
+            loaded = _load_hf_dir(
+                local.path,
+                dtype,
+                local.name,
+                keep_fp8=quantization == "fp8",
+                tp=tp,
+                shards=local.shards,
+            )
+        elif _is_gguf(local.path):
+            loaded = _load_gguf(
+                local.path, dtype, local.name, keep_quantized=quantization == "auto", tp=tp
+            )
+        else:
+            raise UnsupportedModelError(f"{local.path} is not a GGUF file; supported: {SUPPORTED}")
+    finally:
+        if local.shards is not None:
+            local.shards.cancel()  # after a failure: the shards nobody will read
     if quantization == "int8":
         if tp.last_stage and loaded.config.tie_word_embeddings:  # the head's own int8 copy
             loaded.weights["lm_head.weight"] = loaded.weights["embed_tokens.weight"]
@@ -119,7 +144,7 @@ def load_model(
 def load_tokenizer(uri: str):
     """The tokenizer (with chat template) of a model source, without loading its weights;
     None for builtin://tiny-random."""
-    local = resolve_model_uri(uri)
+    local = resolve_model_uri(uri, weights="none")
     if local.path is None:
         return None
     if local.path.is_file():
@@ -511,6 +536,7 @@ def _load_hf_dir(
     name: str,
     keep_fp8: bool = False,
     tp: TensorParallel = NO_PARALLEL,
+    shards: ArrivingShards | None = None,
 ) -> LoadedModel:
     from safetensors import safe_open
     from transformers import AutoTokenizer
@@ -525,17 +551,27 @@ def _load_hf_dir(
             f"{path}: model_type {model_type!r} is not Llama-family; supported: {SUPPORTED}"
         )
     scheme = _weight_scheme(path, hf, tp)
+    if shards is not None and (scheme is not None or tp.parallel):
+        shards.wait_all()  # slices and float8 scales are read through safetensors' own reader
+        shards = None
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the shards it names: a directory may hold other copies
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / shard for shard in shards]
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / shard for shard in names]
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{path} has no *.safetensors weights; supported: {SUPPORTED}")
     full_shapes = {}
     scales: dict[str, torch.Tensor] = {}  # a float8 weight's checkpoint name -> its scale
-    for file in files:  # the headers only (and a float8 checkpoint's scales: small)
+    expected = None
+    if shards is not None:  # the headers as the Hub has them: the shards are on their way
+        expected = {
+            path / shard: safetensors_reader.expected_entries(path / shard, tensors)
+            for shard, tensors in shards.headers.items()
+        }
+        full_shapes = {_hf_name(e.name): e.shape for es in expected.values() for e in es}
+    for file in files if shards is None else ():  # the headers (and float8 scales: small)
         with safe_open(file, "pt") as f:
             for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if scheme is not None and scheme.is_scale(k):
@@ -560,7 +596,8 @@ def _load_hf_dir(
     fused = FusedWeights({n: s for n, s in shapes.items() if n not in kept}, dtype)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     if scheme is None and not tp.parallel:
-        _read_whole_tensors(path, files, shapes, fused, weights, dtype)
+        arrive = None if shards is None else (lambda file: shards.wait(file.name))
+        _read_whole_tensors(path, files, shapes, fused, weights, dtype, expected, arrive)
     else:  # a rank's slices, float8 weights and their scales: through safetensors' slices
         for file in files:  # one tensor at a time, each copied once into `dtype`
             with safe_open(file, "pt") as f:
@@ -618,9 +655,13 @@ def _read_whole_tensors(
     fused: "FusedWeights",
     weights: dict,
     dtype: torch.dtype,
+    expected: dict[Path, list[safetensors_reader.Entry]] | None = None,
+    arrive: Callable[[Path], object] | None = None,
 ) -> None:
     """Every tensor of `shapes` read whole, once, straight into its place in `weights` (a
-    fused matrix's rows or its own tensor of `dtype`), the shards in parallel."""
+    fused matrix's rows or its own tensor of `dtype`), the shards in parallel; shards
+    still downloading (`expected`, `arrive`: see `safetensors_reader.read_files`) as each
+    arrives."""
 
     def place(entry: safetensors_reader.Entry) -> torch.Tensor | None:
         name = _hf_name(entry.name)
@@ -636,7 +677,7 @@ def _read_whole_tensors(
         return destination
 
     try:
-        safetensors_reader.read_files(files, place)
+        safetensors_reader.read_files(files, place, expected, arrive)
     except safetensors_reader.SafetensorsFormatError as exc:
         raise UnsupportedModelError(str(exc)) from None
 

@@ -1,6 +1,7 @@
 """Model URIs -> a model on local disk: a GGUF file, a Hugging Face directory, or none for
 builtin://tiny-random (generated, not stored). hf:// models are downloaded on the way
-(`pagefleet_serve.model.hub`); the URI grammar itself is `pagefleet_serve.model.uri`,
+(`pagefleet_serve.model.hub`: `weights` says whether their weights are downloaded before
+the call returns, left to download in the background, or not needed); the URI grammar itself is `pagefleet_serve.model.uri`,
 which imports neither of these.
 """
 
@@ -10,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagefleet_serve.model.hub import download_model
+from pagefleet_serve.model.hub import ArrivingShards, download_model
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURIError, parse_model_uri
 
 _BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,6 +23,7 @@ class LocalModel:
 
     name: str
     path: Path | None  # None only for builtin://tiny-random (generated, not stored)
+    shards: ArrivingShards | None = None  # a sharded hf:// checkpoint's, still downloading
 
 
 def builtin_gguf_path() -> Path:
@@ -34,11 +36,15 @@ def builtin_gguf_path() -> Path:
     return Path(spec.origin).parent / _BUILTIN_GGUF
 
 
-def resolve_model_uri(uri: str, pvc_mount_dir: str = PVC_MOUNT_DIR) -> LocalModel:
-    """Where the model of `uri` is on this machine; downloads hf:// models into the cache."""
+def resolve_model_uri(
+    uri: str, pvc_mount_dir: str = PVC_MOUNT_DIR, weights: str = "now"
+) -> LocalModel:
+    """Where the model of `uri` is on this machine; downloads hf:// models into the cache
+    (`weights`: see `pagefleet_serve.model.hub.WEIGHTS_MODES`)."""
     parsed = parse_model_uri(uri)
     if parsed.scheme == "hf":
-        return LocalModel(parsed.name, download_model(parsed))
+        downloaded = download_model(parsed, weights)
+        return LocalModel(parsed.name, downloaded.path, downloaded.shards)
     if parsed.scheme == "builtin":
         path = builtin_gguf_path() if parsed.builtin == "smollm2-135m" else None
         return LocalModel(parsed.name, path)

@@ -74,20 +74,40 @@ def read_header(path: Path) -> list[Entry]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise SafetensorsFormatError(f"{path}: {name} has dtype {info.get('dtype')!r}")
+        dtype = _dtype(path, name, info.get("dtype"))
         shape = tuple(int(d) for d in info["shape"])
         first, end = (int(x) for x in info["data_offsets"])
-        numel = 1
-        for d in shape:
-            numel *= d
         nbytes = end - first
-        if nbytes != numel * dtype.itemsize or data + end > size or first < 0:
+        if nbytes != _numel(shape) * dtype.itemsize or data + end > size or first < 0:
             raise SafetensorsFormatError(f"{path}: {name}'s byte range does not hold {shape}")
         entries.append(Entry(name, dtype, shape, data + first, nbytes))
     entries.sort(key=lambda e: e.offset)
     return entries
+
+
+def expected_entries(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> list[Entry]:
+    """The entries of a file not on disk yet, from its tensors' names, dtypes ("F32", ...)
+    and shapes as known elsewhere (the Hub's copy of its header): their offsets are
+    unknown (-1) until `read_files` reads the file's own header."""
+    entries = []
+    for name, (kind, shape) in tensors.items():
+        dtype = _dtype(path, name, kind)
+        entries.append(Entry(name, dtype, shape, -1, _numel(shape) * dtype.itemsize))
+    return entries
+
+
+def _dtype(path: Path, name: str, kind) -> torch.dtype:
+    dtype = _DTYPES.get(kind)
+    if dtype is None:
+        raise SafetensorsFormatError(f"{path}: {name} has dtype {kind!r}")
+    return dtype
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel
 
 
 def _read_exactly(fd: int, target: torch.Tensor, offset: int, path: Path) -> None:
@@ -119,16 +139,38 @@ def read_into(path: Path, placed: Iterable[tuple[Entry, torch.Tensor]]) -> None:
         os.close(fd)
 
 
-def read_files(files: list[Path], place: Callable[[Entry], torch.Tensor | None]) -> None:
+def read_files(
+    files: list[Path],
+    place: Callable[[Entry], torch.Tensor | None],
+    expected: dict[Path, list[Entry]] | None = None,
+    arrive: Callable[[Path], object] | None = None,
+) -> None:
     """Read every tensor `place` gives a destination for (None: skipped). `place` is called
     here, in this thread, for every entry of every file before any data is read; the files
-    are then read by up to MAX_PARALLEL_FILES threads."""
+    are then read by up to MAX_PARALLEL_FILES threads. `expected`: the files' entries
+    when they are not on disk yet (see `expected_entries`), and `arrive(file)` returns once
+    a file is; each file's own header must then list the same tensors."""
+    headers = expected if expected is not None else {file: read_header(file) for file in files}
     plans = [
-        (file, [(e, d) for e in read_header(file) if (d := place(e)) is not None]) for file in files
+        (file, {e.name: d for e in headers[file] if (d := place(e)) is not None}) for file in files
     ]
+
+    def read(file: Path, placed: dict[str, torch.Tensor]) -> None:
+        if arrive is not None:
+            arrive(file)
+        entries = headers[file]
+        if expected is not None:
+            entries = read_header(file)
+            got = {(e.name, e.dtype, e.shape) for e in entries}
+            if got != {(e.name, e.dtype, e.shape) for e in expected[file]}:
+                raise SafetensorsFormatError(
+                    f"{file}: its header does not list the tensors its header on the Hub did"
+                )
+        read_into(file, [(e, placed[e.name]) for e in entries if e.name in placed])
+
     if len(plans) == 1:
-        read_into(*plans[0])
+        read(*plans[0])
         return
     with ThreadPoolExecutor(min(MAX_PARALLEL_FILES, len(plans)), "safetensors") as pool:
-        for future in [pool.submit(read_into, file, placed) for file, placed in plans]:
+        for future in [pool.submit(read, file, placed) for file, placed in plans]:
             future.result()
