@@ -177,11 +177,15 @@ def download_model(model: ModelURI, weights: str = "now") -> Downloaded:
         if constants.is_offline_mode():
             return Downloaded(_cached(model))
         return _download(model, weights, where)
-    except ModelDownloadError as exc:
-        raise ModelDownloadError(f"{where}: {exc}") from exc
     # huggingface_hub raises OSErrors and, for a dead connection, its HTTP client's own.
     except Exception as exc:
-        raise ModelDownloadError(f"{where}: {_explain(model, exc)}") from exc
+        raise _download_error(model, where, exc) from exc
+
+
+def _download_error(model: ModelURI, where: str, exc: Exception) -> ModelDownloadError:
+    """What failed, named by the model's URI and revision, in the user's terms."""
+    reason = exc if isinstance(exc, ModelDownloadError) else _explain(model, exc)
+    return ModelDownloadError(f"{where}: {reason}")
 
 
 def _cached(model: ModelURI) -> Path:
@@ -230,7 +234,7 @@ def _download(model: ModelURI, weights: str, where: str) -> Downloaded:
         try:
             return fetch(filename)
         except Exception as exc:
-            raise ModelDownloadError(f"{where}: {_explain(model, exc)}") from exc
+            raise _download_error(model, where, exc) from exc
 
     paths = [fetch(f) for f in files]
     shards = None
