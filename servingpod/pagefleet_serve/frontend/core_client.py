@@ -2,7 +2,7 @@
 
 The core runs behind a `CoreLink`: in a process of its own (`ProcessLink`, what
 `pagefleet serve` uses: the core's steps then share no interpreter lock with the server;
-`start_core_process` builds that client) or in a thread of this process (the engine's
+`start_core_process` builds that client on a started one) or in a thread of this process (the engine's
 `ThreadLink`, for tests and embedding). Either way the client speaks to it in
 `messages` only, and the core sees token ids only: requests are validated here once
 (`InputProcessor`), the text is made here (`OutputProcessor`: a stop string found aborts
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Protocol
 
 from pagefleet_serve.config import EngineConfig
-from pagefleet_serve.cpu_placement import CpuPlacement
 from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.frontend.output_processor import OutputProcessor
+from pagefleet_serve.frontend.process_link import ProcessLink
 from pagefleet_serve.frontend.tokenizer import Tokenizer
 from pagefleet_serve.messages import (
     AbortRequest,
@@ -391,15 +391,13 @@ def _settle(answer: asyncio.Future, result: object) -> None:
         answer.set_result(result)
 
 
-def start_core_process(
-    config: EngineConfig, placement: CpuPlacement | None = None, log_level: str = "info"
-) -> EngineCoreClient:
-    """A client of a core in a process of its own (it loads the model there; RuntimeError
-    when it cannot start), with this process's tokenizer for text, loaded meanwhile."""
-    from pagefleet_serve.frontend.process_link import ProcessLink
+def start_core_process(config: EngineConfig, link: ProcessLink) -> EngineCoreClient:
+    """A client of the core `link` started (it loads the model in its own process;
+    RuntimeError when it cannot start), with this process's tokenizer for text, loaded
+    meanwhile. The caller starts the link before importing this module, so the core's
+    imports and load also overlap this module's (xgrammar, torch, transformers)."""
     from pagefleet_serve.model.loader import load_tokenizer
 
-    link = ProcessLink(config, placement, log_level)
     try:
         tokenizer = load_tokenizer(config.model)  # while the core loads the model
         link.wait_ready()

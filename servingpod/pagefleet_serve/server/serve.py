@@ -490,15 +490,21 @@ def run(args: argparse.Namespace) -> int:
 
         return run_headless(config)
 
-    from pagefleet_serve.frontend.core_client import start_core_process
-    from pagefleet_serve.server.uvicorn_server import create_server
+    from pagefleet_serve.frontend.process_link import ProcessLink
 
     try:
         with _progress(f"loading model {config.model} in the engine core process"):
-            engine = start_core_process(config, placement, args.log_level)
+            # The core first: its imports and load run beside this process's imports
+            # below (xgrammar, torch and transformers for the frontend, about 2 s).
+            link = ProcessLink(config, placement, args.log_level)
+            from pagefleet_serve.frontend.core_client import start_core_process
+
+            engine = start_core_process(config, link)
     except (ValueError, OSError, RuntimeError) as exc:
         logger.error("cannot load model %s: %s", config.model, exc)
         return 1
+    from pagefleet_serve.server.uvicorn_server import create_server
+
     place_frontend(placement.frontend)
     logger.info(
         "CPU placement: engine core on %s (%s intra-op threads), API process on %s",
