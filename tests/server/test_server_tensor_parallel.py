@@ -33,10 +33,14 @@ def streamed_text(server: ServerProcess) -> str:
 
 
 def ranks_of(server: ServerProcess) -> tuple[int, list[int]]:
-    """The core's pid (rank 0) and its workers' (ranks 1..)."""
+    """The core's pid (rank 0) and its workers' (ranks 1..: the children of the fork
+    server the core started them from)."""
     core = core_pid(server)
-    workers = wait_until(lambda: children(core), 30, "the tensor-parallel workers")
-    return core, workers
+
+    def workers() -> list[int]:
+        return [pid for child in children(core) for pid in children(child)]
+
+    return core, wait_until(workers, 30, "the tensor-parallel workers")
 
 
 @pytest.fixture(scope="module")

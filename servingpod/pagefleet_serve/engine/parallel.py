@@ -1,8 +1,9 @@
 """Tensor-parallel ranks as processes over `torch.distributed` (gloo on the CPU, NCCL on
-CUDA): rank 0 lives in the engine's process with the scheduler; ranks 1..N-1 are spawned
-here, each loading its own shard of the model (`model.tensor_parallel`) and its own part
-of the KV cache (its key/value heads, over the same block ids: the block manager and the
-block tables stay rank 0's).
+CUDA): rank 0 lives in the engine's process with the scheduler; ranks 1..N-1 are started
+here, forked from multiprocessing's fork server (which has imported torch once), each
+loading its own shard of the model (`model.tensor_parallel`) and its own part of the KV
+cache (its key/value heads, over the same block ids: the block manager and the block
+tables stay rank 0's).
 
 Once per step rank 0 broadcasts the runner call it is about to make, with its plain
 inputs (`broadcast_object_list`); every rank then makes the same call, and their layers
@@ -15,10 +16,10 @@ sends of the same group, and the last stage's logits come back to rank 0. The st
 one after the other (no micro-batches): a pipeline holds a model too large for one stage's
 devices, it does not step faster.
 
-A worker never outlives rank 0's process (PR_SET_PDEATHSIG, as the core process does with
-the server) and ignores SIGTERM/SIGINT (rank 0 ends it: a shutdown call, then kill). A
-worker that dies closes its connections, so a collective of rank 0 fails at once; `watch`
-tells rank 0's owner even between steps.
+A worker never outlives rank 0's process (PR_SET_PDEATHSIG on its parent, the fork
+server, which exits with rank 0's process) and ignores SIGTERM/SIGINT (rank 0 ends it: a
+shutdown call, then kill). A worker that dies closes its connections, so a collective of
+rank 0 fails at once; `watch` tells rank 0's owner even between steps.
 
 Across nodes (`nnodes` > 1, e.g. the pods of a LeaderWorkerSet group) each node holds
 `ranks_per_node` ranks: node 0 rank 0 and its local workers, as above; every other node
@@ -247,13 +248,22 @@ def _spawn_workers(
 ) -> list[multiprocessing.process.BaseProcess]:
     """Start this node's workers (their local ranks; global rank = node_rank *
     ranks_per_node + local rank), joining the store at `master_addr:port`."""
-    context = multiprocessing.get_context("spawn")
+    context = _worker_context()
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     first = config.node_rank * config.ranks_per_node
+    environment = dict(os.environ)
     processes = [
         context.Process(
             target=worker_main,
-            args=(first + local, local, config, placements[local], os.getpid(), port, log_level),
+            args=(
+                first + local,
+                local,
+                config,
+                placements[local],
+                port,
+                log_level,
+                environment,
+            ),
             name=f"pagefleet-tp-rank-{first + local}",
             daemon=True,
         )
@@ -262,6 +272,17 @@ def _spawn_workers(
     for process in processes:
         process.start()
     return processes
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Workers fork from multiprocessing's fork server, which has imported torch and this
+    module once: a node's workers, and those of every later engine of this process, start
+    without importing torch again (about 2 s of CPU each). The server runs no parallel
+    region and opens no device, so its forks are clean; what a worker imports beyond this
+    module it imports after taking its parent's environment (`worker_main`)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
 
 
 def run_headless(config: EngineConfig) -> int:
@@ -310,17 +331,23 @@ def worker_main(
     local_rank: int,
     config: EngineConfig,
     placement: CpuPlacement,
-    parent_pid: int,
     port: int,
     log_level: str,
+    environment: dict[str, str],
 ) -> None:
-    """A spawned rank: join the group, load this rank's shard, make every call rank 0
-    broadcasts until it says stop (or is gone)."""
+    """A forked rank: join the group, load this rank's shard, make every call rank 0
+    broadcasts until it says stop (or is gone). `environment` is its parent's at the
+    start (the fork server's is that of its own start): read before any import that
+    reads it (huggingface_hub reads HF_HOME and HF_ENDPOINT when imported)."""
+    os.environ.clear()
+    os.environ.update(environment)
     from pagefleet_serve.engine.core_process import die_with_parent
     from pagefleet_serve.engine.model_runner import ModelRunner
     from pagefleet_serve.model.loader import load_model
 
-    die_with_parent(parent_pid)
+    # Its parent is the fork server, which exits when rank 0's process does (its end of
+    # the server's pipe closes), and this process with it.
+    die_with_parent(os.getppid())
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 ends it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
