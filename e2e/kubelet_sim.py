@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import signal
 import socket
@@ -58,6 +59,17 @@ def _address_is_free(address: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _resource_field(container: dict, ref: dict) -> str:
+    """What the kubelet's downward API gives for a container's CPU request or limit with
+    divisor 1: whole CPUs, rounded up ("500m" -> "1")."""
+    section, _, resource = ref["resource"].partition(".")
+    if resource != "cpu" or str(ref.get("divisor", "1")) != "1":
+        raise NotImplementedError(f"the simulated kubelet resolves only cpu: {ref}")
+    amount = str(container.get("resources", {}).get(section, {}).get("cpu", "0"))
+    cores = int(amount[:-1]) / 1000 if amount.endswith("m") else float(amount)
+    return str(math.ceil(cores))
 
 
 @dataclass
@@ -313,8 +325,13 @@ class KubeletSimulation:
         if "PAGEFLEET_KERNELS_DIR" in os.environ:  # C++ extensions built outside the package
             env["PAGEFLEET_KERNELS_DIR"] = os.environ["PAGEFLEET_KERNELS_DIR"]
         for item in container.get("env", []):
-            if "value" in item:  # valueFrom (Secrets) has nothing to resolve here
+            if "value" in item:
                 env[item["name"]] = self._in_volumes(item["value"], mounts)
+            elif "resourceFieldRef" in item.get("valueFrom", {}):  # the downward API
+                env[item["name"]] = _resource_field(
+                    container, item["valueFrom"]["resourceFieldRef"]
+                )
+            # valueFrom a Secret has nothing to resolve here
         env["PAGEFLEET_HOST"] = address  # the pod's own IP
         if spec.get("automountServiceAccountToken") and self.kubeconfig:
             env["KUBECONFIG"] = self.kubeconfig

@@ -158,6 +158,9 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
         assert gone.exit_code == 0, gone.log_path.read_text()[-3000:]
         assert gone.in_flight_at_sigterm, "no stream was in flight when the pod got SIGTERM"
         assert "drain" in gone.log_path.read_text().lower()
+        # The example's CPU request (1) reached the engine as its thread count (the
+        # operator's OMP_NUM_THREADS from the downward API, which the simulation resolves).
+        assert "(1 intra-op threads)" in gone.log_path.read_text()
         autoscaler = (await asyncio.to_thread(isvc))["status"]["autoscaler"]
         assert autoscaler["lastScaleReason"].startswith("scale down 2 -> 1")
 

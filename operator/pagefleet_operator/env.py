@@ -41,6 +41,21 @@ def _from_secret(name: str, ref) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}
 
 
+def _threads_from_cpu_request(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """OMP_NUM_THREADS from the container's CPU request (the kubelet's downward API,
+    rounded up to whole CPUs), when it has a request and no CPU limit. Without a limit the
+    pod sees every CPU of the node and its engine would start an intra-op thread on each:
+    pods sharing a node then spin each other's threads off the cores (two pods of one
+    request each on a 2-CPU node served the local walk's load twice as slowly). Under a
+    limit the engine sizes its threads from the cgroup's quota itself."""
+    if "cpu" not in (spec.resources.get("requests") or {}):
+        return []
+    if "cpu" in (spec.resources.get("limits") or {}):
+        return []
+    request = {"resource": "requests.cpu", "divisor": "1"}
+    return [{"name": "OMP_NUM_THREADS", "valueFrom": {"resourceFieldRef": request}}]
+
+
 def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     flags: dict[str, Any] = {
         "model": get_pod_model_uri(spec),
@@ -71,6 +86,7 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     if spec.model.token_secret_ref:
         # huggingface_hub reads HF_TOKEN for gated and private repositories.
         env.append(_from_secret("HF_TOKEN", spec.model.token_secret_ref))
+    env += _threads_from_cpu_request(spec)
     # The root filesystem is read-only: every library cache must land on a volume.
     env += [
         {"name": "HOME", "value": "/tmp"},

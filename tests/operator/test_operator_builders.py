@@ -68,6 +68,26 @@ def test_engine_settings_become_env_vars(engine, expected):
     assert {k: env.get(k) for k in expected} == expected
 
 
+@pytest.mark.parametrize(
+    ("resources", "engine_env", "expected"),
+    [
+        (
+            {"requests": {"cpu": "2"}},
+            [],
+            {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}},
+        ),
+        # Under a CPU limit the engine sizes its threads from the cgroup's quota.
+        ({"requests": {"cpu": "2"}, "limits": {"cpu": "4"}}, [], None),
+        ({"limits": {"memory": "2Gi"}}, [], None),
+        ({"requests": {"cpu": "2"}}, [{"name": "OMP_NUM_THREADS", "value": "6"}], "6"),
+    ],
+    ids=["request", "limit", "none", "the user's own"],
+)
+def test_the_engine_threads_follow_the_cpu_request_unless_limited(resources, engine_env, expected):
+    body = make_body({**BUILTIN, "resources": resources, "engine": {"env": engine_env}})
+    assert env_of(body).get("OMP_NUM_THREADS") == expected
+
+
 def test_unset_engine_settings_leave_engine_defaults():
     env = env_of(make_body(BUILTIN))
     assert "PAGEFLEET_MAX_NUM_SEQS" not in env and "PAGEFLEET_KV_CACHE_DTYPE" not in env
