@@ -145,8 +145,47 @@ def get_parser() -> argparse.ArgumentParser:
             help="where a cluster-wide operator keeps its Lease (every cluster-wide operator "
             "must use the same one); with --namespace, each watched namespace holds one",
         )
+        for flag, value, what in (
+            ("lease-duration", LeaseTiming.duration_s, "a holder silent this long loses the Lease"),
+            (
+                "renew-deadline",
+                LeaseTiming.renew_deadline_s,
+                "the leader steps down when it could not renew for this long",
+            ),
+            (
+                "retry-period",
+                LeaseTiming.renew_interval_s,
+                "how often the leader renews and a standby tries to take the Lease",
+            ),
+        ):
+            target.add_argument(
+                f"--leader-election-{flag}",
+                type=float,
+                default=default(value),
+                metavar="SECONDS",
+                help=f"{what} (default {value:g}; controller-runtime's --leader-elect-{flag})",
+            )
         target.add_argument("-v", "--verbose", action="store_true", default=default(False))
     return parser
+
+
+def lease_timing(args: argparse.Namespace) -> LeaseTiming:
+    """The --leader-election-* flags as a LeaseTiming; a usage error (exit 2) unless
+    0 < retry period < renew deadline < lease duration."""
+    try:
+        return LeaseTiming(
+            duration_s=args.leader_election_lease_duration,
+            renew_deadline_s=args.leader_election_renew_deadline,
+            renew_interval_s=args.leader_election_retry_period,
+            retry_interval_s=args.leader_election_retry_period,
+        )
+    except ValueError:
+        get_parser().error(
+            "leader election needs 0 < --leader-election-retry-period < "
+            "--leader-election-renew-deadline < --leader-election-lease-duration, got "
+            f"{args.leader_election_retry_period:g}, {args.leader_election_renew_deadline:g}, "
+            f"{args.leader_election_lease_duration:g}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,13 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         uninstall(Kube(load_api_client()), args.namespace, args.timeout)
         return 0
     liveness_endpoint(args)  # a malformed address fails here, before anything starts
+    timing = lease_timing(args)
     from . import handlers  # noqa: F401  (registers the handlers with kopf)
 
     kopf.configure(verbose=args.verbose)
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_bind_address)
-    timing = LeaseTiming()
     identity = f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
     kube = Kube(load_api_client())
     election = LeaderElection(

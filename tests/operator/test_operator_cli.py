@@ -73,3 +73,17 @@ def test_the_health_probe_binds_the_address_given():
     )
     assert result.returncode != 0
     assert "--health-probe-bind-address '8081': expected [HOST]:PORT" in result.stderr
+
+
+def test_leader_election_timings_that_cannot_work_are_a_usage_error():
+    result = subprocess.run(
+        [sys.executable, "-m", "pagefleet_operator", "--leader-election-renew-deadline=20"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert (
+        "leader election needs 0 < --leader-election-retry-period < "
+        "--leader-election-renew-deadline < --leader-election-lease-duration, got 2, 20, 15"
+    ) in result.stderr

@@ -81,6 +81,15 @@ def stored_lease(server) -> dict:
     raise AssertionError("no Lease")
 
 
+# A take-over within seconds instead of the defaults' 15 s (the Lease's own duration field
+# says 4 s: the standby reads it from there).
+SHORT_LEASE = (
+    "--leader-election-lease-duration=4",
+    "--leader-election-renew-deadline=3",
+    "--leader-election-retry-period=0.5",
+)
+
+
 @pytest.mark.kmock(cls=ApiServerEmulator)
 @pytest.mark.asyncio
 async def test_a_second_operator_on_the_scope_stands_by_until_the_first_is_gone(kmock, tmp_path):
@@ -88,7 +97,7 @@ async def test_a_second_operator_on_the_scope_stands_by_until_the_first_is_gone(
     logs = {name: tmp_path / name / "operator.log" for name in ("first", "second")}
     for log in logs.values():
         log.parent.mkdir()
-    flags = ("--liveness", "", "--namespace", "ml")
+    flags = ("--liveness", "", "--namespace", "ml", *SHORT_LEASE)
     async with run_operator(kmock, logs["first"].parent, *flags) as client:
         await eventually(lambda: "holding Lease ml/" in logs["first"].read_text(), what="lease")
         async with run_operator(kmock, logs["second"].parent, *flags):
@@ -129,7 +138,8 @@ async def test_a_leader_whose_lease_is_taken_stops_acting(kmock, tmp_path):
     past the lease duration): this one stops, exit status 1, rather than act beside it."""
     declare_resources(kmock)
     log = tmp_path / "operator.log"
-    async with run_operator(kmock, tmp_path, "--liveness", "", "--namespace", "ml") as client:
+    flags = ("--liveness", "", "--namespace", "ml", *SHORT_LEASE)
+    async with run_operator(kmock, tmp_path, *flags) as client:
         await eventually(lambda: "holding Lease ml/" in log.read_text(), what="lease")
         lease = stored_lease(kmock)
         taken = {"holderIdentity": "elsewhere", "renewTime": "2999-01-01T00:00:00.000000Z"}
