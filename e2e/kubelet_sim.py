@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kubernetes.utils import parse_quantity
 
 logger = logging.getLogger("kubelet-sim")
 
@@ -67,9 +68,8 @@ def _resource_field(container: dict, ref: dict) -> str:
     section, _, resource = ref["resource"].partition(".")
     if resource != "cpu" or str(ref.get("divisor", "1")) != "1":
         raise NotImplementedError(f"the simulated kubelet resolves only cpu: {ref}")
-    amount = str(container.get("resources", {}).get(section, {}).get("cpu", "0"))
-    cores = int(amount[:-1]) / 1000 if amount.endswith("m") else float(amount)
-    return str(math.ceil(cores))
+    amount = container.get("resources", {}).get(section, {}).get("cpu", "0")
+    return str(math.ceil(parse_quantity(amount)))
 
 
 @dataclass

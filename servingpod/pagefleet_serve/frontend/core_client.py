@@ -2,8 +2,8 @@
 
 The core runs behind a `CoreLink`: in a process of its own (`ProcessLink`, what
 `pagefleet serve` uses: the core's steps then share no interpreter lock with the server;
-`start_core_process` builds that client on a started one) or in a thread of this process (the engine's
-`ThreadLink`, for tests and embedding). Either way the client speaks to it in
+`start_core_process` builds that client on a started link) or in a thread of this process
+(the engine's `ThreadLink`, for tests and embedding). Either way the client speaks to it in
 `messages` only, and the core sees token ids only: requests are validated here once
 (`InputProcessor`), the text is made here (`OutputProcessor`: a stop string found aborts
 that sample in the core), and each request's outputs go to the queue its caller gave
