@@ -21,6 +21,7 @@ class SlowCompiler(GrammarCompiler):
         self.slow = slow
         self.started = threading.Event()
         self.release = threading.Event()
+        self.slow_compiles = 0  # compiles of the slow constraint begun
         # The vocabulary is read first (a loaded machine may take seconds): only the slow
         # constraint then meets the short timeout.
         self.compile(StructuredOutputs(regex="warm"))
@@ -40,6 +41,7 @@ class SlowCompiler(GrammarCompiler):
 
     def _compile(self, constraint: StructuredOutputs):
         if constraint == self.slow:
+            self.slow_compiles += 1
             self.started.set()
             self.release.wait(60)
         return super()._compile(constraint)
