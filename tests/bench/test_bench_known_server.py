@@ -150,8 +150,10 @@ def test_max_concurrency_bounds_requests_in_flight(serve_known):
     result, known = serve_known(scenario)
     assert result["completed"] == 6
     assert known.peak_in_flight == 2
-    # Three waves of two, each FIRST_S + 3 * GAP_S long.
-    assert result["duration"] == pytest.approx(3 * (FIRST_S + 3 * GAP_S), abs=0.5)
+    # Three waves of two, each at least FIRST_S + 3 * GAP_S long (the server's sleeps), and
+    # well short of four waves.
+    wave = FIRST_S + 3 * GAP_S
+    assert 3 * wave <= result["duration"] < 3.9 * wave
 
 
 def test_request_rate_spaces_the_arrivals(serve_known):
@@ -205,7 +207,8 @@ def test_duration_limit_reports_incomplete_requests(serve_known):
         return await run_requests(settings(base_url), samples("a", "b", "c"), run, len)
 
     result = serve_known(scenario)
-    assert result["duration"] == pytest.approx(0.45, abs=0.15)
+    # Cut at the limit, long before the three requests' 1.8 s run one after another.
+    assert 0.44 <= result["duration"] < 1.0
     assert (result["completed"], result["failed"], result["incomplete"]) == (0, 0, 3)
     # The first request had streamed about two chunks ("tok", counted by len) when cut off.
     assert result["total_output_tokens"] in (3, 6, 9)
