@@ -37,13 +37,15 @@ serve: install
 # past 13 GB (the in-process engines' memory stays with the process) and was killed by the
 # OOM killer on this 24 GiB machine; so did operator + router + server + the walks.
 TEST_PART_1 := tests/bench tests/chart tests/engine tests/kernels
-TEST_PART_2 := tests/router tests/server tests/test_suite_report.py
+TEST_PART_2 := tests/server tests/test_suite_report.py
 TEST_PART_3 := e2e/test_e2e_local.py e2e/test_e2e_hf.py
 # Run in a fourth process beside part 1: the operator's tests mostly wait (kopf's timers,
-# Lease renewals, the emulator's watches), half a core on average, no torch, little memory.
-# Beside part 1 (one and a half cores busy) they took 95 s against 90 s alone, part 1's
-# kernel and engine tests 144 s against 133 s: 79 s of the suite's wall clock saved.
-TEST_BESIDE_1 := tests/operator
+# Lease renewals, the emulator's watches), half a core on average, no torch, little memory;
+# the router's wait on their few pods (42 s, 27 s of CPU alone). Beside part 1 (one and a
+# half cores busy) the operator's took 95 s against 90 s alone, part 1's kernel and engine
+# tests 144 s against 133 s; with the router's too, the two took 170 s and part 1 560 s
+# (564 s beside the operator's alone): about 110 s of the suite's wall clock saved.
+TEST_BESIDE_1 := tests/operator tests/router
 
 # $(call beside,PYTEST_ARGS,PART,BESIDE): pytest on BESIDE in the background, its output
 # kept in build/ and printed once PART's pytest (in the foreground) is done; fails when
