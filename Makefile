@@ -33,7 +33,7 @@ serve: install
 # The unit and integration tests, then the user's walk with no cluster (the operator and
 # real serving pods against an API emulator and a simulated kubelet).
 # make test runs the selection in three pytest processes, one after another (and the
-# operator's tests in a fourth beside the first): one process for all of it grew
+# operator's and router's tests in a fourth beside the first): one process for all of it grew
 # past 13 GB (the in-process engines' memory stays with the process) and was killed by the
 # OOM killer on this 24 GiB machine; so did operator + router + server + the walks.
 TEST_PART_1 := tests/bench tests/chart tests/engine tests/kernels
@@ -69,12 +69,11 @@ test: install
 # The same runs, writing each test file's total time to docs/test-durations.md (commit it
 # with a change that moves the suite's time, measured on an idle machine).
 DURATIONS_INTRO := Written by \`make durations\` (the pytest runs of \`make test\`, in file order; \
-the operator's beside the first): each file's total of setup, call and teardown, its module and session fixtures \
-included (a session fixture's start counts for the first file that uses it, its end for \
-the run's last file). Compare a change's run with this one on the same machine: the \
+the operator's and router's beside the first): each file's total of setup, call and teardown, \
+its module and session fixtures included (a session fixture's start counts for the first \
+file that uses it, its end for the run's last file). Compare a change's run with this one on the same machine: the \
 machine's speed moves more than the suite.
 durations: install
-	mkdir -p build
 	$(call beside,-q -p no:randomly --durations=25 -m "not slow and not gpu",\
 		--durations-table=build/durations-1.md $(TEST_PART_1),\
 		--durations-table=build/durations-beside-1.md $(TEST_BESIDE_1))

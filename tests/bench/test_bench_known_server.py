@@ -33,7 +33,7 @@ class KnownServer:
         self.bodies: list[dict] = []
         self.in_flight = self.peak_in_flight = 0
         self.arrivals: list[float] = []
-        self.writes: dict[str, list[float]] = {}  # prompt -> when each text chunk went out
+        self.writes: dict[str, list[float]] = {}  # prompt -> its arrival, then each chunk's write
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
