@@ -4,8 +4,9 @@ At the end of a run pytest prints how many `pagefleet serve` processes the run s
 how many engines it built in the test process itself, the two dearest things the suite
 does: a change that adds one shows up here before it shows up in the wall clock. With
 `--durations-table PATH` it also writes each test file's total time (setup, call and
-teardown of its tests, module fixtures included) as a Markdown table, slowest first
-(`make durations` writes docs/test-durations.md).
+teardown of its tests, module fixtures included) as a Markdown table, slowest first, with
+the servers and engines each file started (`make durations` writes
+docs/test-durations.md).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ pytest_plugins = ["pytester"]  # tests/test_suite_report.py runs pytest on this 
 _counts = {"serve": 0, "engines": 0}
 _file_seconds: dict[str, float] = defaultdict(float)
 _file_tests: dict[str, int] = defaultdict(int)
+# What each file started: a session or module fixture's start counts for the file whose
+# test set it up (the first to use it).
+_file_counts: dict[str, dict[str, int]] = defaultdict(lambda: {"serve": 0, "engines": 0})
+_current_file = [""]
 _started = time.monotonic()
 
 
@@ -41,6 +46,7 @@ def _is_serve_command(args) -> bool:
 def _audit(event: str, args: tuple) -> None:
     if event == "subprocess.Popen" and _is_serve_command(args[1]):
         _counts["serve"] += 1
+        _file_counts[_current_file[0]]["serve"] += 1
 
 
 sys.addaudithook(_audit)  # audit hooks cannot be removed: this one only counts
@@ -57,6 +63,7 @@ def _count_engine_builds() -> None:
 
     def counted_init(self, *args, **kwargs):
         _counts["engines"] += 1
+        _file_counts[_current_file[0]]["engines"] += 1
         original(self, *args, **kwargs)
 
     counted_init._counted = True  # type: ignore[attr-defined]
@@ -73,6 +80,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _count_engine_builds()
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    _current_file[0] = nodeid.split("::", 1)[0]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -109,10 +120,14 @@ def durations_table(exitstatus: int, selection: str) -> str:
         f"- `pagefleet serve` processes started: {_counts['serve']}; engines built in the"
         f" test process: {_counts['engines']}",
         "",
-        "| file | tests | seconds | share |",
-        "|---|---:|---:|---:|",
+        "| file | tests | seconds | share | servers | engines |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for path, seconds in files:
         share = seconds / total if total else 0.0
-        lines.append(f"| `{path}` | {_file_tests[path]} | {seconds:.1f} | {share:.1%} |")
+        started = _file_counts.get(path, {"serve": 0, "engines": 0})
+        lines.append(
+            f"| `{path}` | {_file_tests[path]} | {seconds:.1f} | {share:.1%}"
+            f" | {started['serve']} | {started['engines']} |"
+        )
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """The run's cost report (the repository's conftest.py): the summary line counts the
 `pagefleet serve` processes a run starts, and `--durations-table` writes each test file's
-time, slowest first, in a run of pytest of its own on two small test files."""
+time, slowest first, with the servers each file started, in a run of pytest of its own on
+two small test files."""
 
 from pathlib import Path
 
@@ -37,4 +38,5 @@ def test_the_summary_counts_serve_processes_and_the_table_ranks_files(pytester):
     assert [row.split("`")[1] for row in rows] == ["test_slow.py", "test_fast.py"]
     assert rows[0].split("|")[2].strip() == "2"  # tests in the file
     assert float(rows[0].split("|")[3]) >= 0.3
+    assert [row.split("|")[5:7] for row in rows] == [[" 2 ", " 0 "], [" 0 ", " 0 "]]
     assert "tests: 3; pytest exit status: 0" in table.read_text()
