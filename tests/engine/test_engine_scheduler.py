@@ -61,6 +61,34 @@ def test_long_prompt_is_chunked_and_decodes_go_first():
     assert steps == [{"short": 1, "long": 15}, {"short": 1, "long": 15}, {"short": 1, "long": 10}]
 
 
+def test_a_long_prefill_leaves_half_the_budget_to_a_request_that_arrives():
+    """A short request arriving during a long prompt's prefill starts in the next step,
+    not after the whole prompt (issue 42, item 7: each chunk can take seconds on a CPU)."""
+    s = make_scheduler(max_num_batched_tokens=16)
+    s.add(make_seq("short", 3, max_tokens=50))
+    run_step(s)
+    s.add(make_seq("long", 60, first_token=100))
+    assert run_step(s)[0] == {"short": 1, "long": 15}
+    s.add(make_seq("late", 4, max_tokens=2, first_token=300))
+    # Of the 15 tokens the decode leaves, the prefill takes 7; "late" is admitted beside it.
+    assert run_step(s)[0] == {"short": 1, "long": 7, "late": 4}
+    # Nobody waits: the prefill takes the whole budget again.
+    assert run_step(s)[0] == {"short": 1, "late": 1, "long": 14}
+
+
+def test_a_long_prefill_takes_the_half_back_when_no_waiting_request_fits():
+    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    s.add(make_seq("short", 3, max_tokens=50))
+    run_step(s)
+    s.add(make_seq("long", 60, first_token=100))
+    run_step(s)
+    s.add(make_seq("no-seat", 4, first_token=300))  # both seats are taken
+    assert run_step(s)[0] == {"short": 1, "long": 15}
+    assert [q.request_id for q in s.waiting] == ["no-seat"]
+    long = s.sequences_of("long")[0]
+    assert long.num_computed_tokens == 30 and len(long.block_table) * BS >= 30
+
+
 def test_max_num_seqs_bounds_the_running_set():
     s = make_scheduler(max_num_seqs=2)
     for i in range(3):

@@ -5,7 +5,11 @@ One rule (as in vLLM v1): a sequence's `num_computed_tokens` catches up with its
 `num_tokens`. Running decodes go first, so a long prompt (prefilled in chunks) never
 starves them; then ongoing prefills; then waiting requests by priority, then the client
 holding the fewest of the batch's seats, then arrival (`_next_waiting`); a full batch gives
-seats to a client below its fair share (`_find_seats`).
+seats to a client below its fair share (`_find_seats`). While requests wait, an ongoing
+prefill's chunk takes at most half the budget left after the decodes, so a long prompt
+does not hold every new request back until its whole prefill is done (each of its chunks
+can take seconds on a CPU); when no waiting request could be admitted, the chunk takes
+the rest back.
 When blocks run out the newest running sequence is preempted: its blocks are freed and it
 is recomputed later (its full blocks usually survive in the prefix cache).
 
@@ -131,7 +135,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, ScheduledSeq] = {}
         preempted: list[Sequence] = []
-
+        halved: list[Sequence] = []  # prefill chunks that left half the budget to the waiting
         decodes_first = sorted(
             self.running, key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens, s.sort_key)
         )
@@ -141,7 +145,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             drafts = self._drafts(seq, budget)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget) + len(drafts)
+            halve = bool(self.waiting) and seq.num_computed_tokens < seq.num_prompt_tokens
+            limit = max(budget // 2, 1) if halve else budget
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, limit) + len(drafts)
             lookahead = self._lookahead(seq, seq.num_computed_tokens + num_new)
             while (copies := self.block_manager.allocate(seq, num_new + lookahead)) is None:
                 if drafts or lookahead:  # drop the speculation before preempting anyone for it
@@ -159,10 +165,13 @@ class Scheduler:
                 continue
             scheduled[seq] = ScheduledSeq(seq, num_new, copies, drafts)
             budget -= num_new
+            if halve and seq.num_computed_tokens + num_new < seq.num_tokens:
+                halved.append(seq)
 
         # Admit waiting requests, unless this step had to preempt (no room to grow); one
         # whose adapter finds no free slot waits, and those behind it are considered.
         out_of_blocks = bool(preempted)
+        admitted = False
         passed_over: set[Sequence] = set()
         held = self._seats_held()  # kept up to date below, not recounted per admission
         while budget > 0 and not out_of_blocks and self.waiting:
@@ -195,9 +204,30 @@ class Scheduler:
             held[seq.client] += seq.num_samples
             scheduled[seq] = ScheduledSeq(seq, num_new, copies)
             budget -= num_new
+            admitted = True
+
+        if not admitted:  # nobody could use the half left: the prefills take it back
+            for seq in halved:
+                budget -= self._extend(scheduled, seq, budget)
 
         loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
         return SchedulerOutput(list(scheduled.values()), preempted, loads)
+
+    def _extend(self, scheduled: dict[Sequence, ScheduledSeq], seq: Sequence, budget: int) -> int:
+        """Give a scheduled prefill chunk up to `budget` more of its prompt's tokens (as
+        many as the free blocks allow); returns how many it took."""
+        item = scheduled.get(seq)
+        if item is None or budget <= 0 or seq.status is not SequenceStatus.RUNNING:
+            return 0
+        total = min(item.num_new_tokens + budget, seq.num_tokens - seq.num_computed_tokens)
+        copies = self.block_manager.allocate(
+            seq, total + self._lookahead(seq, seq.num_computed_tokens + total)
+        )
+        if copies is None:
+            return 0
+        more = total - item.num_new_tokens
+        scheduled[seq] = ScheduledSeq(seq, total, item.block_copies + copies)
+        return more
 
     # -- fairness between clients ----------------------------------------------------------
     def _seats_held(self) -> collections.Counter[str]:
