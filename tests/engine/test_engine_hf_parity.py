@@ -88,8 +88,7 @@ def check_parity(hf_model, prompt_ids, reference, ours):
 )
 def test_greedy_parity_one_request_at_a_time(every, make_llm, hf_model, prompt_ids, reference):
     """Unbatched steps. `make test` runs every fourth prompt (the batched and compiled
-    tests below hold all 20 to parity); `make test-engine-slow` runs all of them (20 s
-    more here)."""
+    tests below hold all 20 to parity); `make test-engine-slow` runs all of them."""
     llm = make_llm(max_model_len=512, kv_cache_memory_bytes=256 << 20)
     prompts, expected = prompt_ids[::every], reference[::every]
     ours = [llm.generate(ids, GREEDY)[0].outputs[0].token_ids for ids in prompts]
