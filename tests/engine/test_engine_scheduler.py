@@ -70,8 +70,8 @@ def test_a_long_prefill_leaves_half_the_budget_to_a_request_that_arrives():
     s.add(make_seq("long", 60, first_token=100))
     assert run_step(s)[0] == {"short": 1, "long": 15}
     s.add(make_seq("late", 4, max_tokens=2, first_token=300))
-    # Of the 15 tokens the decode leaves, the prefill takes 7; "late" is admitted beside it.
-    assert run_step(s)[0] == {"short": 1, "long": 7, "late": 4}
+    # Of the 15 tokens the decode leaves, the prefill takes 8; "late" is admitted beside it.
+    assert run_step(s)[0] == {"short": 1, "long": 8, "late": 4}
     # Nobody waits: the prefill takes the whole budget again.
     assert run_step(s)[0] == {"short": 1, "late": 1, "long": 14}
 
@@ -87,6 +87,19 @@ def test_a_long_prefill_takes_the_half_back_when_no_waiting_request_fits():
     assert [q.request_id for q in s.waiting] == ["no-seat"]
     long = s.sequences_of("long")[0]
     assert long.num_computed_tokens == 30 and len(long.block_table) * BS >= 30
+
+
+def test_two_long_prefills_take_back_what_no_waiting_request_used_in_turn():
+    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    s.add(make_seq("a", 35))
+    s.add(make_seq("b", 60, first_token=100))
+    assert run_step(s)[0] == {"a": 16}
+    assert run_step(s)[0] == {"a": 8, "b": 8}  # b, waiting, was admitted with the half left
+    s.add(make_seq("no-seat", 4, first_token=300))
+    # a 8 of 16, b 4 of the 8 left; nobody admitted: a takes 3 more (its prompt's end),
+    # b the last 1; the step's tokens are the budget, not more.
+    scheduled, out = run_step(s)
+    assert scheduled == {"a": 11, "b": 5} and out.num_batched_tokens == 16
 
 
 def test_max_num_seqs_bounds_the_running_set():

@@ -6,10 +6,10 @@ One rule (as in vLLM v1): a sequence's `num_computed_tokens` catches up with its
 starves them; then ongoing prefills; then waiting requests by priority, then the client
 holding the fewest of the batch's seats, then arrival (`_next_waiting`); a full batch gives
 seats to a client below its fair share (`_find_seats`). While requests wait, an ongoing
-prefill's chunk takes at most half the budget left after the decodes, so a long prompt
-does not hold every new request back until its whole prefill is done (each of its chunks
-can take seconds on a CPU); when no waiting request could be admitted, the chunk takes
-the rest back.
+prefill's chunk takes at most half (rounded up) of the budget left after the decodes, so
+a long prompt does not hold every new request back until its whole prefill is done (each
+of its chunks can take seconds on a CPU); when no waiting request could be admitted, the
+chunk takes the rest back.
 When blocks run out the newest running sequence is preempted: its blocks are freed and it
 is recomputed later (its full blocks usually survive in the prefix cache).
 
@@ -146,7 +146,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             drafts = self._drafts(seq, budget)
             halve = bool(self.waiting) and seq.num_computed_tokens < seq.num_prompt_tokens
-            limit = max(budget // 2, 1) if halve else budget
+            limit = (budget + 1) // 2 if halve else budget
             num_new = min(seq.num_tokens - seq.num_computed_tokens, limit) + len(drafts)
             lookahead = self._lookahead(seq, seq.num_computed_tokens + num_new)
             while (copies := self.block_manager.allocate(seq, num_new + lookahead)) is None:
