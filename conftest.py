@@ -125,7 +125,7 @@ def durations_table(exitstatus: int, selection: str) -> str:
     ]
     for path, seconds in files:
         share = seconds / total if total else 0.0
-        started = _file_counts.get(path, {"serve": 0, "engines": 0})
+        started = _file_counts[path]
         lines.append(
             f"| `{path}` | {_file_tests[path]} | {seconds:.1f} | {share:.1%}"
             f" | {started['serve']} | {started['engines']} |"
