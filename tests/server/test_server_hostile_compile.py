@@ -47,6 +47,18 @@ def chat(schema: dict) -> dict:
     }
 
 
+_made: list[GrammarCompiler] = []
+
+
+@pytest.fixture(autouse=True)
+def close_compilers():
+    """Each test's own compilers end with it (their threads would keep their worker
+    processes running for the rest of the run)."""
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def compiler_for(server, cls=GrammarCompiler, **limits) -> GrammarCompiler:
     core = server.core
     compiler = cls(
@@ -55,6 +67,7 @@ def compiler_for(server, cls=GrammarCompiler, **limits) -> GrammarCompiler:
         core.grammar_stop_token_ids,
         **limits,
     )
+    _made.append(compiler)
     compiler.compile(StructuredOutputs(regex="warm"))  # the vocabulary read, a worker up
     return compiler
 

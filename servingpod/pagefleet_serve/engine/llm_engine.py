@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
+import weakref
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
@@ -182,6 +183,9 @@ class LLMEngine:
                 self.grammar_stop_token_ids,
                 config.structured_outputs_compile_timeout,
             )
+            # Its threads keep it (and their worker processes) alive: it ends with the
+            # engine, closed or collected (an `LLM` dropped without a close).
+            self._close_compiler = weakref.finalize(self, self.grammar_compiler.close)
         # Sequences whose grammar is still compiling: they join the scheduler when it is.
         self._awaiting_grammar: dict[Sequence, Future] = {}
         if self.device.type != "cuda":  # CUDA's warm-up ran before the KV cache was sized
@@ -207,10 +211,14 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """End the parallel workers and the adapter reader, if any (the engine cannot step
-        after this); also called by a start-up that failed before it made either."""
+        """End the parallel workers, the grammar compile workers and the adapter reader, if
+        any (the engine cannot step after this); also called by a start-up that failed
+        before it made them."""
         if self.workers is not None:
             self.workers.close()
+        close_compiler = getattr(self, "_close_compiler", None)
+        if close_compiler is not None:
+            close_compiler()
         reader = getattr(self, "_lora_reader", None)
         if reader is not None:
             reader.shutdown(wait=False, cancel_futures=True)

@@ -194,6 +194,7 @@ class GrammarCompiler:
         self._running: collections.Counter[str] = collections.Counter()  # compiling, per client
         self._threads = 0
         self._idle = 0
+        self._closed = False
         self._local = threading.local()  # a compile thread's worker and job
 
     def compile_async(self, constraint: StructuredOutputs, client: str | None = None) -> Future:
@@ -203,6 +204,8 @@ class GrammarCompiler:
         client's budget is full, and the caller must `stop_waiting` on the future when it stops
         waiting for it (done or not)."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the grammar compiler is closed")
             future = self._cache.get(constraint)
             if future is not None:
                 self._cache.move_to_end(constraint)
@@ -242,6 +245,17 @@ class GrammarCompiler:
             self._queue.remove(job)
         self._finish(job, None, self._abandoned(job.constraint))
 
+    def close(self) -> None:
+        """End the compile threads and their worker processes (a compile in flight first
+        finishes or times out); queued compiles fail. Idempotent."""
+        with self._lock:
+            self._closed = True
+            queued = list(self._queue)
+            self._queue.clear()
+            self._work.notify_all()
+        for job in queued:
+            self._finish(job, None, RuntimeError("the grammar compiler is closed"))
+
     def compile(self, constraint: StructuredOutputs) -> xgr.CompiledGrammar:
         """Compile (or find in the cache) and wait; raises ValueError."""
         return self.compile_async(constraint).result()
@@ -264,25 +278,36 @@ class GrammarCompiler:
     # -- the compile threads -------------------------------------------------------------
     def _add_thread(self) -> None:
         """One more compile thread, up to `workers` (call holding the lock)."""
-        if self._threads < self._max_workers:
+        if self._threads < self._max_workers and not self._closed:
             self._threads += 1
             threading.Thread(target=self._serve, name="grammar", daemon=True).start()
 
     def _serve(self) -> None:
         """A compile thread: its worker is started first, so that a spare is warm when a
         compile arrives while the others are busy (a worker takes a second or more to
-        start); each compile that leaves no thread idle starts the next spare."""
+        start); each compile that leaves no thread idle starts the next spare. Ends, with
+        its worker, when the compiler is closed."""
         self._local.worker = None
         try:
             self._start_worker()
         except (OSError, RuntimeError):
             logger.exception("cannot start a grammar compile worker")
+        try:
+            self._take_jobs()
+        finally:
+            if self._local.worker is not None:
+                self._local.worker.kill()
+
+    def _take_jobs(self) -> None:
         while True:
             with self._lock:
                 self._idle += 1
-                while (job := self._next_job()) is None:
+                job = None
+                while not self._closed and (job := self._next_job()) is None:
                     self._work.wait()
                 self._idle -= 1
+                if job is None:  # closed
+                    return
                 self._queue.remove(job)
                 job.started = True
                 if job.client is not None:
