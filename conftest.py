@@ -7,10 +7,19 @@ does: a change that adds one shows up here before it shows up in the wall clock.
 teardown of its tests, module fixtures included) as a Markdown table, slowest first, with
 the servers and engines each file started (`make durations` writes
 docs/test-durations.md).
+
+After each test module (its module fixtures torn down) the run collects garbage and hands
+the C heap's free pages back to the system (`malloc_trim`): without that an in-process
+engine's model and KV pool stayed in the process's memory after the module that built
+them (test_engine_features left the process at 4.3 GB, 0.7 GB with the release), and
+`make test` runs two such processes at once on a 24 GiB machine.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import itertools
 import sys
 import time
@@ -82,6 +91,26 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _count_engine_builds()
 
 
+def _c_heap_trim():
+    """glibc's malloc_trim, or None where the C library has none (not glibc)."""
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+
+
+_malloc_trim = _c_heap_trim()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    result = yield
+    module = getattr(item, "module", None)
+    if nextitem is None or getattr(nextitem, "module", None) is not module:
+        gc.collect()  # the module's engines: their fixtures have just let them go
+        if _malloc_trim is not None:
+            _malloc_trim(0)
+    return result
+
+
 def pytest_runtest_logstart(nodeid: str, location) -> None:
     _current_file[0] = nodeid.split("::", 1)[0]
 
@@ -104,6 +133,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = session.config.getoption("--durations-table")
     if target:
         selection = " ".join(str(arg) for arg in session.config.args)
+        ignored = session.config.getoption("ignore") or []
+        if ignored:
+            selection += " --ignore=" + " --ignore=".join(str(path) for path in ignored)
         Path(target).write_text(durations_table(exitstatus, selection))
 
 

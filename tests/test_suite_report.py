@@ -27,9 +27,11 @@ def test_fast():
 
 def test_the_summary_counts_serve_processes_and_the_table_ranks_files(pytester):
     pytester.makeconftest(ROOT_CONFTEST.read_text())
-    pytester.makepyfile(test_slow=SLOW, test_fast=FAST)
+    pytester.makepyfile(test_slow=SLOW, test_fast=FAST, test_elsewhere=FAST)
     table = pytester.path / "durations.md"
-    result = pytester.runpytest_subprocess("-p", "no:randomly", "--durations-table", str(table))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:randomly", "--durations-table", str(table), "--ignore=test_elsewhere.py"
+    )
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(
         ["pagefleet serve processes started: 2; engines built in the test process: 0"]
@@ -40,3 +42,5 @@ def test_the_summary_counts_serve_processes_and_the_table_ranks_files(pytester):
     assert float(rows[0].split("|")[3]) >= 0.3
     assert [row.split("|")[5:7] for row in rows] == [[" 2 ", " 0 "], [" 0 ", " 0 "]]
     assert "tests: 3; pytest exit status: 0" in table.read_text()
+    assert table.read_text().splitlines()[0].endswith(" --ignore=test_elsewhere.py`")
+    assert "test_elsewhere.py` |" not in table.read_text()
