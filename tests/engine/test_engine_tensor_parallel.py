@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism over gloo (two ranks, float32): greedy tokens equal one
 rank's for the tiny random checkpoint of every architecture test_engine_architectures
-builds (OLMoE's whole-projection q/k norms summed over the ranks among them) and for the
+builds (`make test`: one of each way a weight is split, SPLIT_KINDS; OLMoE's
+whole-projection q/k norms summed over the ranks among them) and for the
 built-in GGUF model kept quantized (Q4_1/Q8_0 split at whole blocks; its 3 key/value heads
 split 2 and 1), on prompts whose long prefill runs in chunks beside decodes, with a
 prefix-cache hit and n > 1; preemption over int8 and fp8 KV caches. In a pipeline: Gemma
@@ -65,7 +66,22 @@ def both(model: str, parallel: dict = TP2, **settings) -> tuple[list, list]:
         llm.engine.close()
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+# make test splits these: each way a weight is split over the ranks (fused q/k/v and
+# gate/up, a tied head whose logits are capped after the gather, experts beside a shared
+# expert, q/k norms over the whole projection summed over the ranks). The rest of the
+# sweep (`make test-engine-slow`) adds only what one rank's tests cover (sliding windows,
+# per-head q/k norms, rope kinds, other checkpoints' expert names); biases are split in
+# the quantized-KV preemption tests below.
+SPLIT_KINDS = ("phi3-fused-sliding-window", "gemma2", "qwen2-moe-shared-expert", "olmoe")
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        pytest.param(arch, marks=() if arch in SPLIT_KINDS else pytest.mark.slow)
+        for arch in sorted(ARCHITECTURES)
+    ],
+)
 def test_two_ranks_give_one_ranks_tokens(arch, tmp_path):
     family, extra = ARCHITECTURES[arch]
     build(family, extra, tmp_path)
