@@ -32,55 +32,62 @@ serve: install
 
 # The unit and integration tests, then the user's walk with no cluster (the operator and
 # real serving pods against an API emulator and a simulated kubelet).
-# make test runs the selection in three pytest processes, one after another (and the
-# operator's and router's tests in a fourth beside the first): one process for all of it grew
-# past 13 GB (the in-process engines' memory stays with the process) and was killed by the
-# OOM killer on this 24 GiB machine; so did operator + router + server + the walks.
+#
+# make test runs two streams of pytest processes at once: part 1 in the foreground;
+# operator and router, then part 2, then part 3, one after another, in the background
+# (their output kept in build/ and printed after part 1's). One process for all of it
+# once grew past 13 GB and was killed by the OOM killer on this 24 GiB machine. Two
+# streams fit since the memory of a module's engines goes back after it (conftest.py) and
+# a dropped engine ends its grammar compile workers (before both, the two streams ran out
+# of memory twice; on 2026-12-07 they peaked at 19 GB used).
+#
+# Every process, and every server and rank it starts, computes on one intra-op thread
+# (OMP_NUM_THREADS=1, which `pagefleet serve` takes as its thread count, as from the
+# operator). torch's default on 2 cores is 2 threads that spin at each parallel region's
+# end; with a third busy process beside them they wait on each other: on 2026-12-07
+# test_engine_seeds, _quantization and _features took 65 s alone at 2 threads, 205 s
+# beside one busy loop; at one thread 101 s alone, 104 s beside it. Two streams of
+# one-thread processes keep both cores busy without that.
 TEST_PART_1 := tests/bench tests/chart tests/engine tests/kernels
+TEST_BESIDE_1 := tests/operator tests/router
 TEST_PART_2 := tests/server tests/test_suite_report.py
 TEST_PART_3 := e2e/test_e2e_local.py e2e/test_e2e_hf.py
-# Run in a fourth process beside part 1: the operator's tests mostly wait (kopf's timers,
-# Lease renewals, the emulator's watches), half a core on average, no torch, little memory;
-# the router's wait on their few pods (42 s, 27 s of CPU alone). Beside part 1 (one and a
-# half cores busy) the operator's took 95 s against 90 s alone, part 1's kernel and engine
-# tests 144 s against 133 s; with the router's too, the two took 170 s and part 1 560 s
-# (564 s beside the operator's alone): about 110 s of the suite's wall clock saved.
-TEST_BESIDE_1 := tests/operator tests/router
+test durations test-random: export OMP_NUM_THREADS := 1
 
-# $(call beside,PYTEST_ARGS,PART,BESIDE): pytest on BESIDE in the background, its output
-# kept in build/ and printed once PART's pytest (in the foreground) is done; fails when
-# either fails.
-define beside
+# $(call streams,PYTEST_ARGS,ARGS_1,ARGS_BESIDE,ARGS_2,ARGS_3): the four runs, each with
+# PYTEST_ARGS and its own ARGS_*: part 1's in the foreground, the others' one after
+# another in the background; fails when any fails.
+define streams
 mkdir -p build; \
-$(PY) -m pytest $(1) $(3) > build/test-beside.log 2>&1 & beside=$$!; \
-$(PY) -m pytest $(1) $(2); part=$$?; \
+( status=0; \
+  $(PY) -m pytest $(1) $(3) $(TEST_BESIDE_1) || status=1; \
+  $(PY) -m pytest $(1) $(4) $(TEST_PART_2) || status=1; \
+  $(PY) -m pytest $(1) $(5) $(TEST_PART_3) || status=1; \
+  exit $$status ) > build/test-beside.log 2>&1 & beside=$$!; \
+$(PY) -m pytest $(1) $(2) $(TEST_PART_1); part=$$?; \
 wait $$beside; other=$$?; \
-echo "=== run beside the part above: $(strip $(3)) ==="; cat build/test-beside.log; \
+echo "=== run beside part 1: $(TEST_BESIDE_1), then $(TEST_PART_2), then $(TEST_PART_3) ==="; \
+cat build/test-beside.log; \
 [ $$part -eq 0 ] && [ $$other -eq 0 ]
 endef
 
 # In file order (pytest-randomly off), so a failure reproduces as is; the slowest 25 tests
 # are printed at the end, with the number of servers started and engines built.
 test: install
-	$(call beside,-q -p no:randomly --durations=25 -m "not slow and not gpu",$(TEST_PART_1),$(TEST_BESIDE_1))
-	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" $(TEST_PART_2)
-	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" $(TEST_PART_3)
+	$(call streams,-q -p no:randomly --durations=25 -m "not slow and not gpu")
 
 # The same runs, writing each test file's total time to docs/test-durations.md (commit it
 # with a change that moves the suite's time, measured on an idle machine).
-DURATIONS_INTRO := Written by \`make durations\` (the pytest runs of \`make test\`, in file order; \
-the operator's and router's beside the first): each file's total of setup, call and teardown, \
-its module and session fixtures included (a session fixture's start counts for the first \
-file that uses it, its end for the run's last file). Compare a change's run with this one on the same machine: the \
+DURATIONS_INTRO := Written by \`make durations\` (the pytest runs of \`make test\`, in file order, \
+in two streams at once: part 1; the operator's and router's, then the server's, then the \
+walks): each file's total of setup, call and teardown, its module and session fixtures \
+included (a session fixture's start counts for the first file that uses it, its end for \
+the run's last file). Compare a change's run with this one on the same machine: the \
 machine's speed moves more than the suite.
 durations: install
-	$(call beside,-q -p no:randomly --durations=25 -m "not slow and not gpu",\
-		--durations-table=build/durations-1.md $(TEST_PART_1),\
-		--durations-table=build/durations-beside-1.md $(TEST_BESIDE_1))
-	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" \
-		--durations-table=build/durations-2.md $(TEST_PART_2)
-	$(PY) -m pytest -q -p no:randomly --durations=25 -m "not slow and not gpu" \
-		--durations-table=build/durations-3.md $(TEST_PART_3)
+	$(call streams,-q -p no:randomly --durations=25 -m "not slow and not gpu",\
+		--durations-table=build/durations-1.md,--durations-table=build/durations-beside-1.md,\
+		--durations-table=build/durations-2.md,--durations-table=build/durations-3.md)
 	{ printf '# Test durations\n\n%s\n\n' "$(DURATIONS_INTRO)"; \
 		cat build/durations-1.md; echo; cat build/durations-beside-1.md; echo; \
 		cat build/durations-2.md; echo; \
@@ -94,9 +101,7 @@ RANDOM_SEED := $(shell $(PYTHON) -c "import random; print(random.randrange(2**32
 endif
 test-random: install
 	@echo "random order seed: $(RANDOM_SEED)"
-	$(call beside,-q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu",$(TEST_PART_1),$(TEST_BESIDE_1))
-	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu" $(TEST_PART_2)
-	$(PY) -m pytest -q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu" $(TEST_PART_3)
+	$(call streams,-q --randomly-seed=$(RANDOM_SEED) -m "not slow and not gpu")
 
 # Mutation testing of the engine core, the output processor, the autoscaling decision and
 # the router's policy against their fast tests (a few minutes on one core; not part of `make test`). mutmut 3
