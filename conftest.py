@@ -11,8 +11,7 @@ docs/test-durations.md).
 After each test module (its module fixtures torn down) the run collects garbage and hands
 the C heap's free pages back to the system (`malloc_trim`): without that an in-process
 engine's model and KV pool stayed in the process's memory after the module that built
-them (test_engine_features left the process at 4.3 GB, 0.7 GB with the release), and
-`make test` runs two such processes at once on a 24 GiB machine.
+them, and `make test` runs two such processes at once.
 """
 
 from __future__ import annotations

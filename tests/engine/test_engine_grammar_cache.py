@@ -56,7 +56,7 @@ def test_a_closed_compiler_ends_its_workers_and_refuses_new_compiles():
 @pytest.mark.parametrize("how", ["closed", "dropped"])
 def test_an_engine_closed_or_dropped_ends_its_compile_workers(how):
     """Its compile threads keep the compiler alive: without the engine ending it, each
-    `LLM` built and dropped left its worker processes (about 290 MB each) running."""
+    `LLM` built and dropped left its worker processes running."""
     before = compile_workers()
     llm = LLM("builtin://smollm2-135m", max_model_len=128, kv_cache_memory_bytes=8 << 20)
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="(yes|no)"))
