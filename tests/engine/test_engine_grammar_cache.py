@@ -25,12 +25,16 @@ def compiler():
 
 
 def compile_workers() -> set[int]:
-    """This process's grammar compile worker processes."""
-    return {
-        child.pid
-        for child in psutil.Process().children()
-        if "pagefleet_serve.structured.compile_worker" in child.cmdline()
-    }
+    """This process's grammar compile worker processes (one that has exited, a zombie
+    until it is reaped, is not one)."""
+    workers = set()
+    for child in psutil.Process().children():
+        try:
+            if "pagefleet_serve.structured.compile_worker" in child.cmdline():
+                workers.add(child.pid)
+        except psutil.Error:  # exited (gone, or a zombie), whichever child it is
+            continue
+    return workers
 
 
 def wait_for_none_of(pids: set[int]) -> None:
