@@ -5,9 +5,10 @@ A closed compiler, or the compiler of an engine that is closed or dropped, ends 
 worker processes."""
 
 import gc
+import os
 import time
+from pathlib import Path
 
-import psutil
 import pytest
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.model.loader import load_tokenizer
@@ -25,15 +26,17 @@ def compiler():
 
 
 def compile_workers() -> set[int]:
-    """This process's grammar compile worker processes (one that has exited, a zombie
-    until it is reaped, is not one)."""
+    """This process's grammar compile worker processes, from /proc (one that has exited,
+    a zombie until it is reaped, has an empty command line: not one)."""
     workers = set()
-    for child in psutil.Process().children():
+    for entry in Path("/proc").iterdir():
         try:
-            if "pagefleet_serve.structured.compile_worker" in child.cmdline():
-                workers.add(child.pid)
-        except psutil.Error:  # exited (gone, or a zombie), whichever child it is
+            parent = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = entry.joinpath("cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
             continue
+        if parent == os.getpid() and b"pagefleet_serve.structured.compile_worker" in command:
+            workers.add(int(entry.name))
     return workers
 
 
