@@ -6,7 +6,6 @@ worker processes."""
 
 import gc
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,9 @@ from pagefleet_serve.model.loader import load_tokenizer
 from pagefleet_serve.structured import grammar
 from pagefleet_serve.structured.constraint import StructuredOutputs
 from pagefleet_serve.structured.grammar import GrammarCompiler
+
+from tests.server.server_harness import wait_until
+from tests.server.test_server_core_process import children, is_running
 
 
 @pytest.fixture(scope="module")
@@ -26,25 +28,20 @@ def compiler():
 
 
 def compile_workers() -> set[int]:
-    """This process's grammar compile worker processes, from /proc (one that has exited,
-    a zombie until it is reaped, has an empty command line: not one)."""
+    """This process's live grammar compile worker processes."""
     workers = set()
-    for entry in Path("/proc").iterdir():
+    for pid in children(os.getpid()):
         try:
-            parent = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = entry.joinpath("cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:  # gone meanwhile
             continue
-        if parent == os.getpid() and b"pagefleet_serve.structured.compile_worker" in command:
-            workers.add(int(entry.name))
+        if is_running(pid) and b"pagefleet_serve.structured.compile_worker" in command:
+            workers.add(pid)
     return workers
 
 
 def wait_for_none_of(pids: set[int]) -> None:
-    deadline = time.monotonic() + 30
-    while pids & compile_workers():
-        assert time.monotonic() < deadline, f"compile workers {pids & compile_workers()} remain"
-        time.sleep(0.05)
+    wait_until(lambda: not pids & compile_workers(), 30, f"compile workers {pids} to end")
 
 
 def test_a_closed_compiler_ends_its_workers_and_refuses_new_compiles():
