@@ -84,7 +84,7 @@ class SimPod:
     replica_set_uid: str
     ready: bool = False
     terminating: bool = False
-    # Filled when terminated: streams in flight through the forwarder at SIGTERM.
+    # Filled when terminated: streams in flight through the forwarders at SIGTERM.
     in_flight_at_sigterm: int | None = None
     exit_code: int | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -116,7 +116,8 @@ class KubeletSimulation:
         self.terminated: list[SimPod] = []
         # Pods whose process died before it was ready: a test fails fast on these.
         self.failures: list[str] = []
-        self.forwarder: Forwarder | None = None
+        # The Services' forwarders, one per client node's kube-proxy.
+        self.forwarders: list[Forwarder] = []
         self._names = itertools.count(1)
         self._addresses = (f"127.0.0.{i}" for i in range(2, 255))
         self._task: asyncio.Task | None = None
@@ -419,8 +420,8 @@ class KubeletSimulation:
             prestop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {})
             prestop = prestop.get("seconds", 0)
         await asyncio.sleep(prestop)
-        if self.forwarder is not None:
-            pod.in_flight_at_sigterm = self.forwarder.active.get((pod.address, pod.port), 0)
+        backend = (pod.address, pod.port)
+        pod.in_flight_at_sigterm = sum(f.active.get(backend, 0) for f in self.forwarders)
         logger.info("SIGTERM %s (%s streams in flight)", pod.name, pod.in_flight_at_sigterm)
         if pod.process.returncode is None:
             pod.process.send_signal(signal.SIGTERM)
@@ -458,12 +459,15 @@ class Forwarder:
     Least connections rather than plain round robin keeps the light load of the walk
     spread over both pods at every moment: with round robin, streams that end on one pod
     are replaced on the other about half the time, and a pod could be left with none in
-    flight at the moment the scale-down stops it (seen once in CI)."""
+    flight at the moment the scale-down stops it (seen once in CI).
+
+    Two forwarders over one Service stand for the kube-proxies of two client nodes: each
+    counts (and balances) only the connections that pass through it."""
 
     def __init__(self, simulation: KubeletSimulation, service: str):
         self.simulation = simulation
         self.service = service
-        simulation.forwarder = self
+        simulation.forwarders.append(self)
         self.active: dict[tuple[str, int], int] = {}
         self._turn = itertools.count()
         self._server: asyncio.Server | None = None
@@ -478,6 +482,7 @@ class Forwarder:
     async def __aexit__(self, *exc_info) -> None:
         self._server.close()
         await self._server.wait_closed()
+        self.simulation.forwarders.remove(self)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         backends = self.simulation.ready_backends(self.service)

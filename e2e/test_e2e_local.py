@@ -6,7 +6,7 @@
 - The serving pods are real `pagefleet serve` processes on 127.0.0.2, 127.0.0.3, ...,
   started and stopped by e2e/kubelet_sim.py, a SIMULATION OF THE KUBELET (and of the
   Deployment controller, the garbage collector and the Service), not part of the product.
-- The client is the `openai` SDK through the simulation's least-connections forwarder.
+- The client is the `openai` SDK through the simulation's least-connections forwarders.
 
 The walk: apply the CPU example -> Ready -> stream a chat completion -> load it until the
 autoscaler adds a replica -> stop the load -> after the (short) stabilization window it
@@ -103,6 +103,9 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
         # streams are in flight, and the drain is what keeps them whole.
         KubeletSimulation(api, NAMESPACE, tmp_path, prestop_seconds=0) as simulation,
         Forwarder(simulation, MODEL) as service,
+        # The light load's own client node (kube-proxy): its streams are balanced among
+        # themselves, not against the heavy load's.
+        Forwarder(simulation, MODEL) as light_service,
     ):
         # kubectl apply -f examples/smollm2-cpu.yaml (autoscaling on, short windows)
         resource = walk.load_cpu_example()
@@ -125,18 +128,24 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
 
         # Load until the autoscaler adds a replica and that replica is ready. A light load
         # of streams (below every target on two pods) starts first and runs through
-        # the scale-down: once the new replica is ready, some of its streams go there, so
-        # the pod that goes has streams in flight at SIGTERM however soon after the heavy
-        # load the scale-down comes; its drain must keep them whole.
+        # the scale-down: once the new replica is ready, some of its streams go there, and
+        # the heavy load stops only when one has, so the pod that goes has streams in
+        # flight at SIGTERM however soon after the heavy load the scale-down comes; its
+        # drain must keep them whole. (Through one forwarder the heavy load's connections
+        # could keep every light stream off the new pod until the scale-down stopped it
+        # with none in flight: seen once, on a 2-core EPYC.)
         def two_ready() -> bool:
             assert not simulation.failures, simulation.failures
-            return isvc().get("status", {}).get("readyReplicas") == 2
+            if isvc().get("status", {}).get("readyReplicas") != 2:
+                return False
+            newest = simulation.pods[MODEL][-1]
+            return light_service.active.get((newest.address, newest.port), 0) > 0
 
         def settled() -> bool:
             return spec_replicas() == 1 and len(simulation.terminated) == 1
 
         light = walk.Load(
-            service.url,
+            light_service.url,
             MODEL,
             concurrency=4,
             max_tokens=LIGHT_STREAM_TOKENS,
