@@ -34,7 +34,7 @@ serve: install
 # real serving pods against an API emulator and a simulated kubelet).
 #
 # make test runs two streams of pytest processes at once: part 1 in the foreground;
-# operator and router, then part 2, then part 3, one after another, in the background
+# the operator's tests, then part 2, then part 3, one after another, in the background
 # (their output kept in build/ and printed after part 1's). One process for all of it
 # once grew past 13 GB and was killed by the OOM killer on this 24 GiB machine. Two
 # streams fit since the memory of a module's engines goes back after it (conftest.py) and
@@ -48,8 +48,10 @@ serve: install
 # test_engine_seeds, _quantization and _features took 65 s alone at 2 threads, 205 s
 # beside one busy loop; at one thread 101 s alone, 104 s beside it. Two streams of
 # one-thread processes keep both cores busy without that.
-TEST_PART_1 := tests/bench tests/chart tests/engine tests/kernels
-TEST_BESIDE_1 := tests/operator tests/router
+# The router's tests (about 45 s) run in part 1: with them beside it the background
+# stream ran 1m34s longer than part 1 (14m45s against 13m11s on 2026-12-07).
+TEST_PART_1 := tests/bench tests/chart tests/engine tests/kernels tests/router
+TEST_BESIDE_1 := tests/operator
 TEST_PART_2 := tests/server tests/test_suite_report.py
 TEST_PART_3 := e2e/test_e2e_local.py e2e/test_e2e_hf.py
 test durations test-random: export OMP_NUM_THREADS := 1
@@ -79,7 +81,7 @@ test: install
 # The same runs, writing each test file's total time to docs/test-durations.md (commit it
 # with a change that moves the suite's time, measured on an idle machine).
 DURATIONS_INTRO := Written by \`make durations\` (the pytest runs of \`make test\`, in file order, \
-in two streams at once: part 1; the operator's and router's, then the server's, then the \
+in two streams at once: part 1; the operator's, then the server's, then the \
 walks): each file's total of setup, call and teardown, its module and session fixtures \
 included (a session fixture's start counts for the first file that uses it, its end for \
 the run's last file). Compare a change's run with this one on the same machine: the \
