@@ -9,6 +9,7 @@ import pytest
 import torch
 import xgrammar as xgr
 from pagefleet_serve import LLM
+from pagefleet_serve.engine import sampler as sampler_module
 from pagefleet_serve.engine.sampler import (
     CDF_BLOCK,
     SampledToken,
@@ -326,6 +327,30 @@ def test_the_batched_path_itself_samples_every_case_without_falling_back(case):
         for i, (t, r) in enumerate(zip(batched, rows, strict=True))
         if i != 2
     )
+
+
+@pytest.mark.parametrize("case", sorted(BATCH_CASES))
+def test_a_batch_that_samples_is_sampled_once_not_row_by_row(case, monkeypatch):
+    """`sample` goes row by row only after the batched path raised: a good batch (seeded,
+    unseeded and greedy rows) is one batched call with the generator passed, its tokens
+    the batched path's."""
+    logits, rows = batch_rows(BATCH_CASES[case], "cpu")
+    _, again = batch_rows(BATCH_CASES[case], "cpu")
+    for r in (rows[1], again[1]):  # one row draws from the shared generator
+        r.generator = None
+    alone_calls = []
+    sample_alone = sampler_module._sample_alone
+    monkeypatch.setattr(
+        sampler_module,
+        "_sample_alone",
+        lambda *args: alone_calls.append(args) or sample_alone(*args),
+    )
+    drawn = sample(logits, rows, torch.Generator().manual_seed(3))
+    assert alone_calls == []
+    expected = _sample(logits, again, torch.Generator().manual_seed(3))
+    assert [(t.token_id, t.logprob, t.top_logprobs) for t in drawn] == [
+        (t.token_id, t.logprob, t.top_logprobs) for t in expected
+    ]
 
 
 def test_the_logprob_of_a_sampled_token_zero_is_token_zeros():
