@@ -19,8 +19,9 @@ import pytest
 import torch
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.model import mxfp4
-from pagefleet_serve.model.llama import rope_inv_freq
-from pagefleet_serve.model.loader import UnsupportedModelError, load_model
+from pagefleet_serve.model.layers.rotary import RotaryEmbedding
+from pagefleet_serve.model.loader.model_loader import load_model
+from pagefleet_serve.model.uri import UnsupportedModelError
 from safetensors.torch import load_file, save_file
 
 from tests.engine.test_engine_architectures import (
@@ -103,8 +104,9 @@ def test_yarn_frequencies_are_transformers(gpt_oss):
         (path / "config.json").write_text(json.dumps(hf))
         config = load_model(str(path), torch.float32).config
         expected, factor = ROPE_INIT_FUNCTIONS["yarn"](GptOssConfig(**hf))
-        torch.testing.assert_close(rope_inv_freq(config), expected, rtol=0, atol=0)
-        assert config.rope_attention_factor == factor
+        rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        torch.testing.assert_close(rope.inv_freq, expected, rtol=0, atol=0)
+        assert rope.attention_factor == factor
     reference.config.save_pretrained(path)  # the fixture's config again
 
 
@@ -244,11 +246,11 @@ def test_mxfp4_experts_load_as_their_float_weights(gpt_oss, tmp_path):
     (float_dir / "config.json").write_text(json.dumps(hf))
     hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
     (mxfp4_dir / "config.json").write_text(json.dumps(hf))
-    loaded = [load_model(str(d), torch.float32).weights for d in (float_dir, mxfp4_dir)]
+    loaded = [load_model(str(d), torch.float32).model.state_dict() for d in (float_dir, mxfp4_dir)]
     assert loaded[0].keys() == loaded[1].keys()
     for name, weight in loaded[0].items():
         torch.testing.assert_close(loaded[1][name], weight, rtol=0, atol=0, msg=name)
-    experts = loaded[1]["model.layers.0.mlp.experts.gate_up_proj"]
+    experts = loaded[1]["layers.0.mlp.experts.gate_up_proj"]
     assert experts.shape == (16, 2 * 128, 64) and experts.dtype == torch.float32
     # The model as transformers holds the same float experts, and PageFleet on the file.
     with torch.no_grad():

@@ -28,7 +28,7 @@ from pagefleet_serve.engine.lora_cache import LoRAHostCache
 from pagefleet_serve.engine.model_runner import ModelRunner, sampling_failures
 from pagefleet_serve.engine.output_tracker import OutputTracker
 from pagefleet_serve.engine.parallel import WorkerLost, start_workers
-from pagefleet_serve.engine.pooler import Pooler, with_head
+from pagefleet_serve.engine.pooler import Pooler
 from pagefleet_serve.engine.sampler import SampledToken, SamplingError
 from pagefleet_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
@@ -44,7 +44,8 @@ from pagefleet_serve.messages import (
     RequestLimits,
     SpecDecodeStats,
 )
-from pagefleet_serve.model.loader import load_local, load_model
+from pagefleet_serve.model.loader.model_loader import load_local, load_model
+from pagefleet_serve.model.loader.resolve import resolve_model_uri
 from pagefleet_serve.model.lora import (
     LoRAAdapter,
     LoRABusy,
@@ -54,7 +55,6 @@ from pagefleet_serve.model.lora import (
     read_adapter,
 )
 from pagefleet_serve.model.pooling import read_pooling_config, resolve_task
-from pagefleet_serve.model.resolve import resolve_model_uri
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams, generator_seed, sample_seed
 from pagefleet_serve.structured.grammar import GrammarCompiler, GrammarMatcher
@@ -83,9 +83,14 @@ class _Phases:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, placement: CpuPlacement | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, placement: CpuPlacement | None = None, tokenizer=None
+    ) -> None:
         """`placement`: the CPUs of the engine's threads, which tensor-parallel ranks share
-        out (see engine.parallel.Workers)."""
+        out (see engine.parallel.Workers). `tokenizer`: the model's (the frontend loads it,
+        `frontend.tokenizer.load_engine_tokenizer`), None for a model served on token ids;
+        not for text: the grammar compiler reads the vocabulary from it (to make token
+        masks), and a frontend in this process shares it."""
         self.config = config
         self.runner_config = RunnerConfig.of(config)
         self.device, self.dtype = self.runner_config.device, self.runner_config.dtype
@@ -94,7 +99,7 @@ class LLMEngine:
         self.startup_seconds: dict[str, float] = {}
         phase = _Phases(self.startup_seconds)
         with phase("kernel_load"):  # the C++ extensions are imported here, compiled never
-            get_kernel_backend(self.runner_config.attention_backend, self.device)
+            self.backend = get_kernel_backend(self.runner_config.attention_backend, self.device)
         weights_started = time.monotonic()
         # Tensor parallelism: the other ranks start loading their shards meanwhile.
         self.workers, tp = start_workers(config, self.device, placement)
@@ -104,15 +109,18 @@ class LLMEngine:
             with phase("download"):
                 local = resolve_model_uri(config.model, weights="background")
             weights_started += self.startup_seconds["download"]
-            loaded = load_local(local, self.dtype, self.runner_config.weight_quantization, tp)
+            quantization = self.runner_config.weight_quantization
+            # An embedding checkpoint saved without its head (transformers' `AutoModel`)
+            # scores with its embedding table, which an embed engine never multiplies by
+            # except in its warm-up.
+            headless = resolve_task(config.task, local.path) == "embed"
+            loaded = load_local(local, self.dtype, quantization, tp, self.backend, headless)
         except BaseException:
             self.close()
             raise
         self.model_name = loaded.name
         self.model_config = loaded.config
-        # Not for text: the grammar compiler reads the vocabulary from it (to make token
-        # masks), and a frontend in this process shares it.
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = tokenizer
         spec = config.speculative_config
         draft = self._load_draft(spec.model) if spec is not None and spec.model else None
         try:  # a draft model is not split: it runs on rank 0
@@ -120,7 +128,7 @@ class LLMEngine:
             self.pooling = self._pooling_config(local.path, loaded.config.hidden_size)
             pooler = None
             if self.pooling is not None:
-                loaded, pooler = with_head(loaded), Pooler(self.pooling)
+                pooler = Pooler(self.pooling)
             self.runner = ModelRunner(loaded, self.runner_config, draft, pooler, tp, self.workers)
         except BaseException:
             self.close()
@@ -245,8 +253,8 @@ class LLMEngine:
         """The draft model's runner (speculative decoding), with the target's runner
         configuration (dtype, quantization, attention backend, KV cache dtype)."""
         config = self.runner_config
-        loaded = load_model(uri, config.dtype, config.weight_quantization)
-        check_vocabulary(loaded, self.model_config, self.tokenizer)
+        loaded = load_model(uri, config.dtype, config.weight_quantization, backend=self.backend)
+        check_vocabulary(loaded, self.model_config)
         logger.info("draft model %s: %d layers", loaded.name, loaded.config.num_layers)
         # Proposals come from the base draft: verification applies the target's adapters.
         return ModelRunner(loaded, replace(config, max_loras=0, max_lora_rank=0))
