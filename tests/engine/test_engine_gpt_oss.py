@@ -78,8 +78,11 @@ def gpt_oss(tmp_path_factory):
 
 def test_config_switches_of_a_gpt_oss_checkpoint(gpt_oss):
     path, _ = gpt_oss
-    config = load_model(str(path), torch.float32).config
-    assert config.attention_sinks and config.router_bias and config.expert_bias
+    loaded = load_model(str(path), torch.float32)
+    config, layer = loaded.config, loaded.model.layers[0]
+    # sinks in the attention, a biased router, experts with biases
+    assert layer.self_attn.attn.sinks is not None and layer.mlp.gate.bias is not None
+    assert layer.mlp.experts.gate_up_proj_bias is not None
     assert config.qkv_bias and config.o_bias
     assert config.router_scoring == "top_k_softmax" and not config.norm_topk_prob
     assert config.num_experts == 16 and config.num_experts_per_tok == 2
@@ -88,7 +91,10 @@ def test_config_switches_of_a_gpt_oss_checkpoint(gpt_oss):
     assert config.sliding_layers == (True, False, True)
     scaling = dict(config.rope_scaling)
     assert scaling["rope_type"] == "yarn" and scaling["truncate"] is False
-    assert config.rope_attention_factor == pytest.approx(0.1 * torch.log(torch.tensor(4.0)) + 1)
+    factor = RotaryEmbedding(
+        config.head_dim, config.rope_theta, config.rope_scaling
+    ).attention_factor
+    assert factor == pytest.approx(0.1 * torch.log(torch.tensor(4.0)) + 1)
 
 
 def test_yarn_frequencies_are_transformers(gpt_oss):

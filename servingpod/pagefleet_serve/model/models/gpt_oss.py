@@ -77,7 +77,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
         del self._mxfp4
 
     def load_weight(self, name: str, weight: Weight) -> None:
-        name = name.replace(".mlp.router.", ".mlp.gate.")
+        # The router is the block's `gate`; the sinks are the attention layer's.
+        name = name.replace(".mlp.router.", ".mlp.gate.").replace(
+            ".self_attn.sinks", ".self_attn.attn.sinks"
+        )
         match = _EXPERTS.fullmatch(name)
         if match is None:
             super().load_weight(name, weight)
