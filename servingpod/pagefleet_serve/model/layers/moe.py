@@ -163,7 +163,9 @@ class FusedMoE(nn.Module):
                 weight = cut(weight, rows, [(first, end)])
             elif param is self.down_proj:
                 weight = cut(weight, len(shape_of(weight)) - 1, [(first, end)])
-        if is_kept_quantized(weight):
+        # Stacked quantized experts (GGUF's) may be kept; one expert's own (a float8
+        # checkpoint's: there is no float8 grouped product) is expanded into its slice.
+        if expert is None and is_kept_quantized(weight):
             self._quantized[("gate_up" if fused else "down", part)] = load(weight, param.dtype)
             return
         out = param.data if expert is None else param.data[expert]
