@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 from pagefleet_serve.model.loader.hub import select_files
 from pagefleet_serve.model.loader.model_loader import load_model
 from pagefleet_serve.model.loader.resolve import resolve_model_uri
@@ -347,7 +348,8 @@ def test_every_uri_form_the_crd_admits_resolves_in_the_pod(hub, tiny_repo_dir, t
     assert len({resolved[uri] for uri in hf_forms}) == 1  # one snapshot: the same commit
     for uri in hf_forms:
         loaded = load_model(str(resolved[uri]), torch.float32)
-        assert loaded.config.num_layers == 2 and loaded.tokenizer is not None
+        tokenizer = load_tokenizer(str(resolved[uri]))
+        assert loaded.config.num_layers == 2 and tokenizer is not None
     for uri in local_forms:
         local = resolve_model_uri(uri, pvc_mount_dir=str(claim_root))
         assert local.path.exists(), uri
