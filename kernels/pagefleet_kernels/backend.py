@@ -6,7 +6,10 @@ norms, rotary embedding and MLP activation around them are the backend's layer o
 its optional matmuls (a few float32 rows, 4-bit and Q8_0 weights), fused decoder layer,
 batched LoRA operator and mixture-of-experts operator are declared next to them: `None` where a backend has no such
 kernel, so that a caller reads what a backend offers instead of probing for it. Tensor layouts are those of the
-package docstring.
+package docstring. The recurrent layers of hybrid models (a causal convolution, the gated
+delta rule, Mamba2's SSD) take the same flattened batch with a row of per-sequence state
+each (`state_batch.StateMetadata`); a backend declares their definitions a token at a time
+or their chunked forms (`RecurrentOps`).
 
 The backends: `torch_backend()` (PyTorch: every feature, the ground truth, the fallback),
 `cpu_backend()` (C++ decode attention, layer ops and matmuls on the CPU, built on first
@@ -19,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from pagefleet_kernels.state_batch import StateMetadata
 
 
 @dataclass
@@ -158,6 +163,80 @@ class FusedMoEOp(Protocol):
         pagefleet_kernels.moe."""
 
 
+# -- the recurrent layers' operators (hybrid models; see pagefleet_kernels.state_batch for the
+# batch layout and each module for the maths): each reads and updates its sequences' rows
+# of a per-layer state tensor in place ---------------------------------------------------
+class CausalConv1dOp(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,  # (T, C)
+        weight: torch.Tensor,  # (C, K)
+        bias: torch.Tensor | None,  # (C,)
+        conv_state: torch.Tensor,  # (num_slots, C, K - 1)
+        meta: StateMetadata,
+        silu: bool,
+    ) -> torch.Tensor: ...  # (T, C)
+
+
+class GatedDeltaRuleOp(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,  # (T, Hk, Dk)
+        k: torch.Tensor,  # (T, Hk, Dk)
+        v: torch.Tensor,  # (T, Hv, Dv)
+        g: torch.Tensor,  # (T, Hv) log decay
+        beta: torch.Tensor,  # (T, Hv)
+        state: torch.Tensor,  # (num_slots, Hv, Dk, Dv)
+        meta: StateMetadata,
+        scale: float,
+        l2norm_qk: bool = True,
+    ) -> torch.Tensor: ...  # (T, Hv, Dv)
+
+
+class SSDOp(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,  # (T, H, P)
+        dt: torch.Tensor,  # (T, H) before dt_bias and softplus
+        A: torch.Tensor,  # (H,)
+        B: torch.Tensor,  # (T, G, N)
+        C: torch.Tensor,  # (T, G, N)
+        D: torch.Tensor | None,  # (H,)
+        dt_bias: torch.Tensor | None,  # (H,)
+        state: torch.Tensor,  # (num_slots, H, P, N)
+        meta: StateMetadata,
+        dt_limit: tuple[float, float] = (0.0, float("inf")),
+        chunk_size: int = 256,
+    ) -> torch.Tensor: ...  # (T, H, P)
+
+
+@dataclass(frozen=True)
+class RecurrentOps:
+    """The hybrid layers' operators of one backend: the definitions a token at a time
+    (`recurrent_reference`, the torch backend's) or the vectorised chunked forms
+    (`recurrent_chunked`)."""
+
+    causal_conv1d: CausalConv1dOp
+    gated_delta_rule: GatedDeltaRuleOp
+    ssd: SSDOp
+
+
+def recurrent_reference() -> RecurrentOps:
+    from pagefleet_kernels import causal_conv1d, gated_delta_rule, ssd
+
+    return RecurrentOps(
+        causal_conv1d.causal_conv1d_reference,
+        gated_delta_rule.gated_delta_rule_reference,
+        ssd.ssd_reference,
+    )
+
+
+def recurrent_chunked() -> RecurrentOps:
+    from pagefleet_kernels import causal_conv1d, gated_delta_rule, ssd
+
+    return RecurrentOps(causal_conv1d.causal_conv1d, gated_delta_rule.gated_delta_rule, ssd.ssd)
+
+
 @dataclass(frozen=True)
 class Int4Matmul:
     """x (M, K) times the transpose of a 4-bit weight given as parts summed (a Q8_0 matrix
@@ -206,6 +285,8 @@ class KernelBackend:
     add_rms_norm: AddRMSNormOp
     rope: RopeOp
     act_and_mul: ActAndMulOp
+    # The linear-attention, state-space and convolution operators of hybrid models.
+    recurrent: RecurrentOps
     # What 4-bit weights need on every backend: the matrix for wide batches, and the
     # rounding of int8 activations.
     dequantize_int4: DequantizeInt4Op
@@ -221,7 +302,9 @@ class KernelBackend:
     fused_moe: FusedMoEOp | None = None
 
 
-def _declare(name: str, attention, ops, quantized_ops, **optional) -> KernelBackend:
+def _declare(
+    name: str, attention, ops, quantized_ops, recurrent: RecurrentOps, **optional
+) -> KernelBackend:
     """A backend of the functions of modules: `attention`'s prepare/write/attend, `ops`'s
     layer ops, `quantized_ops`'s dequantize_int4 and quantize_activations_int8."""
     return KernelBackend(
@@ -233,6 +316,7 @@ def _declare(name: str, attention, ops, quantized_ops, **optional) -> KernelBack
         add_rms_norm=ops.add_rms_norm,
         rope=ops.rope,
         act_and_mul=ops.act_and_mul,
+        recurrent=recurrent,
         dequantize_int4=quantized_ops.dequantize_int4,
         quantize_activations_int8=quantized_ops.quantize_activations_int8,
         **optional,
@@ -249,6 +333,7 @@ def torch_backend() -> KernelBackend:
         torch_attention,
         layer_ops,
         layer_ops,
+        recurrent_reference(),
         add_lora=lora_ops.add_lora,
         fused_moe=moe.fused_moe,
     )
@@ -286,7 +371,9 @@ def cpu_backend() -> KernelBackend:
                 cpu_layer_ops.quantized_linear, cpu_layer_ops.decoder_layer
             ),
         }
-    return _declare("cpu", cpu_attention, cpu_layer_ops, cpu_layer_ops, **native)
+    return _declare(
+        "cpu", cpu_attention, cpu_layer_ops, cpu_layer_ops, recurrent_chunked(), **native
+    )
 
 
 @functools.cache
@@ -306,6 +393,9 @@ def triton_backend() -> KernelBackend:
         triton_attention,
         triton_layer_ops,
         layer_ops,
+        # PyTorch's chunked forms on the GPU's tensors: flash-linear-attention's and
+        # mamba_ssm's Triton kernels take the same (cu_seqlens, state indices) batches.
+        recurrent_chunked(),
         add_lora=triton_lora.add_lora,
         fused_moe=triton_moe.fused_moe,
     )
