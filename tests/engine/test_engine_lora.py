@@ -219,7 +219,7 @@ def test_a_fused_module_adapted_whole_is_handed_to_the_operator_dense(llm):
     over the parts: the operator is told no parts for that module while the slot holds it
     (the C++ operator skips what lies off the blocks), and the parts again once the slot
     holds an adapter per part; the delta is the adapter's in both."""
-    from pagefleet_kernels.backend import LoRAMapping
+    from pagefleet_kernels.metadata import LoRAMapping
     from pagefleet_serve.model.lora import LayerLoRA, LoRAWeights, fused_layout
 
     config = llm.engine.runner.model.config
