@@ -141,14 +141,14 @@ def test_one_step_mixing_three_adapters_and_the_base(checkpoint, llm, monkeypatc
     _, _, _, references = checkpoint
     names = [None, *ADAPTERS]
     alone = {name: tokens(llm, PROMPTS[:1], name)[0] for name in names}
-    runner = llm.engine.runner
-    execute, slots_per_step = runner.execute, []
+    executor = llm.engine.executor
+    execute, slots_per_step = executor.execute, []
 
     def recording(step):
         slots_per_step.append({item.seq.lora_slot for item in step.scheduled})
         return execute(step)
 
-    monkeypatch.setattr(runner, "execute", recording)
+    monkeypatch.setattr(executor, "execute", recording)
     prompts = [PROMPTS[0]] * len(names) + [PROMPTS[1]] * len(names)
     mixed = tokens(llm, prompts, names + names)
     assert mixed[: len(names)] == [alone[name] for name in names]

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pagefleet_serve.engine.executor.distributed import WorkerLost
 from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
-from pagefleet_serve.engine.parallel import WorkerLost
 from pagefleet_serve.messages import (
     AbortRequest,
     AddRequest,

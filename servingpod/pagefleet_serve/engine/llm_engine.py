@@ -24,10 +24,13 @@ from pagefleet_serve.config import EngineConfig, PoolingConfig
 from pagefleet_serve.cpu_placement import CpuPlacement
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.device import RunnerConfig, kv_cache_bytes
+from pagefleet_serve.engine.executor.abstract import Executor
+from pagefleet_serve.engine.executor.distributed import WorkerLost
+from pagefleet_serve.engine.executor.multiproc import MultiprocExecutor
+from pagefleet_serve.engine.executor.uniproc import UniprocExecutor
 from pagefleet_serve.engine.lora_cache import LoRAHostCache
 from pagefleet_serve.engine.model_runner import ModelRunner, sampling_failures
 from pagefleet_serve.engine.output_tracker import OutputTracker
-from pagefleet_serve.engine.parallel import WorkerLost, start_workers
 from pagefleet_serve.engine.pooler import Pooler, with_head
 from pagefleet_serve.engine.sampler import SampledToken, SamplingError
 from pagefleet_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -85,7 +88,7 @@ class _Phases:
 class LLMEngine:
     def __init__(self, config: EngineConfig, placement: CpuPlacement | None = None) -> None:
         """`placement`: the CPUs of the engine's threads, which tensor-parallel ranks share
-        out (see engine.parallel.Workers)."""
+        out (see engine.executor.multiproc)."""
         self.config = config
         self.runner_config = RunnerConfig.of(config)
         self.device, self.dtype = self.runner_config.device, self.runner_config.dtype
@@ -97,7 +100,12 @@ class LLMEngine:
             get_kernel_backend(self.runner_config.attention_backend, self.device)
         weights_started = time.monotonic()
         # Tensor parallelism: the other ranks start loading their shards meanwhile.
-        self.workers, tp = start_workers(config, self.device, placement)
+        self.executor: Executor = (
+            UniprocExecutor()
+            if config.world_size == 1
+            else MultiprocExecutor(config, self.device, placement)
+        )
+        tp = self.executor.tp
         try:
             # Nothing to download for a local or cached model; a sharded hf:// checkpoint's
             # shards go on downloading while the weight load reads those that have arrived.
@@ -121,7 +129,8 @@ class LLMEngine:
             pooler = None
             if self.pooling is not None:
                 loaded, pooler = with_head(loaded), Pooler(self.pooling)
-            self.runner = ModelRunner(loaded, self.runner_config, draft, pooler, tp, self.workers)
+            self.runner = ModelRunner(loaded, self.runner_config, draft, pooler, tp)
+            self.executor.runner = self.runner
         except BaseException:
             self.close()
             raise
@@ -149,7 +158,7 @@ class LLMEngine:
                 f"({pool_tokens} tokens = {num_blocks} blocks of {config.block_size}); raise "
                 f"kv_cache_memory_bytes or lower max_model_len"
             )
-        self.runner.allocate_kv_cache(num_blocks)
+        self.executor.allocate_kv_cache(num_blocks)
         # On CUDA the warm-up ran inside kv_cache_bytes (its activation peak is measured).
         self.startup_seconds["kv_cache"] = (
             time.monotonic() - kv_started - self.startup_seconds.get("warm_up", 0.0)
@@ -190,7 +199,7 @@ class LLMEngine:
         self._awaiting_grammar: dict[Sequence, Future] = {}
         if self.device.type != "cuda":  # CUDA's warm-up ran before the KV cache was sized
             with phase("warm_up"):
-                self.runner.warm_up_kernels(config.max_num_seqs)
+                self.executor.warm_up_kernels(config.max_num_seqs)
         # LoRA adapters by name; the cache says which are in host memory (--max-cpu-loras),
         # the scheduler's slots which are on the device. Each load gets a new id (a
         # reloaded name shares no prefix-cache blocks); a read back keeps its id.
@@ -214,8 +223,9 @@ class LLMEngine:
         """End the parallel workers, the grammar compile workers and the adapter reader, if
         any (the engine cannot step after this); also called by a start-up that failed
         before it made them."""
-        if self.workers is not None:
-            self.workers.close()
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.close()
         close_compiler = getattr(self, "_close_compiler", None)
         if close_compiler is not None:
             close_compiler()
@@ -254,7 +264,7 @@ class LLMEngine:
     def _warm_up(self) -> int:
         config = self.config
         with _Phases(self.startup_seconds)("warm_up"):
-            return self.runner.warm_up(
+            return self.executor.warm_up(
                 config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs
             )
 
@@ -541,7 +551,7 @@ class LLMEngine:
             self._wait_for_pending()
             return self.step_pending()
         for slot, lora_id in step.lora_loads:
-            self.runner.load_lora(slot, self.lora_cache.use(lora_id))
+            self.executor.load_lora(slot, self.lora_cache.use(lora_id))
         now = time.time()
         for item in step.scheduled:
             self.outputs.mark_scheduled(item.seq, now)
@@ -586,7 +596,7 @@ class LLMEngine:
         Returns the sampled tokens of what ran and the error of each request that failed.
         A retry recomputes the same tokens into the same KV slots, so it is safe."""
         try:
-            sampled = self.runner.execute(SchedulerOutput(items, []))
+            sampled = self.executor.execute(SchedulerOutput(items, []))
             return sampled, sampling_failures(sampled)  # each failed alone, nothing re-run
         except WorkerLost:
             raise  # no retry can run: the group's collectives are broken
