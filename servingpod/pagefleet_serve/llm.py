@@ -129,7 +129,7 @@ class LLM:
     ) -> Request:
         """Tokenize and validate (a structured output's constraint compiled, waited for).
         Raises ValueError."""
-        if lora_name is not None and lora_name not in self.engine.lora_adapters:
+        if lora_name is not None and lora_name not in self.engine.loras.adapters:
             raise ValueError(f"the LoRA adapter {lora_name!r} is not loaded")
         request = self.inputs.make_request(request_id, prompt, params, lora_name=lora_name)
         compiling = self.inputs.grammar_future(request)

@@ -252,7 +252,7 @@ def test_a_grammar_the_core_cannot_compile_in_time_fails_only_its_request(llm, m
     engine = llm.engine
     frontend = engine.grammar_compiler  # it compiles SLOW at once
     core = SlowCompiler.of(engine, SLOW, compile_timeout=0.3)
-    monkeypatch.setattr(engine, "grammar_compiler", core)
+    monkeypatch.setattr(engine.admission, "grammar_compiler", core)  # what the core compiles with
     prompt = engine.tokenizer.encode(chat(llm, "Is water wet? Answer in JSON."))
     try:
         slow = SamplingParams(max_tokens=20, temperature=0, structured_outputs=SLOW)

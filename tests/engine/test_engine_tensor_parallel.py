@@ -19,6 +19,7 @@ import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.engine.executor.multiproc import MultiprocExecutor
 
 from tests.engine.test_engine_architectures import ARCHITECTURES, PROMPTS, build
 
@@ -60,7 +61,8 @@ def both(model: str, parallel: dict = TP2, **settings) -> tuple[list, list]:
     llm = LLM(model, **parallel, **settings)
     try:
         ranks = parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
-        assert llm.engine.workers is not None and llm.engine.workers.size == ranks
+        executor = llm.engine.executor
+        assert isinstance(executor, MultiprocExecutor) and executor.size == ranks
         return one, run(llm)
     finally:
         llm.engine.close()

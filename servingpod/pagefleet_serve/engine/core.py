@@ -18,8 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pagefleet_serve.engine.executor.distributed import WorkerLost
 from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
-from pagefleet_serve.engine.parallel import WorkerLost
 from pagefleet_serve.messages import (
     AbortRequest,
     AddRequest,
@@ -169,7 +169,7 @@ class EngineCore:
         if self._adapter_reader is None:
             self._adapter_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
         future = self._adapter_reader.submit(
-            self.engine.read_lora, message.lora_name, message.lora_path
+            self.engine.loras.read, message.lora_name, message.lora_path
         )
         future.add_done_callback(lambda done: self.submit(_AdapterRead(message, done)))
 
@@ -186,7 +186,7 @@ class EngineCore:
         except Exception as exc:  # the frontend hears of it, the loop goes on
             logger.exception("could not change the LoRA adapters")
             error, status = f"{type(exc).__name__}: {exc}", 500
-        self.emit(LoRAAdaptersChanged(op_id, self.engine.lora_adapter_infos(), error, status))
+        self.emit(LoRAAdaptersChanged(op_id, self.engine.loras.infos(), error, status))
 
     def _fail_running(self, message: str) -> None:
         """Fail the requests that were in the failed step; waiting ones carry on."""

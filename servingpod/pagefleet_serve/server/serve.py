@@ -486,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid configuration: %s", exc)
         return 2
     if args.headless:
-        from pagefleet_serve.engine.parallel import run_headless
+        from pagefleet_serve.engine.executor.headless import run_headless
 
         return run_headless(config)
 
