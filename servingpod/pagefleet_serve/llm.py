@@ -14,6 +14,7 @@ from pagefleet_serve.engine.llm_engine import LLMEngine
 from pagefleet_serve.frontend.embeddings import shape_embedding
 from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.frontend.output_processor import OutputProcessor
+from pagefleet_serve.frontend.tokenizer import load_engine_tokenizer
 from pagefleet_serve.messages import EngineStats, Request
 from pagefleet_serve.outputs import CompletionOutput, RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
@@ -23,7 +24,8 @@ class LLM:
     def __init__(self, model: str | None = None, **config) -> None:
         if model is not None:
             config["model"] = model
-        self.engine = LLMEngine(EngineConfig(**config))
+        engine_config = EngineConfig(**config)
+        self.engine = LLMEngine(engine_config, tokenizer=load_engine_tokenizer(engine_config))
         engine = self.engine
         self.inputs = InputProcessor(
             engine.tokenizer, engine.model_name, engine.limits, engine.grammar_compiler

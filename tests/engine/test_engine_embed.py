@@ -187,7 +187,7 @@ def test_modules_that_would_change_the_vectors_are_refused_by_name(tmp_path):
 
 
 def test_a_hub_download_takes_the_pooling_files():
-    from pagefleet_serve.model.hub import select_files
+    from pagefleet_serve.model.loader.hub import select_files
 
     repo = ["config.json", "tokenizer.json", "model.safetensors", "modules.json",
             "1_Pooling/config.json", "2_Dense/config.json", "README.md"]  # fmt: skip

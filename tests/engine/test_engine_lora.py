@@ -220,7 +220,9 @@ def test_a_fused_module_adapted_whole_is_handed_to_the_operator_dense(llm):
     (the C++ operator skips what lies off the blocks), and the parts again once the slot
     holds an adapter per part; the delta is the adapter's in both."""
     from pagefleet_kernels.metadata import LoRAMapping
-    from pagefleet_serve.model.lora import LayerLoRA, LoRAWeights, fused_layout
+    from pagefleet_serve.model.layers.linear import ReplicatedLinear
+    from pagefleet_serve.model.layers.lora import LoRABatch, LoRALinear, LoRAWeights, StepAdapters
+    from pagefleet_serve.model.lora import fused_layout
 
     config = llm.engine.runner.model.config
     layout = fused_layout(config)
@@ -234,11 +236,14 @@ def test_a_fused_module_adapted_whole_is_handed_to_the_operator_dense(llm):
     expected = torch.zeros(3, sum(outs))
     expected[:2] = x[:2] @ a.T @ b.T
 
+    base = ReplicatedLinear(hidden, sum(outs))  # adds nothing: the delta alone comes out
+    torch.nn.init.zeros_(base.weight)
+    adapters = StepAdapters()
+    adapters.batch = LoRABatch(weights, mapping, llm.engine.runner.model.backend.add_lora)
+    layer = LoRALinear(base, adapters, 0, "qkv_proj")
+
     def delta() -> torch.Tensor:
-        layer = LayerLoRA(
-            weights.layers[0], weights.blocks, mapping, llm.engine.runner.model.backend.add_lora
-        )
-        return layer.add("qkv_proj", torch.zeros(3, sum(outs)), x)
+        return layer(x)
 
     weights.load(0, LoRAAdapter("whole", 1, "", rank, {(0, "qkv_proj", None): (a, b)}))
     assert (

@@ -13,7 +13,7 @@ from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.parallelism import KNOWN_MODEL_SHAPES
 from pagefleet_operator.scaler import autoscale_once
 from pagefleet_operator.spec import SpecError, parse_spec
-from pagefleet_serve.model.resolve import builtin_gguf_path
+from pagefleet_serve.model.loader.resolve import builtin_gguf_path
 
 from tests.operator import apiserver_validation
 from tests.operator.operator_samples import (

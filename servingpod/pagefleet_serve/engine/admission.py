@@ -15,7 +15,7 @@ from pagefleet_serve.engine.lora_manager import LoRAManager
 from pagefleet_serve.engine.scheduler import Scheduler
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.messages import Request
-from pagefleet_serve.model.llama import ModelConfig
+from pagefleet_serve.model.config import ModelConfig
 from pagefleet_serve.sampling_params import SamplingParams, generator_seed, sample_seed
 from pagefleet_serve.structured.grammar import GrammarCompiler, GrammarMatcher
 

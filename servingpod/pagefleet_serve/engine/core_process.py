@@ -37,9 +37,11 @@ def core_main(
     placement,
     parent_pid: int,
     log_level: str,
+    load_tokenizer: Callable[[EngineConfig], object],
     imports_seconds: float = 0.0,
 ) -> None:
-    """`imports_seconds`: how long the child took to import the engine (torch)."""
+    """`load_tokenizer`: the frontend's (the engine core names no frontend module);
+    `imports_seconds`: how long the child took to import the engine (torch)."""
     die_with_parent(parent_pid)
     # The frontend owns shutdown: it drains on SIGTERM, then sends Shutdown.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -59,7 +61,7 @@ def core_main(
 
     try:
         place_core_threads(placement)
-        engine = LLMEngine(config, placement)
+        engine = LLMEngine(config, placement, load_tokenizer(config))
     except BaseException as exc:  # noqa: BLE001 - the frontend reports it and exits
         emit(CoreFailed(f"cannot load model {config.model}: {type(exc).__name__}: {exc}"))
         _exit_now(1)

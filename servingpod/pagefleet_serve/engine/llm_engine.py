@@ -50,14 +50,19 @@ class EngineFault(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, placement: CpuPlacement | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, placement: CpuPlacement | None = None, tokenizer=None
+    ) -> None:
         """`placement`: the CPUs of the engine's threads, which tensor-parallel ranks share
-        out (see engine.executor.multiproc)."""
+        out (see engine.executor.multiproc). `tokenizer`: the model's (the frontend loads it,
+        `frontend.tokenizer.load_engine_tokenizer`), None for a model served on token ids;
+        not for text: the grammar compiler reads the vocabulary from it (to make token
+        masks), and a frontend in this process shares it."""
         self.config = config
         model = start_model(config, placement)
         self.executor = model.executor
         self.model_name, self.model_config = model.name, model.config
-        self.tokenizer, self.pooling = model.tokenizer, model.pooling
+        self.tokenizer, self.pooling = tokenizer, model.pooling
         self.max_model_len = model.max_model_len
         self.startup_seconds = model.startup_seconds
         self.device, self.dtype = self.runner.device, self.runner.dtype

@@ -15,7 +15,7 @@ from pagefleet_serve.engine.lora_cache import LoRAHostCache
 from pagefleet_serve.engine.lora_slots import LoRASlots
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.messages import LoRAAdapterInfo, LoRAStats
-from pagefleet_serve.model.llama import ModelConfig
+from pagefleet_serve.model.config import ModelConfig
 from pagefleet_serve.model.lora import (
     LoRAAdapter,
     LoRABusy,

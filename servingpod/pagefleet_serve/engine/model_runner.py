@@ -18,7 +18,6 @@ from pagefleet_kernels.kv_cache import (
     kv_cache_torch_dtype,
 )
 
-from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.engine.device import RunnerConfig
 from pagefleet_serve.engine.pooler import Pooler
 from pagefleet_serve.engine.sampler import SampledToken, SampleRow, SamplingError, sample
@@ -26,10 +25,10 @@ from pagefleet_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, rewind
 from pagefleet_serve.engine.step_buffers import StepBuffers, StepInputs
-from pagefleet_serve.model.linear import can_prepack
-from pagefleet_serve.model.llama import LlamaForCausalLM
-from pagefleet_serve.model.loader import LoadedModel
-from pagefleet_serve.model.lora import LoRAAdapter, LoRABatch, LoRAWeights
+from pagefleet_serve.model.layers.linear_methods import can_prepack
+from pagefleet_serve.model.layers.lora import LoRABatch, LoRAWeights, add_adapters
+from pagefleet_serve.model.loader.model_loader import LoadedModel
+from pagefleet_serve.model.lora import LoRAAdapter
 from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, TensorParallel
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -62,23 +61,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         self.config = loaded.config
-        # Built without storage: the loaded tensors become the parameters (no second copy).
-        with torch.device("meta"):
-            self.model = LlamaForCausalLM(
-                loaded.config,
-                get_kernel_backend(config.attention_backend, device),
-                tp,
-            )
+        self.model = loaded.model  # built for this rank by the loader, its weights loaded
         self.tp = tp
         self.samples = samples
         first, end = tp.kv_heads(loaded.config.num_heads, loaded.config.num_kv_heads)
         self.num_kv_heads = end - first  # this shard's (the first holds the most)
         self.num_layers = len(self.model.layers)  # its stage's (the first holds the most)
-        # The model takes the weights over: with no reference left in `loaded`, a weight
-        # that prepacking replaces is freed at once, not held until the caller drops it.
-        weights, loaded.weights = loaded.weights, {}
-        self.model.load_hf_state_dict(weights)
-        del weights
+        # With no reference left in `loaded`, a weight that prepacking replaces is freed at
+        # once, not held until the caller drops it.
+        loaded.model = None
         self.model.to(device=device, dtype=dtype).eval()
         if config.activation_quantization == "int8":
             self.model.use_int8_activations()
@@ -104,6 +95,7 @@ class ModelRunner:
             self.lora = LoRAWeights(
                 loaded.config, config.max_loras, config.max_lora_rank, device, dtype
             )
+            self.adapters = add_adapters(self.model.layers)
         self.draft = draft
         self.pooler = pooler
         self.buffers = StepBuffers(device, config.block_size)
@@ -219,16 +211,15 @@ class ModelRunner:
         own, or its target's (a draft runs over the target's batch as built, without the
         target's adapters). A pipeline stage takes the previous stage's output rows and
         hands its own to the next."""
-        lora = None
-        if self.lora is not None and inputs.lora is not None:
-            lora = LoRABatch(self.lora, inputs.lora, self.model.backend.add_lora)
+        if self.lora is not None:
+            self.adapters.batch = None
+            if inputs.lora is not None:
+                self.adapters.batch = LoRABatch(self.lora, inputs.lora, self.model.backend.add_lora)
         hidden = None
         if not self.tp.first_stage:
             num_tokens, size = inputs.input_ids.shape[0], self.config.hidden_size
             hidden = self.tp.receive_hidden(num_tokens, size, self.dtype, self.device)
-        out = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, lora, hidden
-        )
+        out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, hidden)
         if not self.tp.last_stage:
             self.tp.send_hidden(out)
         return out

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pagefleet_kernels.backend import KernelBackend
+
 from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.config import EngineConfig, PoolingConfig
 from pagefleet_serve.cpu_placement import CpuPlacement
@@ -19,12 +21,12 @@ from pagefleet_serve.engine.executor.abstract import Executor
 from pagefleet_serve.engine.executor.multiproc import MultiprocExecutor
 from pagefleet_serve.engine.executor.uniproc import UniprocExecutor
 from pagefleet_serve.engine.model_runner import ModelRunner
-from pagefleet_serve.engine.pooler import Pooler, with_head
+from pagefleet_serve.engine.pooler import Pooler
 from pagefleet_serve.engine.spec_decode.draft_model import check_vocabulary
-from pagefleet_serve.model.llama import ModelConfig
-from pagefleet_serve.model.loader import LoadedModel, load_local, load_model
+from pagefleet_serve.model.config import ModelConfig
+from pagefleet_serve.model.loader.model_loader import load_local, load_model
+from pagefleet_serve.model.loader.resolve import resolve_model_uri
 from pagefleet_serve.model.pooling import read_pooling_config, resolve_task
-from pagefleet_serve.model.resolve import resolve_model_uri
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +53,6 @@ class StartedModel:
     executor: Executor
     name: str
     config: ModelConfig
-    # Not for text: the grammar compiler reads the vocabulary from it (to make token
-    # masks), and a frontend in this process shares it.
-    tokenizer: object | None
     pooling: PoolingConfig | None  # task embed: how every request is pooled; None: generate
     max_model_len: int
     num_blocks: int
@@ -69,7 +68,7 @@ def start_model(config: EngineConfig, placement: CpuPlacement | None) -> Started
     seconds: dict[str, float] = {}
     phase = _Phases(seconds)
     with phase("kernel_load"):  # the C++ extensions are imported here, compiled never
-        get_kernel_backend(runner_config.attention_backend, device)
+        backend = get_kernel_backend(runner_config.attention_backend, device)
     weights_started = time.monotonic()
     executor: Executor = (
         UniprocExecutor()
@@ -82,17 +81,28 @@ def start_model(config: EngineConfig, placement: CpuPlacement | None) -> Started
         with phase("download"):
             local = resolve_model_uri(config.model, weights="background")
         weights_started += seconds["download"]
+        # An embedding checkpoint saved without its head (transformers' `AutoModel`) scores
+        # with its embedding table, which an embed engine never multiplies by except in its
+        # warm-up.
+        headless = resolve_task(config.task, local.path) == "embed"
         loaded = load_local(
-            local, runner_config.dtype, runner_config.weight_quantization, executor.tp
+            local,
+            runner_config.dtype,
+            runner_config.weight_quantization,
+            executor.tp,
+            backend,
+            headless,
         )
-        name, model_config, tokenizer = loaded.name, loaded.config, loaded.tokenizer
+        name, model_config = loaded.name, loaded.config
         spec = config.speculative_config
         # A draft model is not split: it runs on rank 0.
-        draft = _load_draft(spec.model, runner_config, loaded) if spec and spec.model else None
+        draft = (
+            _load_draft(spec.model, runner_config, backend, model_config)
+            if spec and spec.model
+            else None
+        )
         pooling = _pooling_config(config, local.path, model_config.hidden_size)
-        pooler = None
-        if pooling is not None:
-            loaded, pooler = with_head(loaded), Pooler(pooling)
+        pooler = None if pooling is None else Pooler(pooling)
         executor.runner = ModelRunner(loaded, runner_config, draft, pooler, executor.tp)
         del loaded
         seconds["weight_load"] = time.monotonic() - weights_started
@@ -113,16 +123,16 @@ def start_model(config: EngineConfig, placement: CpuPlacement | None) -> Started
     except BaseException:
         executor.close()
         raise
-    return StartedModel(
-        executor, name, model_config, tokenizer, pooling, max_model_len, num_blocks, seconds
-    )
+    return StartedModel(executor, name, model_config, pooling, max_model_len, num_blocks, seconds)
 
 
-def _load_draft(uri: str, config: RunnerConfig, target: LoadedModel) -> ModelRunner:
+def _load_draft(
+    uri: str, config: RunnerConfig, backend: KernelBackend, target: ModelConfig
+) -> ModelRunner:
     """The draft model's runner (speculative decoding), with the target's runner
     configuration (dtype, quantization, attention backend, KV cache dtype)."""
-    loaded = load_model(uri, config.dtype, config.weight_quantization)
-    check_vocabulary(loaded, target.config, target.tokenizer)
+    loaded = load_model(uri, config.dtype, config.weight_quantization, backend=backend)
+    check_vocabulary(loaded, target)
     logger.info("draft model %s: %d layers", loaded.name, loaded.config.num_layers)
     # Proposals come from the base draft: verification applies the target's adapters.
     return ModelRunner(loaded, replace(config, max_loras=0, max_lora_rank=0))

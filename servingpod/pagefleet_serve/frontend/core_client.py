@@ -396,7 +396,7 @@ def start_core_process(config: EngineConfig, link: ProcessLink) -> EngineCoreCli
     RuntimeError when it cannot start), with this process's tokenizer for text, loaded
     meanwhile. The caller starts the link before importing this module, so the core's
     imports and load also overlap this module's (xgrammar, torch, transformers)."""
-    from pagefleet_serve.model.loader import load_tokenizer
+    from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(config.model)  # while the core loads the model

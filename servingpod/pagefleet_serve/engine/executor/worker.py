@@ -53,8 +53,9 @@ def worker_main(
     reads it (huggingface_hub reads HF_HOME and HF_ENDPOINT when imported)."""
     os.environ.clear()
     os.environ.update(environment)
+    from pagefleet_serve.attention import get_kernel_backend
     from pagefleet_serve.engine.model_runner import ModelRunner
-    from pagefleet_serve.model.loader import load_model
+    from pagefleet_serve.model.loader.model_loader import load_model
 
     # Its parent is the fork server, which exits when rank 0's process does (its end of
     # the server's pipe closes), and this process with it.
@@ -73,8 +74,9 @@ def worker_main(
     )
     tp = join_group(store, rank, config, device)
     try:
+        backend = get_kernel_backend(runner_config.attention_backend, device)
         loaded = load_model(
-            config.model, runner_config.dtype, runner_config.weight_quantization, tp
+            config.model, runner_config.dtype, runner_config.weight_quantization, tp, backend
         )
         runner = ModelRunner(loaded, runner_config, tp=tp, samples=False)
         del loaded
