@@ -129,9 +129,7 @@ class ThreadServer:
 
         engine = LLMEngine(EngineConfig(**{"model": MODEL, "dtype": "float32"} | engine_config))
         self.core = engine
-        self.engine = EngineCoreClient(
-            engine.config, ThreadLink(engine), engine.tokenizer, engine.grammar_compiler
-        )
+        self.engine = EngineCoreClient(engine.config, ThreadLink(engine), engine.tokenizer)
         self.server = create_server(
             ServerSettings(**{"served_model_names": (engine.model_name,), "port": 0} | settings),
             self.engine,

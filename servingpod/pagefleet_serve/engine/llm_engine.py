@@ -111,7 +111,7 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = loaded.config
         # Not for text: the grammar compiler reads the vocabulary from it (to make token
-        # masks), and a frontend in this process shares it.
+        # masks); this is the one place constraints are compiled.
         self.tokenizer = loaded.tokenizer
         spec = config.speculative_config
         draft = self._load_draft(spec.model) if spec is not None and spec.model else None
@@ -279,7 +279,6 @@ class LLMEngine:
             self.limits,
             self.block_manager.num_blocks,
             self.stats(),
-            self.grammar_stop_token_ids,
             dict(self.startup_seconds),
             self.lora_adapter_infos(),
             self.config.enable_lora,
