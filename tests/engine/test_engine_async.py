@@ -29,7 +29,7 @@ def core():
 
 @pytest.fixture
 def engine(core):
-    client = EngineCoreClient(core.config, ThreadLink(core), core.tokenizer, core.grammar_compiler)
+    client = EngineCoreClient(core.config, ThreadLink(core), core.tokenizer)
     yield client
     client.shutdown()
 

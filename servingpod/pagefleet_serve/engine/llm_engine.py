@@ -57,7 +57,7 @@ class LLMEngine:
         out (see engine.executor.multiproc). `tokenizer`: the model's (the frontend loads it,
         `frontend.tokenizer.load_engine_tokenizer`), None for a model served on token ids;
         not for text: the grammar compiler reads the vocabulary from it (to make token
-        masks), and a frontend in this process shares it."""
+        masks); this is the one place constraints are compiled."""
         self.config = config
         model = start_model(config, placement)
         self.executor = model.executor
@@ -136,7 +136,6 @@ class LLMEngine:
             limits=self.limits,
             num_blocks=self.block_manager.num_blocks,
             stats=self.stats(),
-            grammar_stop_token_ids=self.grammar_stop_token_ids,
             startup_seconds=dict(self.startup_seconds),
             lora_adapters=self.loras.infos(),
             lora_enabled=self.config.enable_lora,
