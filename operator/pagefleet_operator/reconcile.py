@@ -203,7 +203,7 @@ def reconcile(
     if not is_status_current(body, status):
         kube.patch_status(namespace, name, status)
         written = True
-    ready, desired_replicas = get_replica_counts(spec, observed_deployment)
+    ready, desired_replicas = get_replica_counts(body, spec, observed_deployment)
     return Outcome(
         the_plan,
         tuple(changes),

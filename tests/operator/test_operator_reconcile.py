@@ -237,6 +237,31 @@ def test_unsatisfiable_spec_is_degraded_not_a_crash(spec, reason, words):
     assert not run(kube).new_problem
 
 
+@pytest.mark.parametrize(
+    ("spec", "options"),
+    [
+        (
+            {**BUILTIN, "engine": {"image": "docker.io/evil/img:1"}},
+            {"allowed_image_prefixes": ("ghcr.io/pagefleet/",)},
+        ),
+        ({**BUILTIN, "autoscaling": {"enabled": True, "minReplicas": 0}}, {}),
+        ({**BUILTIN, "replicas": 3, "tolerations": [{"operator": "Sideways"}]}, {}),
+    ],
+)
+def test_a_rejected_spec_is_not_reported_as_scaled_to_zero(spec, options):
+    """Issue 73: a spec the operator rejects read `ScaledToZero: spec.replicas is 0` and
+    READY 0/0 in `kubectl get`, though spec.replicas asked for replicas. The Ready reason
+    (kubectl's STATUS column) is why nothing runs, and READY counts what was asked for."""
+    kube = FakeKube(make_body(spec))
+    reconcile(kube, kube.body(), default_image=DEFAULT_IMAGE, now=lambda: "T", **options)
+    ready = condition(kube, "Ready")
+    asked = spec.get("replicas", 1)
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert ready["message"].startswith(f"0/{asked} replicas ready: spec.")
+    assert kube.body()["status"]["ready"] == f"0/{asked}"
+    assert condition(kube, "Degraded")["reason"] == "InvalidSpec"
+
+
 def test_a_missing_cache_pvc_says_what_the_deployment_waits_for():
     """Not `Progressing=True Creating` while nothing is created."""
     kube = FakeKube(make_body({**BUILTIN, "modelCache": {"pvcName": "cache"}}))
