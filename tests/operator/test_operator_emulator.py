@@ -17,7 +17,8 @@ its timeoutSeconds, loses nothing, and answers a version older than its history 
 410 Gone ERROR event (ApiServerEmulator._serve_watch; `oldest_watch_version` plays the
 history's compaction). It does not validate objects: InferenceServices created are
 checked against the CRD here as kube-apiserver checks them (apiserver_validation.py, its
-400 and 422 messages). A merge patch carrying a stale resourceVersion is a 409 Conflict,
+400 and 422 messages), and Deployments created or applied against kube-apiserver's rules
+for the pod template fields a spec passes through (pod_validation.py). A merge patch carrying a stale resourceVersion is a 409 Conflict,
 as on kube-apiserver (the operators' Lease writes rely on it).
 """
 
@@ -40,7 +41,7 @@ import kmock
 import pytest
 import pytest_asyncio
 
-from tests.operator import apiserver_validation, server_side_apply
+from tests.operator import apiserver_validation, pod_validation, server_side_apply
 from tests.operator.operator_samples import CRD_PATH, REPO, load_yaml
 from tests.operator.test_operator_metrics import BODY, MetricsServer
 
@@ -173,8 +174,29 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         )
         raise kmock.KubernetesError(422, "Invalid", message)
 
+    @staticmethod
+    def _refuse_invalid_deployment(request) -> None:
+        """kube-apiserver's 422 for a Deployment whose pod template it refuses
+        (pod_validation.py), on a create or a server-side apply."""
+        data = request.data
+        is_write = request.action == kmock.action.CREATE or (
+            request.action == kmock.action.UPDATE
+            and "apply-patch" in request.headers.get("Content-Type", "")
+        )
+        if request.resource.plural != "deployments" or not is_write or request.subresource:
+            return
+        if not isinstance(data, dict) or "template" not in (data.get("spec") or {}):
+            return
+        errors = pod_validation.validate_deployment(data)
+        if errors:
+            name = (data.get("metadata") or {}).get("name", "")
+            message = apiserver_validation.refusal_message("Deployment.apps", name, errors)
+            raise kmock.KubernetesError(422, "Invalid", message)
+
     async def _handle(self, request):
         data = request.data
+        if request.resource is not None:
+            self._refuse_invalid_deployment(request)
         if request.resource is not None and request.action == kmock.action.CREATE:
             if request.resource.plural == "inferenceservices" and self.validate_inference_services:
                 self._refuse_if_invalid(data)
@@ -958,3 +980,60 @@ async def test_the_emulator_refuses_bad_objects_in_the_api_servers_words(kmock):
         ),
     ]
     assert stored(kmock, ISVC, "neg") is None and stored(kmock, ISVC, "typo") is None
+
+
+BAD_TOLERATION = {"key": "a", "operator": "Exists", "value": "x"}
+
+
+async def test_the_emulator_refuses_a_bad_pod_template_as_the_api_server_does(kmock):
+    """Issue 73: kube-apiserver refuses a Deployment whose toleration has a value with
+    Exists; the emulator must too, or a test cannot see the operator loop on it."""
+    declare_resources(kmock)
+    pod = {
+        "containers": [{"name": "server", "image": "img:test"}],
+        "tolerations": [BAD_TOLERATION],
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "chat", "namespace": "ml"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "chat"}},
+            "template": {"metadata": {"labels": {"app": "chat"}}, "spec": pod},
+        },
+    }
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
+        path = "/apis/apps/v1/namespaces/ml/deployments"
+        async with session.post(path, json=deployment) as response:
+            answer = (response.status, (await response.json())["message"])
+    assert answer == (
+        422,
+        'Deployment.apps "chat" is invalid: spec.template.spec.tolerations[0].operator: '
+        'Invalid value: core.Toleration{Key:"a", Operator:"Exists", Value:"x", Effect:"", '
+        "TolerationSeconds:(*int64)(nil)}: value must be empty when `operator` is 'Exists'",
+    )
+    assert stored(kmock, "apps/v1/deployments", "chat") is None
+
+
+async def test_a_toleration_the_api_server_refuses_is_degraded_not_applied(kmock, operator):
+    """Issue 73: the toleration passed the CRD (stored before the rule existed, here) and
+    the operator, and the API server refused the Deployment on every resync. The parse
+    refuses it now: Degraded InvalidSpec at once, and no write the API server refuses."""
+    kmock.validate_inference_services = False
+    spec = {"model": {"uri": "builtin://smollm2-135m"}, "tolerations": [BAD_TOLERATION]}
+    await operator.call("POST", isvc_path(), make_isvc("tolerant", spec))
+    degraded = await eventually(
+        lambda: condition(stored(kmock, ISVC, "tolerant"), "Degraded"), what="Degraded"
+    )
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+    assert degraded["message"] == "spec.tolerations[0].value: must be empty when operator is Exists"
+    ready = condition(stored(kmock, ISVC, "tolerant"), "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    writes = [
+        r
+        for r in list(kmock)
+        if r.resource is not None
+        and r.resource.plural == "deployments"
+        and r.method in ("POST", "PATCH")
+    ]
+    assert writes == []
