@@ -1037,3 +1037,40 @@ async def test_a_toleration_the_api_server_refuses_is_degraded_not_applied(kmock
         and r.method in ("POST", "PATCH")
     ]
     assert writes == []
+
+
+def status_writes(server, name: str) -> list:
+    """The writes of an InferenceService's status (the reconciler's and the autoscaler's)."""
+    return [
+        r
+        for r in list(server)
+        if r.resource is not None
+        and r.resource.plural == "inferenceservices"
+        and r.subresource == "status"
+        and r.method == "PATCH"
+        and r.name == name
+    ]
+
+
+async def test_an_idle_autoscaled_service_writes_no_status(kmock, operator):
+    """Issue 73: the autoscaler rewrote status.autoscaler every intervalSeconds, even for
+    a service with no pods: a new resourceVersion to every watcher each time (8 writes
+    per 2 minutes per service at 15 s). Nothing changes here, so nothing is written."""
+    spec = {
+        "model": {"uri": "builtin://smollm2-135m"},
+        "autoscaling": {"enabled": True, "intervalSeconds": 5},
+    }
+    await operator.call("POST", isvc_path(), make_isvc("idle", spec))
+    await eventually(
+        lambda: ((stored(kmock, ISVC, "idle") or {}).get("status") or {}).get("autoscaler"),
+        what="the autoscaler's first round",
+    )
+    # The writes of the creation (the reconciles its children's events set off) end.
+    before = len(status_writes(kmock, "idle"))
+    while True:
+        await asyncio.sleep(2)
+        if len(status_writes(kmock, "idle")) == before:
+            break
+        before = len(status_writes(kmock, "idle"))
+    await asyncio.sleep(16)  # three more rounds
+    assert len(status_writes(kmock, "idle")) == before

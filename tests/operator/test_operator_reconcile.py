@@ -417,6 +417,43 @@ def test_autoscale_rounds_remember_recommendations_through_the_status():
     assert [item["replicas"] for item in kept] == [1]
 
 
+def test_the_autoscaler_writes_its_status_only_when_something_changed():
+    """Issue 73: status.autoscaler was written every intervalSeconds (its observation
+    time, its recommendations' times), a new resourceVersion for every watcher each time.
+    Now a round writes only a change; a stabilization window still counts from the last
+    round that made a recommendation, though those rounds wrote nothing (each call here
+    reads the status afresh, as after a restart)."""
+    spec = {**BUILTIN, "replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 4}}
+    kube = FakeKube(make_body(spec))
+    start = 1e9
+
+    def round_at(seconds: float, kv: float) -> int:
+        samples = [PodSample(f"p{i}", True, kv, 0) for i in range(2)]
+        decision = autoscale_once(
+            kube,
+            kube.body(),
+            default_image=DEFAULT_IMAGE,
+            scrape=lambda _: samples,
+            clock=lambda: start + seconds,
+        )
+        return decision.replicas
+
+    kube.writes.clear()
+    for second in range(0, 1200, 15):  # 20 minutes at ceil(2 x 0.5 / 0.8) = 2
+        assert round_at(second, 0.5) == 2
+    assert kube.writes == [("status", "InferenceService", "demo")]
+    assert kube.body()["status"]["autoscaler"]["lastObservationTime"] == "2001-09-09T01:46:40Z"
+
+    # The load drops to 1 replica's worth: 2 was recommended until the round before,
+    # 20 minutes after its only write, so the 300 s down-window holds 2 from there.
+    kube.writes.clear()
+    assert round_at(1200, 0.1) == 2
+    assert kube.writes == [("status", "InferenceService", "demo")]  # recommends 1 now
+    assert kube.body()["status"]["autoscaler"]["kvCacheUsagePercent"] == 10
+    assert round_at(1485, 0.1) == 2
+    assert round_at(1501, 0.1) == 1
+
+
 # -- the kopf handlers over the same test double ------------------------------------------
 @pytest.fixture
 def warnings(monkeypatch):
