@@ -153,7 +153,7 @@ def _list_owned_pods(
     `workload` (kind, name) this resource controls owns."""
     meta = body["metadata"]
     namespace = meta["namespace"]
-    owned = kube.get(workload[0], namespace, workload[1])
+    owned = kube.observe(workload[0], namespace, workload[1], False)
     if owned is None or not is_owned_by(owned, meta["uid"]):
         return []
     set_uids = {

@@ -290,8 +290,9 @@ def declare_resources(server) -> None:
         )
     # Present in every real cluster's discovery; kopf waits to see them (never reads them).
     server.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list"})
+    # Watched cluster-wide (kopf's scanning): a CRD created later starts its kind's watch.
     server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"list"}
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "create"}
     )
 
 
@@ -1074,3 +1075,83 @@ async def test_an_idle_autoscaled_service_writes_no_status(kmock, operator):
         before = len(status_writes(kmock, "idle"))
     await asyncio.sleep(16)  # three more rounds
     assert len(status_writes(kmock, "idle")) == before
+
+
+CHILD_PLURALS = {
+    "deployments",
+    "services",
+    "configmaps",
+    "ingresses",
+    "poddisruptionbudgets",
+    "podmonitors",
+    "serviceaccounts",
+    "roles",
+    "rolebindings",
+    "persistentvolumeclaims",
+}
+
+
+def reads_of_children(server) -> list:
+    """The GETs of one object of a kind the operator makes (or a claim); not lists and
+    watches."""
+    return [
+        r
+        for r in list(server)
+        if r.resource is not None
+        and r.resource.plural in CHILD_PLURALS
+        and r.method == "GET"
+        and r.name is not None
+        and r.params.get("watch") != "true"
+    ]
+
+
+async def test_a_reconcile_reads_its_children_from_the_watches(kmock, operator):
+    """Issue 73: each reconcile made about 12 GETs, one per kind of child it might own
+    (a 404 for a PodMonitor whose CRD is absent). The children come from the watches kopf
+    holds now: a spec change (two reconciles: the change's, the Deployment event's) reads
+    only the Deployment it has just updated."""
+    spec = {"model": {"uri": "builtin://smollm2-135m"}}
+    await operator.call("POST", isvc_path(), make_isvc("cached", spec))
+
+    def reconciled() -> bool:
+        isvc = stored(kmock, ISVC, "cached") or {}
+        status = isvc.get("status") or {}
+        return status.get("observedGeneration") == isvc["metadata"]["generation"]
+
+    await eventually(reconciled, what="the first status")
+    await asyncio.sleep(2)  # the reconciles the children's events set off
+    before = len(reads_of_children(kmock))
+    await operator.call("PATCH", isvc_path("cached"), {"spec": {"engine": {"maxNumSeqs": 8}}})
+    await eventually(reconciled, what="the status of the new generation")
+    await asyncio.sleep(2)
+    reads = reads_of_children(kmock)[before:]
+    assert [r.resource.plural for r in reads] == ["deployments"]
+    assert not any(r.resource and r.resource.plural == "podmonitors" for r in list(kmock))
+
+
+async def test_a_claim_created_after_its_service_is_picked_up_at_once(kmock, operator):
+    """Issue 73: a PersistentVolumeClaim created after the service was noticed only at
+    the next resync (60 s). Claims are watched: the service is made within seconds."""
+    spec = {"model": {"uri": "pvc://weights/llama"}}
+    await operator.call("POST", isvc_path(), make_isvc("late-claim", spec))
+    await eventually(
+        lambda: (
+            condition(stored(kmock, ISVC, "late-claim"), "Degraded").get("reason") == "PVCNotFound"
+        ),
+        what="PVCNotFound",
+    )
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "weights", "namespace": "ml"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    await operator.call("POST", "/api/v1/namespaces/ml/persistentvolumeclaims", claim)
+    await eventually(
+        lambda: stored(kmock, "apps/v1/deployments", "late-claim"), timeout=10, what="Deployment"
+    )
+    await eventually(
+        lambda: condition(stored(kmock, ISVC, "late-claim"), "Degraded").get("status") == "False",
+        timeout=10,
+        what="Degraded cleared",
+    )

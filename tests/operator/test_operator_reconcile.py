@@ -61,6 +61,10 @@ class FakeKube:
     def get(self, kind, namespace, name):
         return copy.deepcopy(self.objects.get((kind, namespace, name)))
 
+    def observe(self, kind, namespace, name, wanted):
+        """No watch cache here: every read is the API server's."""
+        return self.get(kind, namespace, name)
+
     def list(self, kind, namespace, labels):
         return [
             copy.deepcopy(o)
