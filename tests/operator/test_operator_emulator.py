@@ -261,6 +261,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]
 
 
+def kmock_resource(kind: str) -> kmock.ResourceInfo:
+    return kmock.ResourceInfo(
+        kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}
+    )
+
+
 def declare_resources(server) -> None:
     info = kmock.ResourceInfo
     server.resources[ISVC] = info(
@@ -294,6 +300,24 @@ def declare_resources(server) -> None:
     server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "create"}
     )
+
+
+def install_crd(group: str, plural: str, kind: str) -> dict:
+    """A CustomResourceDefinition as its chart applies it (what kopf's scanning reads)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"plural": plural, "kind": kind},
+            "versions": [{"name": "v1", "served": True, "storage": True}],
+        },
+    }
+
+
+CRDS_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
 class Client:
@@ -1053,6 +1077,17 @@ def status_writes(server, name: str) -> list:
     ]
 
 
+async def quiet(server, name: str) -> int:
+    """Wait until the writes of a creation (the reconciles its children's events set off)
+    have ended: 2 s without a status write. The status writes so far."""
+    before = len(status_writes(server, name))
+    while True:
+        await asyncio.sleep(2)
+        if len(status_writes(server, name)) == before:
+            return before
+        before = len(status_writes(server, name))
+
+
 async def test_an_idle_autoscaled_service_writes_no_status(kmock, operator):
     """Issue 73: the autoscaler rewrote status.autoscaler every intervalSeconds, even for
     a service with no pods: a new resourceVersion to every watcher each time (8 writes
@@ -1066,13 +1101,7 @@ async def test_an_idle_autoscaled_service_writes_no_status(kmock, operator):
         lambda: ((stored(kmock, ISVC, "idle") or {}).get("status") or {}).get("autoscaler"),
         what="the autoscaler's first round",
     )
-    # The writes of the creation (the reconciles its children's events set off) end.
-    before = len(status_writes(kmock, "idle"))
-    while True:
-        await asyncio.sleep(2)
-        if len(status_writes(kmock, "idle")) == before:
-            break
-        before = len(status_writes(kmock, "idle"))
+    before = await quiet(kmock, "idle")
     await asyncio.sleep(16)  # three more rounds
     assert len(status_writes(kmock, "idle")) == before
 
@@ -1154,4 +1183,32 @@ async def test_a_claim_created_after_its_service_is_picked_up_at_once(kmock, ope
         lambda: condition(stored(kmock, ISVC, "late-claim"), "Degraded").get("status") == "False",
         timeout=10,
         what="Degraded cleared",
+    )
+
+
+async def test_a_pod_monitor_crd_installed_later_is_used_at_once(kmock, operator):
+    """Issue 73: the Prometheus Operator's CRDs installed after the operator: the
+    PodMonitor asked for is made within the poll of the optional APIs (10 s), not at the
+    next resync, and the Monitored condition says so."""
+    spec = {"model": {"uri": "builtin://smollm2-135m"}, "monitoring": {"podMonitor": True}}
+    await operator.call("POST", isvc_path(), make_isvc("watched", spec))
+    await eventually(
+        lambda: (
+            condition(stored(kmock, ISVC, "watched"), "Monitored").get("reason")
+            == "PodMonitorCRDMissing"
+        ),
+        what="Monitored False",
+    )
+    await quiet(kmock, "watched")  # nothing left that would reconcile it before the resync
+    kmock.resources["monitoring.coreos.com/v1/podmonitors"] = kmock_resource("PodMonitor")
+    crd = install_crd("monitoring.coreos.com", "podmonitors", "PodMonitor")
+    await operator.call("POST", CRDS_PATH, crd)
+    await eventually(
+        lambda: stored(kmock, "monitoring.coreos.com/v1/podmonitors", "watched"),
+        timeout=20,
+        what="PodMonitor",
+    )
+    await eventually(
+        lambda: condition(stored(kmock, ISVC, "watched"), "Monitored").get("status") == "True",
+        what="Monitored True",
     )

@@ -13,13 +13,16 @@ from pagefleet_operator.handlers import RESYNC_SECONDS
 
 from tests.operator import apiserver_validation
 from tests.operator.test_operator_emulator import (
+    CRDS_PATH,
     ISVC,
     ApiServerEmulator,
     condition,
     declare_resources,
     eventually,
+    install_crd,
     isvc_path,
     make_isvc,
+    quiet,
     run_operator,
     stored,
 )
@@ -97,24 +100,6 @@ async def test_without_leader_worker_set_installed_the_service_is_degraded(kmock
         assert stored(kmock, "apps/v1/deployments", "big") is None
 
 
-def install_crd(group: str, plural: str, kind: str) -> dict:
-    """A CustomResourceDefinition as its chart applies it (what kopf's scanning reads)."""
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.{group}"},
-        "spec": {
-            "group": group,
-            "scope": "Namespaced",
-            "names": {"plural": plural, "kind": kind},
-            "versions": [{"name": "v1", "served": True, "storage": True}],
-        },
-    }
-
-
-CRDS_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-
-
 async def test_a_leader_worker_set_crd_installed_later_is_watched(kmock, tmp_path):
     """Issue 73: LeaderWorkerSet installed after the operator started was never watched
     (kopf: "Unresolved resources cannot be served"): its group came at the 60 s resync,
@@ -133,6 +118,7 @@ async def test_a_leader_worker_set_crd_installed_later_is_watched(kmock, tmp_pat
             ),
             what="Degraded",
         )
+        await quiet(kmock, "big")  # nothing left that would reconcile it before the resync
         declare_leader_worker_sets(kmock)
         crd = install_crd("leaderworkerset.x-k8s.io", "leaderworkersets", "LeaderWorkerSet")
         await operator.call("POST", CRDS_PATH, crd)
