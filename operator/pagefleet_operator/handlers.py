@@ -159,12 +159,12 @@ async def watch_optional_apis(memo: kopf.Memo, logger: kopf.Logger) -> None:
     while True:
         try:
             changed = await asyncio.to_thread(cache.refresh_served, apis, kube.ask_discovery)
-        except KubeError as exc:
-            logger.warning("discovery of %s failed, retrying: %s", ", ".join(apis), exc)
-            changed = []
-        if changed:
-            logger.info("now %s: reconciling every InferenceService", _served_words(cache, changed))
-            await asyncio.to_thread(_reconcile_everything, memo, logger)
+            if changed:
+                words = _served_words(cache, changed)
+                logger.info("now %s: reconciling every InferenceService", words)
+                await asyncio.to_thread(_reconcile_everything, memo, logger)
+        except KubeError as exc:  # the next poll, or each service's resync, tries again
+            logger.warning("the poll of %s failed: %s", ", ".join(apis), exc)
         await asyncio.sleep(OPTIONAL_API_POLL_SECONDS)
 
 

@@ -1212,3 +1212,29 @@ async def test_a_pod_monitor_crd_installed_later_is_used_at_once(kmock, operator
         lambda: condition(stored(kmock, ISVC, "watched"), "Monitored").get("status") == "True",
         what="Monitored True",
     )
+
+
+async def test_an_object_of_our_name_that_is_not_ours_is_never_applied_over(kmock, operator):
+    """The watches see only objects labelled as ours: a Service of the same name made by
+    someone else is not in them, and must still be found (a conflict, left alone), not
+    taken for missing and applied over."""
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "taken", "namespace": "ml", "labels": {"team": "web"}},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]},
+    }
+    await operator.call("POST", "/api/v1/namespaces/ml/services", theirs)
+    spec = {"model": {"uri": "builtin://smollm2-135m"}}
+    await operator.call("POST", isvc_path(), make_isvc("taken", spec))
+    degraded = await eventually(
+        lambda: (
+            condition(stored(kmock, ISVC, "taken"), "Degraded").get("reason") == "NameConflict"
+            and condition(stored(kmock, ISVC, "taken"), "Degraded")
+        ),
+        what="NameConflict",
+    )
+    assert "Service 'taken'" in degraded["message"]
+    service = stored(kmock, "v1/services", "taken")
+    assert service["metadata"]["labels"] == {"team": "web"}
+    assert service["spec"]["selector"] == {"app": "web"}
