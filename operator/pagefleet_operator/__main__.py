@@ -271,6 +271,7 @@ async def _kopf_operator(args: argparse.Namespace, metrics: OperatorMetrics) -> 
             ),
             metrics=metrics,
             tracer=get_tracer(args.otlp_traces_endpoint, "pagefleet-operator"),
+            namespaces=tuple(args.namespace),
         ),
     )
 

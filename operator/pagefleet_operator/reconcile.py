@@ -52,12 +52,31 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# APIs a cluster may lack, whose objects are made once their CRD is served (polled by
+# handlers.watch_optional_apis): PodMonitor is left out without it, a LeaderWorkerSet
+# is a problem.
+OPTIONAL_APIS = (*OPTIONAL_KINDS, "LeaderWorkerSet")
+
+
+def get_claims(raw_spec: Mapping[str, Any]) -> list[str]:
+    """The claims a spec's pods mount, as written (a pvc:// model's, the cache's), for
+    finding the services to reconcile when a claim appears; a malformed spec mounts none."""
+    model, cache = raw_spec.get("model"), raw_spec.get("modelCache")
+    uri = model.get("uri") if isinstance(model, Mapping) else None
+    claims = []
+    if isinstance(uri, str) and uri.startswith("pvc://"):
+        claims.append(uri.removeprefix("pvc://").split("/", 1)[0])
+    if isinstance(cache, Mapping) and isinstance(cache.get("pvcName"), str):
+        claims.append(cache["pvcName"])
+    return [claim for claim in claims if claim]
+
+
 def find_missing_claims(kube: Kube, namespace: str, spec: InferenceServiceSpec) -> Problem | None:
     for field_path, claim in (
         ("model.uri", spec.pvc_claim),
         ("modelCache.pvcName", spec.model_cache_pvc),
     ):
-        if claim and kube.get("PersistentVolumeClaim", namespace, claim) is None:
+        if claim and kube.observe("PersistentVolumeClaim", namespace, claim, False) is None:
             return Problem(
                 "PVCNotFound",
                 f"spec.{field_path}: PersistentVolumeClaim {claim!r} does not exist in {namespace!r}",
@@ -175,7 +194,7 @@ def reconcile(
         desired = None if problem is not None else desired
 
     workload_kind = get_workload_kind(spec)
-    observed_deployment = kube.get(workload_kind, namespace, name)
+    observed_deployment = kube.observe(workload_kind, namespace, name, desired is not None)
     failed_kind, monitored = None, None
     if desired is not None:
         served = drop_unserved_kinds(kube, desired)
@@ -183,7 +202,8 @@ def reconcile(
         observed: dict[str, Any] = {workload_kind: observed_deployment}
         for slot, (kind, suffix) in MANAGED_OBJECTS.items():
             if slot in served and slot not in observed:
-                observed[slot] = kube.get(kind, namespace, name + suffix)
+                wanted = served[slot] is not None
+                observed[slot] = kube.observe(kind, namespace, name + suffix, wanted)
         the_plan = plan(served, observed, meta["uid"])
         try:
             changes = apply_plan(kube, the_plan)
@@ -203,7 +223,7 @@ def reconcile(
     if not is_status_current(body, status):
         kube.patch_status(namespace, name, status)
         written = True
-    ready, desired_replicas = get_replica_counts(spec, observed_deployment)
+    ready, desired_replicas = get_replica_counts(body, spec, observed_deployment)
     return Outcome(
         the_plan,
         tuple(changes),

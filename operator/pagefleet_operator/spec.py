@@ -26,6 +26,17 @@ from pagefleet_serve.config import (
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURI, ModelURIError, parse_model_uri
 
 from .config import DEFAULT_ROUTER_IMAGE
+from .kubefields import (
+    check_annotation_keys,
+    check_dns_subdomain,
+    check_env,
+    check_host,
+    check_labels,
+    check_resources,
+    check_secret_key_ref,
+    check_tolerations,
+)
+from .spec_errors import SpecError
 
 # What a resource serves: the engine's TASKS but auto (a resource says which it means).
 SPEC_TASKS = tuple(task for task in TASKS if task != "auto")
@@ -38,14 +49,6 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 _KV_CACHE_MEMORY = re.compile(BYTE_SIZE_PATTERN)
 # An adapter's name is what requests send as their model: a DNS-1123 label, as the CRD says.
 _ADAPTER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-class SpecError(ValueError):
-    """A spec the operator cannot satisfy; the message names the field and what is allowed."""
-
-    def __init__(self, field_path: str, problem: str):
-        super().__init__(f"spec.{field_path}: {problem}")
-        self.field_path = field_path
 
 
 @dataclass(frozen=True)
@@ -221,8 +224,8 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     if parsed.scheme == "builtin" and uri not in BUILTIN_MODELS:
         raise SpecError("model.uri", f"{uri!r} is not a built-in model; have {BUILTIN_MODELS}")
     token_ref = _get(model, "tokenSecretRef", "model", dict)
-    if token_ref is not None and not (token_ref.get("name") and token_ref.get("key")):
-        raise SpecError("model.tokenSecretRef", "needs both name and key")
+    if token_ref is not None:
+        check_secret_key_ref("model.tokenSecretRef", token_ref)
     # By default the model's own name without its org (a .gguf file: its stem; never the
     # @revision).
     served_name = _get(model, "servedName", "model", str) or parsed.name.rsplit("/", 1)[-1]
@@ -232,6 +235,8 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
 def _check_image(
     image: str | None, allowed_prefixes: tuple[str, ...], field_path: str = "engine.image"
 ) -> None:
+    if image is not None and (not image or image != "".join(image.split())):
+        raise SpecError(field_path, f"{image!r} must be an image reference, without spaces")
     if image and allowed_prefixes and not image.startswith(allowed_prefixes):
         raise SpecError(
             field_path,
@@ -289,14 +294,13 @@ def _parse_engine(
             "kept in host memory too",
         )
     secret_ref = _get(engine, "apiKeySecretRef", path, dict)
-    if secret_ref is not None and not (secret_ref.get("name") and secret_ref.get("key")):
-        raise SpecError("engine.apiKeySecretRef", "needs both name and key")
+    if secret_ref is not None:
+        check_secret_key_ref("engine.apiKeySecretRef", secret_ref)
     extra_args = _get(engine, "extraArgs", path, list, [])
     if not all(isinstance(arg, str) for arg in extra_args):
         raise SpecError("engine.extraArgs", "must be a list of strings")
     env = _get(engine, "env", path, list, [])
-    if not all(isinstance(item, dict) and item.get("name") for item in env):
-        raise SpecError("engine.env", "every entry needs a name")
+    check_env("engine.env", env)
     return EngineSpec(
         image=_get(engine, "image", path, str) or default_image,
         image_pull_policy=pull_policy or default_pull_policy,
@@ -432,7 +436,7 @@ def _parse_router(
         hold_timeout_seconds=_get_int(
             section, "holdTimeoutSeconds", path, defaults.hold_timeout_seconds, 1
         ),
-        resources=_get(section, "resources", path, dict, {}),
+        resources=_get_resources(section, path),
     )
 
 
@@ -453,22 +457,24 @@ def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
     host = _get(section, "host", "ingress", str)
     if not host:
         raise SpecError("ingress.host", "is required when ingress is set")
+    check_host("ingress.host", host)
+    class_name = _get(section, "className", "ingress", str)
+    if class_name:
+        check_dns_subdomain("ingress.className", class_name, "an IngressClass name")
+    annotations = _get(section, "annotations", "ingress", dict, {})
+    check_annotation_keys("ingress.annotations", annotations)
     return IngressSpec(
         host=host,
-        class_name=_get(section, "className", "ingress", str),
+        class_name=class_name,
         tls_secret_name=_get(section, "tlsSecretName", "ingress", str),
-        annotations=_get(section, "annotations", "ingress", dict, {}),
+        annotations=annotations,
     )
 
 
 def _parse_monitoring(spec: Mapping[str, Any], pod_monitor_default: bool) -> MonitoringSpec:
     section = _get_section(spec, "monitoring")
     labels = _get(section, "podMonitorLabels", "monitoring", dict, {})
-    for key, value in labels.items():
-        if not isinstance(value, str):
-            raise SpecError(
-                f"monitoring.podMonitorLabels.{key}", f"must be a string, got {value!r}"
-            )
+    check_labels("monitoring.podMonitorLabels", labels)
     return MonitoringSpec(
         pod_monitor=_get(section, "podMonitor", "monitoring", bool, pod_monitor_default),
         pod_monitor_labels=labels,
@@ -542,10 +548,22 @@ def _parse_parallelism(spec: Mapping[str, Any], resources: Mapping[str, Any]) ->
 
 def _parse_tolerations(spec: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
     tolerations = _get(spec, "tolerations", "", list, [])
-    for i, item in enumerate(tolerations):
-        if not isinstance(item, dict):
-            raise SpecError(f"tolerations[{i}]", f"must be an object, got {item!r}")
+    check_tolerations("tolerations", tolerations)
     return tuple(tolerations)
+
+
+def _get_resources(section: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    """A container's resources (spec.resources, spec.router.resources), as the API server
+    would take them."""
+    resources = _get(section, "resources", path, dict, {})
+    check_resources(_join(path, "resources"), resources)
+    return resources
+
+
+def _parse_node_selector(spec: Mapping[str, Any]) -> Mapping[str, str]:
+    node_selector = _get(spec, "nodeSelector", "", dict, {})
+    check_labels("nodeSelector", node_selector)
+    return node_selector
 
 
 def parse_spec(
@@ -571,6 +589,8 @@ def parse_spec(
     _check_scale_to_zero(autoscaling, router)
     model = _parse_model(spec)
     resources = _get(spec, "resources", "", dict, {})
+    parallelism = _parse_parallelism(spec, resources)
+    check_resources("resources", resources)
     return InferenceServiceSpec(
         model=model,
         engine=_parse_engine(
@@ -578,7 +598,7 @@ def parse_spec(
         ),
         replicas=_get_int(spec, "replicas", "", 1),
         resources=resources,
-        node_selector=_get(spec, "nodeSelector", "", dict, {}),
+        node_selector=_parse_node_selector(spec),
         tolerations=_parse_tolerations(spec),
         model_cache_pvc=pvc_name,
         model_cache_size_limit=size_limit,
@@ -589,5 +609,5 @@ def parse_spec(
         fixed_user_ids=fixed_user_ids,
         adapters=_parse_adapters(spec, model),
         task=_parse_task(spec),
-        parallelism=_parse_parallelism(spec, resources),
+        parallelism=parallelism,
     )
