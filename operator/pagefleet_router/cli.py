@@ -164,6 +164,19 @@ def get_parser() -> argparse.ArgumentParser:
         "http://collector:4318/v1/traces) and pass its context on in traceparent",
         default=None,
     )
+    flag(
+        "--ext-proc-port",
+        "also serve Envoy's ext_proc on this port (gRPC): the router as a Gateway API "
+        "Inference Extension InferencePool's Endpoint Picker, with gRPC health",
+        type=int,
+        default=None,
+    )
+    flag(
+        "--ext-proc-fallbacks",
+        "endpoints the Endpoint Picker names after its pick, for the gateway's retries",
+        type=int,
+        default=2,
+    )
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     return parser
 
@@ -213,9 +226,19 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", exc)
         return 2
     tracing = None if tracer is None else RequestTracing(tracer)
+    if args.ext_proc_fallbacks < 0:
+        parser.error(f"--ext-proc-fallbacks must be >= 0, got {args.ext_proc_fallbacks}")
     router = Router(settings, *_discovery_and_waker(args, parser), tracing=tracing)
+    app = router.create_app()
+    if args.ext_proc_port is not None:
+        # Imported only here: the Envoy messages take most of a second to import.
+        from .ext_proc import ExtProcServer
+
+        ExtProcServer(router, settings.host, args.ext_proc_port, args.ext_proc_fallbacks).attach(
+            app
+        )
     web.run_app(
-        router.create_app(),
+        app,
         host=settings.host,
         port=settings.port,
         **router.server_options(),
