@@ -53,6 +53,11 @@ RULES: list[dict[str, Any]] = [
     # optional install; discovery says whether it is served), scaled through its scale
     # subresource, and its leader StatefulSets listed to find the leader pods to scrape.
     {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
+    {
         "apiGroups": ["leaderworkerset.x-k8s.io"],
         "resources": ["leaderworkersets"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],

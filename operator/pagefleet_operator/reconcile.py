@@ -15,6 +15,7 @@ from typing import Any
 
 from .apply import ApplyError, Change, apply_plan
 from .desired import MANAGED_OBJECTS, OPTIONAL_KINDS, get_desired_objects
+from .inference_pool import get_inference_pool_condition
 from .kube import RESOURCES, Kube
 from .names import check_name
 from .parallelism import check_parallelism
@@ -176,7 +177,7 @@ def reconcile(
 
     workload_kind = get_workload_kind(spec)
     observed_deployment = kube.get(workload_kind, namespace, name)
-    failed_kind, monitored = None, None
+    failed_kind, monitored, pooled = None, None, None
     if desired is not None:
         served = drop_unserved_kinds(kube, desired)
         monitored = get_monitored_condition(spec, "PodMonitor" in served)
@@ -184,6 +185,9 @@ def reconcile(
         for slot, (kind, suffix) in MANAGED_OBJECTS.items():
             if slot in served and slot not in observed:
                 observed[slot] = kube.get(kind, namespace, name + suffix)
+        pooled = get_inference_pool_condition(
+            spec, "InferencePool" in served, observed.get("InferencePool")
+        )
         the_plan = plan(served, observed, meta["uid"])
         try:
             changes = apply_plan(kube, the_plan)
@@ -197,7 +201,9 @@ def reconcile(
         if changes:
             observed_deployment = kube.get(workload_kind, namespace, name)
 
-    status = get_status(body, spec, observed_deployment, problem, now(), monitored, parallelism)
+    status = get_status(
+        body, spec, observed_deployment, problem, now(), monitored, parallelism, pooled
+    )
     new_problem = problem is not None and problem.message != _current_degraded_message(body)
     written = False
     if not is_status_current(body, status):

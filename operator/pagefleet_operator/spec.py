@@ -8,6 +8,7 @@ turns into a Degraded condition instead of a crash loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -116,6 +117,21 @@ class MonitoringSpec:
     pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
 
 
+FAILURE_MODES = ("FailClose", "FailOpen")
+
+
+@dataclass(frozen=True)
+class InferencePoolSpec:
+    """An inference.networking.k8s.io/v1 InferencePool of the serving pods whose Endpoint
+    Picker is the router (spec.gateway.inferencePool): a Gateway API gateway's HTTPRoute
+    can then send requests to the pods, the router choosing each one."""
+
+    enabled: bool = False
+    # What the gateway does when the router does not answer: FailClose refuses the
+    # request, FailOpen sends it to a pod of its own choosing.
+    failure_mode: str = "FailClose"
+
+
 # NCCL's intra-node transport and torch's worker processes share tensors through /dev/shm;
 # a container's default 64 MiB is too small for either (a memory-backed emptyDir, which
 # counts against the pod's memory).
@@ -172,6 +188,7 @@ class InferenceServiceSpec:
     adapters: tuple[AdapterSpec, ...] = ()
     parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
     task: str = "generate"  # one of SPEC_TASKS
+    inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
 
     @property
     def pvc_claim(self) -> str | None:
@@ -446,6 +463,34 @@ def _check_scale_to_zero(autoscaling: AutoscalingSpec, router: RouterSpec) -> No
         )
 
 
+def _parse_inference_pool(
+    spec: Mapping[str, Any], router: RouterSpec, default: bool
+) -> tuple[InferencePoolSpec, RouterSpec]:
+    """The pool, and the router it needs as its Endpoint Picker: a pool turns the router
+    on unless spec.router.enabled says false, which refuses an explicit pool and leaves
+    the operator's default one out."""
+    path = "gateway.inferencePool"
+    section = _get_section(_get_section(spec, "gateway"), "inferencePool")
+    enabled = _get(section, "enabled", path, bool)
+    failure_mode = _get(section, "failureMode", path, str, "FailClose")
+    if failure_mode not in FAILURE_MODES:
+        raise SpecError(
+            f"{path}.failureMode",
+            f"must be one of {', '.join(FAILURE_MODES)}, got {failure_mode!r}",
+        )
+    router_off = _get_section(spec, "router").get("enabled") is False
+    if enabled and router_off:
+        raise SpecError(
+            f"{path}.enabled",
+            "the pool's Endpoint Picker is the router: remove spec.router.enabled: false",
+        )
+    if enabled is None:
+        enabled = default and not router_off
+    if enabled and not router.enabled:
+        router = dataclasses.replace(router, enabled=True)
+    return InferencePoolSpec(enabled=enabled, failure_mode=failure_mode), router
+
+
 def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
     section = _get(spec, "ingress", "", dict)
     if section is None:
@@ -557,6 +602,7 @@ def parse_spec(
     allowed_image_prefixes: tuple[str, ...] = (),
     pod_monitor_default: bool = False,
     router_image: str = DEFAULT_ROUTER_IMAGE,
+    inference_pool_default: bool = False,
 ) -> InferenceServiceSpec:
     """Validate a raw spec and fill the defaults the CRD would have filled."""
     cache = _get_section(spec, "modelCache")
@@ -568,6 +614,7 @@ def parse_spec(
         _parse_autoscaling(spec),
         _parse_router(spec, router_image, allowed_image_prefixes),
     )
+    inference_pool, router = _parse_inference_pool(spec, router, inference_pool_default)
     _check_scale_to_zero(autoscaling, router)
     model = _parse_model(spec)
     resources = _get(spec, "resources", "", dict, {})
@@ -590,4 +637,5 @@ def parse_spec(
         adapters=_parse_adapters(spec, model),
         task=_parse_task(spec),
         parallelism=_parse_parallelism(spec, resources),
+        inference_pool=inference_pool,
     )
