@@ -27,6 +27,7 @@ from pagefleet_serve.config import (
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURI, ModelURIError, parse_model_uri
 
 from .config import DEFAULT_ROUTER_IMAGE
+from .names import KV_EVENTS_PORT, KV_REPLAY_PORT
 
 # What a resource serves: the engine's TASKS but auto (a resource says which it means).
 SPEC_TASKS = tuple(task for task in TASKS if task != "auto")
@@ -294,6 +295,7 @@ def _parse_engine(
         "kv-cache-memory": kv_memory,
         "enable-prefix-caching": prefix_caching,
         "speculative-config": _speculative_config(engine),
+        "kv-events-config": _kv_events_config(engine),
         "max-loras": _get_int(engine, "maxLoras", path, minimum=1),
         "max-lora-rank": _get_int(engine, "maxLoraRank", path, minimum=1),
         "max-cpu-loras": _get_int(engine, "maxCpuLoras", path, minimum=1),
@@ -323,6 +325,24 @@ def _parse_engine(
         extra_args=tuple(extra_args),
         env=tuple(env),
         runtime_lora_updating=_get(engine, "runtimeLoraUpdating", path, bool, True),
+    )
+
+
+def _kv_events_config(engine: Mapping[str, Any]) -> str | None:
+    """spec.engine.kvEvents.enabled -> the pods' --kv-events-config: a PUB socket and a
+    replay socket bound on the pod's own ports, for a KV-aware router to subscribe to."""
+    section = _get(engine, "kvEvents", "engine", dict, {})
+    if not _get(section, "enabled", "engine.kvEvents", bool, False):
+        return None
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+            "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
+            "topic": "kv",
+        },
+        separators=(",", ":"),
     )
 
 

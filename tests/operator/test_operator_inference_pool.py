@@ -1,4 +1,5 @@
-"""spec.gateway.inferencePool: an inference.networking.k8s.io/v1 InferencePool of the
+"""spec.gateway.inferencePool (and spec.engine.kvEvents, the pods' side of a KV-aware
+gateway): an inference.networking.k8s.io/v1 InferencePool of the
 serving pods whose Endpoint Picker is the router's ext_proc port, checked against the
 Gateway API Inference Extension's own published v1 CRD (vendored in
 data/gateway-api-inference-extension with its licence, admitted as the API server would:
@@ -8,12 +9,15 @@ and a condition where the cluster lacks the CRD."""
 
 from __future__ import annotations
 
+import json
+
 import kubernetes_validate
 import pytest
 import yaml
 from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.names import EXT_PROC_PORT, HTTP_PORT
 from pagefleet_operator.spec import SpecError, parse_spec
+from pagefleet_serve.config import KVEventsConfig
 
 from tests.operator import apiserver_validation
 from tests.operator.operator_samples import CRD_PATH, DEFAULT_IMAGE, REPO, load_yaml, make_body
@@ -187,3 +191,17 @@ def test_the_pool_is_created_owned_and_its_gateways_conditions_surface():
     assert ("deleted", "InferencePool") in deleted
     assert kube.get("InferencePool", "ml", "demo") is None
     assert kube.get("Service", "ml", "demo-epp") is None
+
+
+def test_kv_events_on_request_give_the_pods_vllms_flag_and_their_ports():
+    desired = desired_of({**BUILTIN, "engine": {"kvEvents": {"enabled": True}}})
+    (container,) = desired["Deployment"]["spec"]["template"]["spec"]["containers"]
+    (flag,) = [e["value"] for e in container["env"] if e["name"] == "PAGEFLEET_KV_EVENTS_CONFIG"]
+    config = KVEventsConfig.from_json(flag)  # the pod's own parser takes it
+    assert (config.endpoint, config.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
+    assert json.loads(flag)["enable_kv_cache_events"] is True
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (ports["kv-events"], ports["kv-replay"]) == (5557, 5558)
+    (plain,) = desired_of(BUILTIN)["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert "kv-events" not in {p["name"] for p in plain["ports"]}
+    assert all(e["name"] != "PAGEFLEET_KV_EVENTS_CONFIG" for e in plain["env"])
