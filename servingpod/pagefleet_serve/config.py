@@ -169,24 +169,32 @@ class SpeculativeConfig:
         """Parse the flag's JSON (a dict is taken as already parsed); None or {} is off."""
         if text is None or isinstance(text, cls):
             return text
-        if isinstance(text, str):
-            try:
-                text = json.loads(text) if text.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
-        if not isinstance(text, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
+        text = json_flag_object(text, "speculative_config")
         if not text:
             return None
         if "model" in text and "method" not in text:  # vLLM's short form of a draft model
             text = {"method": "draft_model", **text}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(text) - known)
-        if unknown:
-            raise ValueError(
-                f"speculative_config has unknown keys {unknown}; allowed: {sorted(known)}"
-            )
+        check_known_keys(cls, text, "speculative_config")
         return cls(**text)
+
+
+def json_flag_object(text: str | dict, name: str) -> dict:
+    """A flag's JSON object (a dict is taken as already parsed; empty text is {})."""
+    if isinstance(text, str):
+        try:
+            text = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from exc
+    if not isinstance(text, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+    return text
+
+
+def check_known_keys(cls: type, data: dict, name: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown}; allowed: {sorted(known)}")
 
 
 # --kv-events-config: vLLM's JSON keys. A ZMQ endpoint with a wildcard host (tcp://*:5557)
@@ -236,19 +244,8 @@ class KVEventsConfig:
         not enabled is off."""
         if text is None or isinstance(text, cls):
             return text if text is None or text.enabled else None
-        if isinstance(text, str):
-            try:
-                text = json.loads(text) if text.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_events_config is not valid JSON: {exc}") from exc
-        if not isinstance(text, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {text!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(text) - known)
-        if unknown:
-            raise ValueError(
-                f"kv_events_config has unknown keys {unknown}; allowed: {sorted(known)}"
-            )
+        text = json_flag_object(text, "kv_events_config")
+        check_known_keys(cls, text, "kv_events_config")
         config = cls(**text)
         return config if config.enabled else None
 
