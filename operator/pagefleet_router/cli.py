@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from pagefleet_flags import EnvFlags
@@ -17,6 +18,9 @@ from .discovery import Discovery, ScrapeSettings, StaticEndpoints
 from .policy import PolicyConfig
 from .proxy import Router, RouterSettings, Waker
 from .tracing import RequestTracing
+
+if TYPE_CHECKING:
+    from .kv_feed import PreciseRouting
 
 logger = logging.getLogger("pagefleet_router")
 
@@ -177,6 +181,31 @@ def get_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
     )
+    flag(
+        "--kv-events-endpoint",
+        "precise prefix routing: subscribe to each pod's KV cache events (vLLM's format, "
+        "`pagefleet serve --kv-events-config`) at this ZMQ endpoint, {host} and {port} "
+        "taken from the pod's URL, e.g. tcp://{host}:5557; needs --tokenizer",
+        default=None,
+    )
+    flag(
+        "--kv-replay-endpoint",
+        "the pods' KV event replay sockets, a template as --kv-events-endpoint (e.g. "
+        "tcp://{host}:5558): a new pod's cache, lost batches and restarts are read again",
+        default=None,
+    )
+    flag("--kv-events-topic", "the pods' KV event topic", default="")
+    flag(
+        "--tokenizer",
+        "the model's tokenizer.json: the router names a prompt's blocks as the pods do",
+        default=None,
+    )
+    flag(
+        "--kv-block-size",
+        "the pods' KV block size in tokens (their --block-size)",
+        type=int,
+        default=16,
+    )
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     return parser
 
@@ -228,7 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     tracing = None if tracer is None else RequestTracing(tracer)
     if args.ext_proc_fallbacks < 0:
         parser.error(f"--ext-proc-fallbacks must be >= 0, got {args.ext_proc_fallbacks}")
-    router = Router(settings, *_discovery_and_waker(args, parser), tracing=tracing)
+    if bool(args.kv_events_endpoint) != bool(args.tokenizer):
+        parser.error("--kv-events-endpoint and --tokenizer go together (precise prefix routing)")
+    router = Router(
+        settings,
+        *_discovery_and_waker(args, parser),
+        tracing=tracing,
+        precise=_precise_routing(args, settings) if args.kv_events_endpoint else None,
+    )
     app = router.create_app()
     if args.ext_proc_port is not None:
         # Imported only here: the Envoy messages take most of a second to import.
@@ -246,6 +282,20 @@ def main(argv: list[str] | None = None) -> int:
         print=lambda banner: logger.info("%s", banner.splitlines()[0].strip("= ")),
     )
     return 0
+
+
+def _precise_routing(args: argparse.Namespace, settings: RouterSettings) -> PreciseRouting:
+    # Imported only here: zmq, msgspec and tokenizers serve precise routing alone.
+    from .kv_feed import FeedSettings, KVEventFeeds, PreciseRouting
+    from .kv_index import KVBlockIndex, PromptBlocks
+
+    index = KVBlockIndex()
+    feeds = KVEventFeeds(
+        FeedSettings(args.kv_events_endpoint, args.kv_replay_endpoint, args.kv_events_topic),
+        index,
+    )
+    blocks = PromptBlocks(Path(args.tokenizer), args.kv_block_size, settings.max_prefix_blocks)
+    return PreciseRouting(blocks, index, feeds)
 
 
 _POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

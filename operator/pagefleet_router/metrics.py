@@ -52,6 +52,12 @@ class RouterMetrics:
             ("pod", "kind"),
             registry=self.registry,
         )
+        self.kv_blocks = Gauge(
+            "pagefleet:router_kv_cached_blocks",
+            "Blocks each pod's KV cache holds, as its KV events told (precise routing).",
+            ("pod",),
+            registry=self.registry,
+        )
         self.pods = Gauge(
             "pagefleet:router_pods",
             "Pods discovered, and of those with fresh metrics.",

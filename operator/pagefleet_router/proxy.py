@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +27,9 @@ from .pod_table import PodTable
 from .policy import Decision, PolicyConfig, choose_pod, is_fresh
 from .prefix import PrefixTable, block_hashes, prompt_text
 from .tracing import RequestTracing
+
+if TYPE_CHECKING:  # imported with precise routing only (cli)
+    from .kv_feed import PreciseRouting
 
 logger = logging.getLogger("pagefleet_router.proxy")
 
@@ -81,6 +84,8 @@ class RoutingKey:
     hashes: list[bytes]  # the prompt prefix's block hashes
     model: str | None  # the requested model (an adapter's name routes by adapter)
     response_id: str | None  # the stored response the request continues, reads or deletes
+    # The prompt's blocks as the pods name them (precise routing): [] when not known.
+    block_names: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -164,8 +169,10 @@ class Router:
         discovery: Discovery,
         waker: Waker | None = None,
         tracing: RequestTracing | None = None,
+        precise: PreciseRouting | None = None,
     ) -> None:
         self.settings = settings
+        self.precise = precise
         self.discovery = discovery
         self.waker = waker
         self.tracing = tracing
@@ -221,6 +228,8 @@ class Router:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self.precise is not None:
+            await self.precise.feeds.close()
         await self.session.close()
 
     async def _watch(self) -> None:
@@ -240,6 +249,8 @@ class Router:
         for url in vanished:
             self.prefix_table.forget_pod(url)
             self.response_pods.forget_pod(url)
+        if self.precise is not None:
+            self.precise.feeds.follow([p.url for p in self.registry.states()])
         if self._has_fresh_pod():
             self._pod_ready.set()
         else:
@@ -268,8 +279,17 @@ class Router:
     def choose(self, key: RoutingKey, exclude: set[str]) -> Decision | None:
         pods = [p for p in self.registry.states() if p.url not in exclude]
         holder = self.response_pods.get(key.response_id) if key.response_id else None
+        cached = None
+        if self.precise is not None and key.block_names:
+            cached = self.precise.index.cached_blocks(key.block_names)
         return choose_pod(
-            key.hashes, pods, self.prefix_table.get, self.settings.policy, key.model, holder
+            key.hashes,
+            pods,
+            self.prefix_table.get,
+            self.settings.policy,
+            key.model,
+            holder,
+            cached,
         )
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
@@ -425,6 +445,7 @@ class Router:
             hashes,
             model if isinstance(model, str) else None,
             _previous_response_id(path, payload, body if cut else None),
+            self.precise.blocks.names(path, payload) if self.precise is not None else [],
         )
 
     async def _open_upstream(
@@ -523,6 +544,11 @@ class Router:
         self.metrics.pods.labels("fresh").set(
             sum(is_fresh(p, self.settings.policy) for p in states)
         )
+        if self.precise is not None:
+            for state in states:
+                self.metrics.kv_blocks.labels(state.url).set(
+                    self.precise.index.num_blocks(state.url)
+                )
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
 

@@ -13,7 +13,19 @@ lists blocks evicted; `AllBlocksCleared` empties the whole cache.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 import msgspec
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """A full block's name in a pod's prefix cache: its parent's and its own tokens'
+    (int64) sha256, so that equal names mean equal prefixes."""
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the accelerator's KV pool, whatever the device
 

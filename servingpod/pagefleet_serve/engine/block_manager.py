@@ -11,7 +11,6 @@ cache events, which the engine takes after each step (`take_events`) and publish
 """
 
 import hashlib
-from array import array
 
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.kv_event_messages import (
@@ -20,6 +19,7 @@ from pagefleet_serve.kv_event_messages import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    hash_block,
 )
 
 
@@ -85,12 +85,6 @@ def lora_hash_seed(lora_id: int | None) -> bytes | None:
     if lora_id is None:
         return None
     return hashlib.sha256(b"lora:%d" % lora_id).digest()
-
-
-def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
-    digest = hashlib.sha256(parent_hash or b"")
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
 
 
 class BlockManager:
