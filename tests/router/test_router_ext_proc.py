@@ -7,7 +7,8 @@ prefix goes back to the pod that served it (the served endpoint the data plane r
 not the pick); the subset hint is obeyed, an empty or foreign subset is a 503; a body
 that is not JSON is a 400 and the stream takes the next request; gRPC health answers
 SERVING. The second half drives the same server in process in front of loopback pods
-whose /metrics say what a test needs (every queue full: a 429)."""
+whose /metrics say what a test needs (every queue full: a 429), and of a service at zero
+replicas (the pick held, the service woken)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
 )
 from envoy_data_plane.google.protobuf import ListValue, Struct, Value
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagefleet_router.discovery import ScrapeSettings
 from pagefleet_router.ext_proc import ExtProcServer
+from pagefleet_router.proxy import Router, RouterSettings
 from pagefleet_serve import metric_names as names
 
 from tests.router.router_harness import LoopbackPod, running_router
@@ -43,6 +46,7 @@ from tests.router.test_router_proxy import (
     completion,
     prompt_homed_on,
 )
+from tests.router.test_router_scale_from_zero import LatePod
 from tests.server.server_harness import ServerProcess, free_port
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -350,3 +354,35 @@ async def test_every_queue_over_the_limit_sheds_with_a_429_and_a_body_over_the_c
             await server.stop()
     assert b"pagefleet:router_shed_total 1.0" in router.metrics.render()
     assert [s.in_flight for s in router.registry.states()] == [0, 0]
+
+
+@pytest.mark.asyncio
+async def test_at_zero_replicas_the_pick_is_held_the_service_woken_and_a_timeout_is_a_503():
+    """A scale-from-zero router holds the pick as it holds an HTTP request: the waker is
+    called, and no pod by the hold timeout is the HTTP proxy's 503."""
+    pod = LatePod(start_pod=False)
+    settings = RouterSettings(
+        scrape=ScrapeSettings(interval_s=0.2, timeout_s=2.0), hold_timeout_s=1.0
+    )
+    router = Router(settings, pod, waker=pod)
+    runner = web.AppRunner(router.create_app())
+    await runner.setup()  # the router's start-up: its session and scrape rounds
+    server = ExtProcServer(router, "127.0.0.1", 0)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            call = channel.stream_stream(
+                PROCESS,
+                request_serializer=ProcessingRequest.SerializeToString,
+                response_deserializer=ProcessingResponse.FromString,
+            )
+            payload = json.dumps(completion("Hello there", 1)).encode()
+            answers = call(
+                [headers(*post(), mode=BodyMode.FULL_DUPLEX_STREAMED), body(payload)], timeout=30
+            )
+            status, error = refusal(await answers.read())
+    finally:
+        await server.stop()
+        await runner.cleanup()
+    assert pod.wakes == 1
+    assert status == 503 and error["error"]["code"] == "model_starting_timeout", error
