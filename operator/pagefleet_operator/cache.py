@@ -62,6 +62,7 @@ WATCHED_KINDS = (
     "Ingress",
     "PodDisruptionBudget",
     "PodMonitor",
+    "InferencePool",
     "ConfigMap",
     "ServiceAccount",
     "Role",

@@ -39,6 +39,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices"),
     # Only when the Prometheus Operator's CRDs are installed (see desired.OPTIONAL_KINDS).
     "PodMonitor": ("monitoring.coreos.com/v1", "podmonitors"),
+    # Only when the Gateway API Inference Extension's CRDs are installed.
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
     # Only when LeaderWorkerSet is installed (spec.parallelism over several nodes): the
     # groups, and the leader StatefulSets whose pods the autoscaler scrapes.
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),

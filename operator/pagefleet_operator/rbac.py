@@ -56,6 +56,13 @@ RULES: list[dict[str, Any]] = [
         "resources": ["podmonitors"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    # spec.gateway.inferencePool: the Gateway API Inference Extension's InferencePool (an
+    # optional CRD, asked through discovery like PodMonitor's), watched like every child.
+    {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     # spec.parallelism over several nodes: a LeaderWorkerSet per resource (its CRD is an
     # optional install; discovery says whether it is served), scaled through its scale
     # subresource, and its leader StatefulSets listed to find the leader pods to scrape.

@@ -15,6 +15,7 @@ from typing import Any
 
 from .apply import ApplyError, Change, apply_plan
 from .desired import MANAGED_OBJECTS, OPTIONAL_KINDS, get_desired_objects
+from .inference_pool import get_inference_pool_condition
 from .kube import RESOURCES, Kube
 from .names import check_name
 from .parallelism import check_parallelism
@@ -195,7 +196,7 @@ def reconcile(
 
     workload_kind = get_workload_kind(spec)
     observed_deployment = kube.observe(workload_kind, namespace, name, desired is not None)
-    failed_kind, monitored = None, None
+    failed_kind, monitored, pooled = None, None, None
     if desired is not None:
         served = drop_unserved_kinds(kube, desired)
         monitored = get_monitored_condition(spec, "PodMonitor" in served)
@@ -204,6 +205,9 @@ def reconcile(
             if slot in served and slot not in observed:
                 wanted = served[slot] is not None
                 observed[slot] = kube.observe(kind, namespace, name + suffix, wanted)
+        pooled = get_inference_pool_condition(
+            spec, "InferencePool" in served, observed.get("InferencePool")
+        )
         the_plan = plan(served, observed, meta["uid"])
         try:
             changes = apply_plan(kube, the_plan)
@@ -217,7 +221,9 @@ def reconcile(
         if changes:
             observed_deployment = kube.get(workload_kind, namespace, name)
 
-    status = get_status(body, spec, observed_deployment, problem, now(), monitored, parallelism)
+    status = get_status(
+        body, spec, observed_deployment, problem, now(), monitored, parallelism, pooled
+    )
     new_problem = problem is not None and problem.message != _current_degraded_message(body)
     written = False
     if not is_status_current(body, status):

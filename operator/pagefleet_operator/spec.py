@@ -8,6 +8,7 @@ turns into a Degraded condition instead of a crash loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ from .kubefields import (
     check_secret_key_ref,
     check_tolerations,
 )
+from .names import KV_EVENTS_PORT, KV_REPLAY_PORT
 from .spec_errors import SpecError
 
 # What a resource serves: the engine's TASKS but auto (a resource says which it means).
@@ -119,6 +121,21 @@ class MonitoringSpec:
     pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
 
 
+FAILURE_MODES = ("FailClose", "FailOpen")
+
+
+@dataclass(frozen=True)
+class InferencePoolSpec:
+    """An inference.networking.k8s.io/v1 InferencePool of the serving pods whose Endpoint
+    Picker is the router (spec.gateway.inferencePool): a Gateway API gateway's HTTPRoute
+    can then send requests to the pods, the router choosing each one."""
+
+    enabled: bool = False
+    # What the gateway does when the router does not answer: FailClose refuses the
+    # request, FailOpen sends it to a pod of its own choosing.
+    failure_mode: str = "FailClose"
+
+
 # NCCL's intra-node transport and torch's worker processes share tensors through /dev/shm;
 # a container's default 64 MiB is too small for either (a memory-backed emptyDir, which
 # counts against the pod's memory).
@@ -175,6 +192,7 @@ class InferenceServiceSpec:
     adapters: tuple[AdapterSpec, ...] = ()
     parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
     task: str = "generate"  # one of SPEC_TASKS
+    inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
 
     @property
     def pvc_claim(self) -> str | None:
@@ -282,6 +300,7 @@ def _parse_engine(
         "kv-cache-memory": kv_memory,
         "enable-prefix-caching": prefix_caching,
         "speculative-config": _speculative_config(engine),
+        "kv-events-config": _kv_events_config(engine),
         "max-loras": _get_int(engine, "maxLoras", path, minimum=1),
         "max-lora-rank": _get_int(engine, "maxLoraRank", path, minimum=1),
         "max-cpu-loras": _get_int(engine, "maxCpuLoras", path, minimum=1),
@@ -310,6 +329,24 @@ def _parse_engine(
         extra_args=tuple(extra_args),
         env=tuple(env),
         runtime_lora_updating=_get(engine, "runtimeLoraUpdating", path, bool, True),
+    )
+
+
+def _kv_events_config(engine: Mapping[str, Any]) -> str | None:
+    """spec.engine.kvEvents.enabled -> the pods' --kv-events-config: a PUB socket and a
+    replay socket bound on the pod's own ports, for a KV-aware router to subscribe to."""
+    section = _get(engine, "kvEvents", "engine", dict, {})
+    if not _get(section, "enabled", "engine.kvEvents", bool, False):
+        return None
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+            "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
+            "topic": "kv",
+        },
+        separators=(",", ":"),
     )
 
 
@@ -450,6 +487,34 @@ def _check_scale_to_zero(autoscaling: AutoscalingSpec, router: RouterSpec) -> No
         )
 
 
+def _parse_inference_pool(
+    spec: Mapping[str, Any], router: RouterSpec, default: bool
+) -> tuple[InferencePoolSpec, RouterSpec]:
+    """The pool, and the router it needs as its Endpoint Picker: a pool turns the router
+    on unless spec.router.enabled says false, which refuses an explicit pool and leaves
+    the operator's default one out."""
+    path = "gateway.inferencePool"
+    section = _get_section(_get_section(spec, "gateway"), "inferencePool")
+    enabled = _get(section, "enabled", path, bool)
+    failure_mode = _get(section, "failureMode", path, str, "FailClose")
+    if failure_mode not in FAILURE_MODES:
+        raise SpecError(
+            f"{path}.failureMode",
+            f"must be one of {', '.join(FAILURE_MODES)}, got {failure_mode!r}",
+        )
+    router_off = _get_section(spec, "router").get("enabled") is False
+    if enabled and router_off:
+        raise SpecError(
+            f"{path}.enabled",
+            "the pool's Endpoint Picker is the router: remove spec.router.enabled: false",
+        )
+    if enabled is None:
+        enabled = default and not router_off
+    if enabled and not router.enabled:
+        router = dataclasses.replace(router, enabled=True)
+    return InferencePoolSpec(enabled=enabled, failure_mode=failure_mode), router
+
+
 def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
     section = _get(spec, "ingress", "", dict)
     if section is None:
@@ -575,6 +640,7 @@ def parse_spec(
     allowed_image_prefixes: tuple[str, ...] = (),
     pod_monitor_default: bool = False,
     router_image: str = DEFAULT_ROUTER_IMAGE,
+    inference_pool_default: bool = False,
 ) -> InferenceServiceSpec:
     """Validate a raw spec and fill the defaults the CRD would have filled."""
     cache = _get_section(spec, "modelCache")
@@ -586,6 +652,7 @@ def parse_spec(
         _parse_autoscaling(spec),
         _parse_router(spec, router_image, allowed_image_prefixes),
     )
+    inference_pool, router = _parse_inference_pool(spec, router, inference_pool_default)
     _check_scale_to_zero(autoscaling, router)
     model = _parse_model(spec)
     resources = _get(spec, "resources", "", dict, {})
@@ -610,4 +677,5 @@ def parse_spec(
         adapters=_parse_adapters(spec, model),
         task=_parse_task(spec),
         parallelism=parallelism,
+        inference_pool=inference_pool,
     )

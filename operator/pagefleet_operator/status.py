@@ -137,6 +137,7 @@ def get_status(
     now: str,
     monitored: dict[str, Any] | None = None,
     parallelism: dict[str, Any] | None = None,
+    inference_pool: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`deployment`: the serving workload (get_workload_kind), None while it is missing."""
     meta = body["metadata"]
@@ -191,7 +192,7 @@ def get_status(
                 ready_condition,
                 progressing,
                 degraded,
-                *(item for item in (monitored, parallelism) if item),
+                *(item for item in (monitored, parallelism, inference_pool) if item),
             ],
             now,
         ),

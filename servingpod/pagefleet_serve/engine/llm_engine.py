@@ -24,6 +24,7 @@ from pagefleet_serve.config import EngineConfig, PoolingConfig
 from pagefleet_serve.cpu_placement import CpuPlacement
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.device import RunnerConfig, kv_cache_bytes
+from pagefleet_serve.engine.kv_events import KVEventPublisher
 from pagefleet_serve.engine.lora_cache import LoRAHostCache
 from pagefleet_serve.engine.model_runner import ModelRunner, sampling_failures
 from pagefleet_serve.engine.output_tracker import OutputTracker
@@ -166,8 +167,14 @@ class LLMEngine:
         # Mean and cls pooling read every position's hidden state, which a prefix-cache
         # hit would skip: an embed engine computes every prompt whole.
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching and not self.pooling
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching and not self.pooling,
+            record_events=config.kv_events_config is not None,
         )
+        self.kv_events = None
+        if config.kv_events_config is not None:
+            self.kv_events = KVEventPublisher(config.kv_events_config)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.speculator = None
         if spec is not None:
@@ -216,6 +223,8 @@ class LLMEngine:
         before it made them."""
         if self.workers is not None:
             self.workers.close()
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
         close_compiler = getattr(self, "_close_compiler", None)
         if close_compiler is not None:
             close_compiler()
@@ -559,6 +568,8 @@ class LLMEngine:
                 f"the model failed for every sequence of a step: {type(first).__name__}: {first}"
             )
         new_tokens = self.scheduler.update(SchedulerOutput(succeeded, step.preempted), sampled)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.take_events())
         now = time.time()
         return (
             self.step_pending()
