@@ -20,6 +20,7 @@ from pagefleet_serve.cpu_placement import CpuPlacement
 from pagefleet_serve.engine.admission import Admission, Failure, grammar_stop_token_ids
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.executor.distributed import WorkerLost
+from pagefleet_serve.engine.kv_events import KVEventPublisher
 from pagefleet_serve.engine.lora_manager import LoRAManager
 from pagefleet_serve.engine.model_runner import ModelRunner, sampling_failures
 from pagefleet_serve.engine.output_tracker import OutputTracker
@@ -69,8 +70,14 @@ class LLMEngine:
         # Mean and cls pooling read every position's hidden state, which a prefix-cache
         # hit would skip: an embed engine computes every prompt whole.
         self.block_manager = BlockManager(
-            model.num_blocks, config.block_size, config.enable_prefix_caching and not self.pooling
+            model.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching and not self.pooling,
+            record_events=config.kv_events_config is not None,
         )
+        self.kv_events = None
+        if config.kv_events_config is not None:
+            self.kv_events = KVEventPublisher(config.kv_events_config)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.speculator = None
         if config.speculative_config is not None:
@@ -117,6 +124,8 @@ class LLMEngine:
         """End the parallel workers, the grammar compile workers and the adapter reader, if
         any (the engine cannot step after this)."""
         self.executor.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.grammar_compiler is not None:
             self._close_compiler()
         self.loras.close()
@@ -230,6 +239,8 @@ class LLMEngine:
                 f"the model failed for every sequence of a step: {type(first).__name__}: {first}"
             )
         new_tokens = self.scheduler.update(SchedulerOutput(succeeded, step.preempted), sampled)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.take_events())
         now = time.time()
         return (
             self.step_pending()

@@ -62,6 +62,7 @@ class ServerState:
             lambda: engine.stats,
             self._gauges,
             engine.startup_seconds,
+            block_size=engine.config.block_size,
         )
 
     @property
