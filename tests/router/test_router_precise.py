@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 from pagefleet_router.kv_index import KVBlockIndex, chain_names
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 from pagefleet_serve.kv_event_messages import AllBlocksCleared, BlockRemoved, BlockStored
-from pagefleet_serve.model.loader import load_tokenizer
 
 from tests.router.test_router_proxy import (
     API_KEY,
