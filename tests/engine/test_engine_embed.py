@@ -84,7 +84,7 @@ def test_chunks_of_a_long_prompt_are_pooled_whole(tmp_path):
     llm = load(path)
     bm = llm.engine.block_manager
     free = bm.num_free_blocks
-    request = llm.inputs.make_request("long", PROMPTS[2], SamplingParams(), pooling=True)
+    request = llm.make_request("long", PROMPTS[2], SamplingParams(), pooling=True)
     llm.add(request)
     outputs, steps = [], 0
     while llm.has_unfinished_requests():

@@ -38,7 +38,7 @@ CROSSINGS = {
     ("pagefleet_serve.frontend.tokenizer", "pagefleet_serve.model.loader.gguf_file"),
     # `serve --headless` (a node other than rank 0's) runs engine ranks and no server: the
     # import happens in that process only, after the flags are checked.
-    ("pagefleet_serve.server.serve", "pagefleet_serve.engine.parallel"),
+    ("pagefleet_serve.server.serve", "pagefleet_serve.engine.executor.headless"),
 }
 
 
