@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagefleet_kernels.state_batch import StateMetadata
+
 
 @dataclass
 class AttentionMetadata:
@@ -22,6 +24,9 @@ class AttentionMetadata:
     # reads them here, not from the device tensors (on CUDA a synchronisation each).
     seq_lens_host: list[int] | None = None
     query_start_loc_host: list[int] | None = None
+    # A hybrid model's step: each sequence's row of its recurrent layers' state (None where
+    # the model has no recurrent layer).
+    state: StateMetadata | None = None
 
 
 @dataclass

@@ -64,6 +64,19 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class StateStats:
+    """A hybrid model's state slots (see engine/state_slots.py): the running sequences'
+    and those in use, the prefix cache's checkpoints and those holding a state, and what
+    one sequence's state costs."""
+
+    num_slots: int
+    num_used_slots: int
+    num_checkpoints: int
+    num_saved_checkpoints: int
+    bytes_per_sequence: int
+
+
+@dataclass(frozen=True)
 class LoRAStats:
     """The adapters of the running and the waiting requests (names, sorted), and how many
     the device holds at once; the adapters resident now, in use or idle: in the device's
@@ -90,6 +103,7 @@ class EngineStats:
     num_kv_tokens: int  # tokens whose K/V the running sequences hold in their blocks
     spec_decode: SpecDecodeStats = SpecDecodeStats()
     lora: LoRAStats | None = None  # None: the engine serves no adapters
+    state: StateStats | None = None  # None: the model keeps no per-sequence state
 
 
 # -- frontend -> core ------------------------------------------------------------------------

@@ -58,6 +58,13 @@ LORA_ADAPTER_RESIDENT = "pagefleet:lora_adapter_resident"
 REQUESTS_REJECTED = "pagefleet:requests_rejected"
 KV_CACHE_BLOCKS = "pagefleet:kv_cache_blocks"
 KV_CACHE_USED_BLOCKS = "pagefleet:kv_cache_used_blocks"
+# A hybrid model's state slots (its recurrent layers' per-sequence state): the pool, those
+# running sequences hold, the prefix cache's checkpoints holding a state, and the bytes of
+# one sequence's state.
+STATE_SLOTS = "pagefleet:state_slots"
+STATE_USED_SLOTS = "pagefleet:state_used_slots"
+STATE_CHECKPOINTS = "pagefleet:state_checkpoints"
+STATE_BYTES_PER_SEQUENCE = "pagefleet:state_bytes_per_sequence"
 NUM_REQUESTS_QUEUED = "pagefleet:num_requests_queued"
 ENGINE_HEALTHY = "pagefleet:engine_healthy"
 DRAINING = "pagefleet:draining"

@@ -11,6 +11,7 @@ cache events, which the engine takes after each step (`take_events`) and publish
 """
 
 import hashlib
+from collections.abc import Callable
 
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.kv_event_messages import (
@@ -104,6 +105,9 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.events: list[KVCacheEvent] | None = [] if record_events else None
+        # Called with each block hash that leaves the prefix cache (a hybrid model's state
+        # checkpoint of that block goes with it).
+        self.on_evict: list[Callable[[bytes], None]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -204,8 +208,10 @@ class BlockManager:
         changing nothing, when some block is held."""
         if self.num_used_blocks:
             return False
-        for block in self.cached.values():
+        for block_hash, block in self.cached.items():
             block.block_hash = None
+            for listener in self.on_evict:
+                listener(block_hash)
         self.cached.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
@@ -302,6 +308,8 @@ class BlockManager:
                 del self.cached[block.block_hash]
                 if self.events is not None:
                     self._record_removed(block.block_hash)
+                for listener in self.on_evict:
+                    listener(block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block

@@ -30,6 +30,8 @@ from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.draft_model import DraftModelProposer
 from pagefleet_serve.engine.spec_decode.speculator import Speculator
 from pagefleet_serve.engine.startup import start_model
+from pagefleet_serve.engine.state_checkpoints import StateCheckpoints
+from pagefleet_serve.engine.state_slots import StateSlots
 from pagefleet_serve.messages import (
     PROTOCOL_VERSION,
     CoreReady,
@@ -37,6 +39,7 @@ from pagefleet_serve.messages import (
     Request,
     RequestLimits,
     SpecDecodeStats,
+    StateStats,
 )
 from pagefleet_serve.model.lora import LoRAAdapter
 from pagefleet_serve.outputs import RequestOutput
@@ -78,7 +81,20 @@ class LLMEngine:
         self.kv_events = None
         if config.kv_events_config is not None:
             self.kv_events = KVEventPublisher(config.kv_events_config)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.state_slots, self.state_checkpoints = None, None
+        if model.num_state_slots:
+            self.state_slots = StateSlots(model.num_state_slots)
+            if self.block_manager.enable_prefix_caching:
+                self.state_checkpoints = StateCheckpoints(
+                    self.state_slots,
+                    model.num_state_slots,
+                    model.num_state_checkpoints,
+                    config.block_size,
+                )
+                self.block_manager.on_evict.append(self.state_checkpoints.forget)
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.max_model_len, self.state_slots, self.state_checkpoints
+        )
         self.speculator = None
         if config.speculative_config is not None:
             draft = self.runner.draft
@@ -225,7 +241,7 @@ class LLMEngine:
         now = time.time()
         for item in step.scheduled:
             self.outputs.mark_scheduled(item.seq, now)
-        sampled, failed = self._execute_isolating(step.scheduled)
+        sampled, failed = self._execute_isolating(step.scheduled, step.state_copies)
         for request_id, exc in failed.items():
             self.abort_request(request_id, reason="error", error=f"{type(exc).__name__}: {exc}")
         succeeded = [item for item in step.scheduled if item.seq.request_id not in failed]
@@ -262,23 +278,26 @@ class LLMEngine:
         return outputs
 
     def _execute_isolating(
-        self, items: list[ScheduledSeq]
+        self, items: list[ScheduledSeq], state_copies: list[tuple[int, int]]
     ) -> tuple[dict[Sequence, list[SampledToken]], dict[str, Exception]]:
         """Run `items`; if that fails, run each half on its own, down to single sequences.
         Returns the sampled tokens of what ran and the error of each request that failed.
-        A retry recomputes the same tokens into the same KV slots, so it is safe."""
+        A retry recomputes the same tokens into the same KV slots, so it is safe; not so a
+        hybrid model's state, which the failed pass may have advanced in place: there the
+        step's requests fail together."""
         try:
-            sampled = self.executor.execute(SchedulerOutput(items, []))
+            sampled = self.executor.execute(SchedulerOutput(items, [], state_copies=state_copies))
             return sampled, sampling_failures(sampled)  # each failed alone, nothing re-run
         except WorkerLost:
             raise  # no retry can run: the group's collectives are broken
         except Exception as exc:  # isolated below, raised by step() if total
-            if len(items) == 1:
-                logger.error("request %s failed a step", items[0].seq.request_id, exc_info=exc)
-                return {}, {items[0].seq.request_id: exc}
+            if len(items) == 1 or self.state_slots is not None:
+                for item in items:
+                    logger.error("request %s failed a step", item.seq.request_id, exc_info=exc)
+                return {}, {item.seq.request_id: exc for item in items}
         half = len(items) // 2
-        sampled, failed = self._execute_isolating(items[:half])
-        more_sampled, more_failed = self._execute_isolating(items[half:])
+        sampled, failed = self._execute_isolating(items[:half], [])
+        more_sampled, more_failed = self._execute_isolating(items[half:], [])
         return sampled | more_sampled, failed | more_failed
 
     def stats(self) -> EngineStats:
@@ -295,4 +314,17 @@ class LLMEngine:
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
             spec_decode=self.speculator.stats() if self.speculator else SpecDecodeStats(),
             lora=self.loras.stats(self.scheduler.running, self.admission.waiting()),
+            state=self._state_stats(),
+        )
+
+    def _state_stats(self) -> StateStats | None:
+        slots, checkpoints = self.state_slots, self.state_checkpoints
+        if slots is None:
+            return None
+        return StateStats(
+            num_slots=slots.num_slots,
+            num_used_slots=slots.num_used,
+            num_checkpoints=0 if checkpoints is None else checkpoints.num_checkpoints,
+            num_saved_checkpoints=0 if checkpoints is None else checkpoints.num_saved,
+            bytes_per_sequence=self.runner.state_bytes_per_slot,
         )

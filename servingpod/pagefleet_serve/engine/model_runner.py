@@ -17,6 +17,7 @@ from pagefleet_kernels.kv_cache import (
     is_quantized,
     kv_cache_torch_dtype,
 )
+from pagefleet_kernels.state_batch import StateMetadata
 
 from pagefleet_serve.engine.device import RunnerConfig
 from pagefleet_serve.engine.pooler import Pooler
@@ -27,6 +28,7 @@ from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, 
 from pagefleet_serve.engine.step_buffers import StepBuffers, StepInputs
 from pagefleet_serve.model.layers.linear_methods import can_prepack
 from pagefleet_serve.model.layers.lora import LoRABatch, LoRAWeights, add_adapters
+from pagefleet_serve.model.layers.state import allocate, bytes_per_sequence
 from pagefleet_serve.model.loader.model_loader import LoadedModel
 from pagefleet_serve.model.lora import LoRAAdapter
 from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, TensorParallel
@@ -66,11 +68,17 @@ class ModelRunner:
         self.samples = samples
         first, end = tp.kv_heads(loaded.config.num_heads, loaded.config.num_kv_heads)
         self.num_kv_heads = end - first  # this shard's (the first holds the most)
-        self.num_layers = len(self.model.layers)  # its stage's (the first holds the most)
         # With no reference left in `loaded`, a weight that prepacking replaces is freed at
         # once, not held until the caller drops it.
         loaded.model = None
         self.model.to(device=device, dtype=dtype).eval()
+        # A hybrid model's recurrent layers keep per-sequence state rows (in the dtypes
+        # they declare once in the runner's dtype) instead of K/V: the KV cache holds its
+        # attention layers only.
+        self.state_specs = self.model.state_specs()
+        self.kv_layers = [i for i, specs in enumerate(self.state_specs) if not specs]
+        # Its stage's layers with K/V (the first stage holds the most).
+        self.num_layers = len(self.kv_layers)
         if config.activation_quantization == "int8":
             self.model.use_int8_activations()
         if not config.enforce_eager:
@@ -84,7 +92,10 @@ class ModelRunner:
         self.kv_scales: torch.Tensor | None = (
             None  # (layers, 2, blocks, block_size, kv_heads), int8/fp8
         )
-        self.kv_caches: list[LayerKVCache] = []
+        # Per layer its cache: K/V views for an attention layer, state tensors by name
+        # (num_state_slots, ...) for a recurrent one.
+        self.kv_caches: list[LayerKVCache | dict[str, torch.Tensor]] = []
+        self.num_state_slots = 0
         self.lora: LoRAWeights | None = None
         if config.max_loras:
             if self.model.backend.add_lora is None:
@@ -112,7 +123,15 @@ class ModelRunner:
         draft = self.draft.bytes_per_block if self.draft is not None else 0
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_token_head + draft
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """What one state slot costs: every recurrent layer's state of one sequence (0 for
+        a model without recurrent layers)."""
+        return sum(bytes_per_sequence(specs) for specs in self.state_specs)
+
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
+        """`num_blocks` blocks of K/V for the attention layers, and `num_state_slots` rows
+        of state for the recurrent ones (see `engine.state_slots`)."""
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
         c = self.config
@@ -128,11 +147,23 @@ class ModelRunner:
             ]
         else:
             self.kv_caches = [LayerKVCache(layer[0], layer[1]) for layer in self.kv_cache]
+        self.num_state_slots = num_state_slots
+        paged = iter(self.kv_caches)
+        self.kv_caches = [
+            allocate(specs, num_state_slots, self.device) if specs else next(paged)
+            for specs in self.state_specs
+        ]
 
     def free_kv_cache(self) -> None:
         if self.draft is not None:
             self.draft.free_kv_cache()
         self.kv_cache, self.kv_scales, self.kv_caches = None, None, []
+        self.num_state_slots = 0
+
+    @property
+    def states(self) -> list[dict[str, torch.Tensor]]:
+        """The recurrent layers' state tensors, in layer order."""
+        return [cache for cache in self.kv_caches if isinstance(cache, dict)]
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
@@ -145,7 +176,7 @@ class ModelRunner:
         lengths = [max_num_batched_tokens // num_seqs] * num_seqs
         lengths[-1] += max_num_batched_tokens - sum(lengths)
         block_counts = [-(-n // self.block_size) for n in lengths]
-        self.allocate_kv_cache(sum(block_counts))
+        self.allocate_kv_cache(sum(block_counts), max_num_seqs if self.state_bytes_per_slot else 0)
         firsts = itertools.accumulate([0, *block_counts[:-1]])
         tables = [list(range(f, f + n)) for f, n in zip(firsts, block_counts, strict=True)]
         self._warm_up_step([0] * sum(lengths), [0] * num_seqs, lengths, tables)
@@ -153,6 +184,7 @@ class ModelRunner:
         decode = [0] * max_num_seqs
         self._warm_up_step(decode, decode, [1] * max_num_seqs, [[0]] * max_num_seqs)
         scratch = sum(block_counts) * self.bytes_per_block
+        scratch += self.num_state_slots * self.state_bytes_per_slot
         self.free_kv_cache()
         return scratch
 
@@ -173,7 +205,11 @@ class ModelRunner:
 
     def _warm_up_step(self, input_ids, starts, query_lens, tables) -> None:
         lasts = [end - 1 for end in itertools.accumulate(query_lens)]
-        _, logits, _ = self.forward_batch(StepBatch(input_ids, starts, query_lens, tables, lasts))
+        batch = StepBatch(input_ids, starts, query_lens, tables, lasts)
+        if self.num_state_slots:  # rows of a slot may repeat: their values are not read
+            batch.state_slots = [i % self.num_state_slots for i in range(len(query_lens))]
+            batch.state_initial = [False] * len(query_lens)
+        _, logits, _ = self.forward_batch(batch)
         if self.samples:
             sample(logits, [SampleRow(_WARM_UP_PARAMS, None, [], [])] * len(query_lens))
 
@@ -191,6 +227,14 @@ class ModelRunner:
         for pool in (self.kv_cache, self.kv_scales):
             if pool is not None:
                 pool[:, :, dst] = pool[:, :, src]
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Each (src, dst) state slot's rows into dst, one after another: a later copy may
+        read what an earlier one wrote (a checkpoint saved, then restored)."""
+        for src, dst in copies:
+            for state in self.states:
+                for tensor in state.values():
+                    tensor[dst] = tensor[src]
 
     @torch.inference_mode()
     def forward(
@@ -230,6 +274,7 @@ class ModelRunner:
         sampled and which rows pooled."""
         input_ids: list[int] = []
         query_lens, starts, tables, lora_slots = [], [], [], []
+        state_slots, state_initial = [], []
         for item in step.scheduled:
             input_ids.extend(item.input_token_ids)
             starts.append(item.seq.num_computed_tokens)
@@ -237,6 +282,11 @@ class ModelRunner:
             tables.append(item.seq.block_table)
             slot = item.seq.lora_slot
             lora_slots.append(-1 if slot is None else slot)
+            if self.num_state_slots:
+                state_slots.append(item.seq.state_slot)
+                # From zeros on its first chunk (a new or recomputed prompt), else from its
+                # slot: its previous chunk's, or a prefix checkpoint copied in.
+                state_initial.append(item.seq.num_computed_tokens > 0)
         ends = list(itertools.accumulate(query_lens))
         sampling = _SamplePlan.of(step, ends, self.config.vocab_size, self.device)
         batch = StepBatch(
@@ -248,6 +298,9 @@ class ModelRunner:
             sampling.sample_rows,
             lora_slots if self.lora is not None else [],
             step.block_copies,
+            state_slots,
+            state_initial,
+            step.state_copies,
         )
         return StepPlan(batch, step.scheduled, ends, sampling)
 
@@ -284,6 +337,14 @@ class ModelRunner:
             batch.lora_slots,
         )
         self.copy_blocks(batch.block_copies)
+        if batch.state_slots:
+            self.copy_states(batch.state_copies)
+            inputs.attn.state = StateMetadata(
+                inputs.attn.query_start_loc,
+                batch.query_lens,
+                torch.tensor(batch.state_slots, dtype=torch.int64, device=self.device),
+                torch.tensor(batch.state_initial, dtype=torch.bool, device=self.device),
+            )
         hidden = self.run(inputs)
         if self.draft is not None:
             self.draft.copy_blocks(batch.block_copies)
@@ -347,6 +408,11 @@ class StepBatch:
     sample_rows: list[int] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)  # empty: no adapters
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # A hybrid model's: each sequence's state slot and whether it continues from it, and
+    # the slot copies made before the step (empty: the model keeps no state).
+    state_slots: list[int] = field(default_factory=list)
+    state_initial: list[bool] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

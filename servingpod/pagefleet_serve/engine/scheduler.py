@@ -24,6 +24,11 @@ A running sequence with a LoRA adapter holds one of the `max_loras` adapter slot
 requests behind it are admitted, so the step's rows never read more adapters than there
 are slots.
 
+A hybrid model's running sequence also holds a state slot (`StateSlots`): a waiting request
+finding none free for it and its n samples stays waiting, as for blocks. Its prefix-cache
+hits go as deep as a state checkpoint (`StateCheckpoints`), and a prompt's chunk ends at
+the block boundary a repeat of it would resume from, so that its state there is kept.
+
 An embedding request (`Sequence.pooling`) follows the same rule up to the end of its
 prompt, in chunks batched with other prefills; it never samples, and the step that
 completes its prompt finishes it, freeing its blocks (the engine hands out its vector).
@@ -38,6 +43,8 @@ from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.lora_slots import LoRASlots
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.sequence import Sequence, SequenceStatus
+from pagefleet_serve.engine.state_checkpoints import StateCheckpoints
+from pagefleet_serve.engine.state_slots import StateSlots
 
 
 @dataclass
@@ -69,6 +76,8 @@ class SchedulerOutput:
     preempted: list[Sequence]
     # (slot, lora_id): adapters to copy into their slots before the step runs.
     lora_loads: list[tuple[int, int]] = field(default_factory=list)
+    # (src, dst): state slots to copy, in order, before the step runs (a hybrid model's).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def block_copies(self) -> list[tuple[int, int]]:
@@ -84,7 +93,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        state_slots: StateSlots | None = None,
+        checkpoints: StateCheckpoints | None = None,
+    ):
+        """`state_slots`: a hybrid model's (None: the model keeps no per-sequence state);
+        `checkpoints`: its prefix cache's states (None: prefix caching is off)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -94,6 +112,8 @@ class Scheduler:
             spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         )
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
+        self.state_slots = state_slots
+        self.checkpoints = checkpoints
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self._waiting_clients: collections.Counter[str] = collections.Counter()
         self.running: list[Sequence] = []
@@ -124,6 +144,7 @@ class Scheduler:
             self._leave_waiting(seq)
         self.block_manager.free(seq)
         self._release_lora(seq)
+        self._release_state(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -148,6 +169,7 @@ class Scheduler:
             halve = bool(self.waiting) and seq.num_computed_tokens < seq.num_prompt_tokens
             limit = (budget + 1) // 2 if halve else budget
             num_new = min(seq.num_tokens - seq.num_computed_tokens, limit) + len(drafts)
+            num_new = self._to_checkpoint(seq, seq.num_computed_tokens, num_new)
             lookahead = self._lookahead(seq, seq.num_computed_tokens + num_new)
             while (copies := self.block_manager.allocate(seq, num_new + lookahead)) is None:
                 if drafts or lookahead:  # drop the speculation before preempting anyone for it
@@ -185,8 +207,13 @@ class Scheduler:
             if seq.lora_id is not None and not self.lora_slots.can_acquire(seq.lora_id):
                 passed_over.add(seq)
                 continue
+            if self.state_slots is not None and not self.state_slots.can_hold(seq):
+                break
             prefix = self.block_manager.find_cached_prefix(seq)
-            num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
+            if self.checkpoints is not None:
+                prefix = prefix[: self.checkpoints.resumable(seq, len(prefix))]
+            start = len(prefix) * self.block_manager.block_size
+            num_new = self._to_checkpoint(seq, start, min(seq.num_tokens - start, budget))
             lookahead = self._lookahead(seq, len(prefix) * self.block_manager.block_size + num_new)
             copies = self.block_manager.allocate(seq, num_new + lookahead, prefix)
             if copies is None and lookahead:
@@ -199,6 +226,10 @@ class Scheduler:
                 seq.num_prefix_hit_tokens = num_hit
             self._leave_waiting(seq)
             self._acquire_lora(seq)
+            if self.state_slots is not None:
+                self.state_slots.acquire(seq)
+            if self.checkpoints is not None and prefix:
+                self.checkpoints.restore(seq, len(prefix))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             held[seq.client] += seq.num_samples
@@ -211,7 +242,8 @@ class Scheduler:
                 budget -= self._extend(scheduled, seq, budget)
 
         loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
-        return SchedulerOutput(list(scheduled.values()), preempted, loads)
+        copies = self.state_slots.take_copies() if self.state_slots is not None else []
+        return SchedulerOutput(list(scheduled.values()), preempted, loads, copies)
 
     def _extend(self, scheduled: dict[Sequence, ScheduledSeq], seq: Sequence, budget: int) -> int:
         """Give a scheduled prefill chunk up to `budget` more of its prompt's tokens (as
@@ -220,6 +252,7 @@ class Scheduler:
         if item is None or budget <= 0 or seq.status is not SequenceStatus.RUNNING:
             return 0
         total = min(item.num_new_tokens + budget, seq.num_tokens - seq.num_computed_tokens)
+        total = self._to_checkpoint(seq, seq.num_computed_tokens, total)
         copies = self.block_manager.allocate(
             seq, total + self._lookahead(seq, seq.num_computed_tokens + total)
         )
@@ -228,6 +261,14 @@ class Scheduler:
         more = total - item.num_new_tokens
         scheduled[seq] = ScheduledSeq(seq, total, item.block_copies + copies)
         return more
+
+    def _to_checkpoint(self, seq: Sequence, start: int, num_new: int) -> int:
+        """A hybrid prompt's chunk from `start` ends at the boundary a repeat of the prompt
+        resumes from, where its state is checkpointed (see `StateCheckpoints`)."""
+        if self.checkpoints is None:
+            return num_new
+        boundary = self.checkpoints.boundary(seq)
+        return boundary - start if start < boundary < start + num_new else num_new
 
     # -- fairness between clients ----------------------------------------------------------
     def _seats_held(self) -> collections.Counter[str]:
@@ -347,10 +388,15 @@ class Scheduler:
             self.lora_slots.release(seq.lora_slot)
             seq.lora_slot = None
 
+    def _release_state(self, seq: Sequence) -> None:
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self._release_lora(seq)
+        self._release_state(seq)
         seq.num_computed_tokens = 0
         seq.pooled_chunks.clear()
         seq.num_preemptions += 1
@@ -373,6 +419,8 @@ class Scheduler:
             # Drafts count as computed only once accepted (`_append_run`).
             seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
             self.block_manager.cache_full_blocks(seq)
+            if self.checkpoints is not None:
+                self.checkpoints.save(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
             if seq.pooling:  # prefilled and pooled: done, its KV is not kept
@@ -410,6 +458,8 @@ class Scheduler:
         for index, generator in enumerate(seq.sibling_generators, start=1):
             child = seq.fork(index, generator)
             self.block_manager.fork(child)
+            if self.state_slots is not None:
+                self.state_slots.fork(seq, child)
             self._acquire_lora(child)
             self.running.append(child)
             family.append(child)

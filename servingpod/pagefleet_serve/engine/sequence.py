@@ -68,6 +68,10 @@ class Sequence:
     pooled_chunks: dict[int, torch.Tensor] = field(default_factory=dict)
     # Who sent the request (the peer's address; "" offline): the scheduler's fairness key.
     client: str = ""
+    # A hybrid model's: the state slot of its recurrent layers' rows while it runs, and
+    # before an n > 1 fork the slots its siblings take (see engine/state_slots.py).
+    state_slot: int | None = None
+    sibling_state_slots: list[int] = field(default_factory=list)
 
     @property
     def seq_id(self) -> tuple[str, int]:

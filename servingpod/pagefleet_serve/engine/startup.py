@@ -56,6 +56,10 @@ class StartedModel:
     pooling: PoolingConfig | None  # task embed: how every request is pooled; None: generate
     max_model_len: int
     num_blocks: int
+    # A hybrid model's state slots: the running sequences' (see engine.state_slots) and
+    # the prefix cache's checkpoints (engine.state_checkpoints); 0 for other models.
+    num_state_slots: int
+    num_state_checkpoints: int
     startup_seconds: dict[str, float]
 
 
@@ -105,6 +109,8 @@ def start_model(config: EngineConfig, placement: CpuPlacement | None) -> Started
         pooler = None if pooling is None else Pooler(pooling)
         executor.runner = ModelRunner(loaded, runner_config, draft, pooler, executor.tp)
         del loaded
+        if executor.runner.state_bytes_per_slot:
+            _check_hybrid(config, name)
         seconds["weight_load"] = time.monotonic() - weights_started
         logger.info(
             "model %s: %d layers, %d heads (%d kv), loaded in %.1fs",
@@ -116,14 +122,42 @@ def start_model(config: EngineConfig, placement: CpuPlacement | None) -> Started
         )
         logger.info("device %s, dtype %s", device, str(runner_config.dtype).removeprefix("torch."))
         max_model_len = config.max_model_len or model_config.max_position_embeddings
-        num_blocks = _allocate_kv_cache(config, executor, max_model_len, phase)
+        num_blocks, num_state_slots, num_checkpoints = _allocate_kv_cache(
+            config, executor, max_model_len, phase
+        )
         if device.type != "cuda":  # CUDA's warm-up ran before the KV cache was sized
             with phase("warm_up"):
                 executor.warm_up_kernels(config.max_num_seqs)
     except BaseException:
         executor.close()
         raise
-    return StartedModel(executor, name, model_config, pooling, max_model_len, num_blocks, seconds)
+    return StartedModel(
+        executor,
+        name,
+        model_config,
+        pooling,
+        max_model_len,
+        num_blocks,
+        num_state_slots,
+        num_checkpoints,
+        seconds,
+    )
+
+
+def _check_hybrid(config: EngineConfig, name: str) -> None:
+    """What a hybrid model (recurrent layers with per-sequence state) is not served with:
+    its state cannot be rolled back to a rejected draft, and adapters wrap attention
+    projections its recurrent layers do not have."""
+    refused = [
+        (config.speculative_config is not None, "speculative_config (speculative decoding)"),
+        (config.enable_lora, "enable_lora (LoRA adapters)"),
+    ]
+    for on, setting in refused:
+        if on:
+            raise ValueError(
+                f"{name} is a hybrid model (recurrent layers keep a per-sequence state), "
+                f"which is served without {setting}: drop it"
+            )
 
 
 def _load_draft(
@@ -161,10 +195,12 @@ def _pooling_config(
 
 def _allocate_kv_cache(
     config: EngineConfig, executor: Executor, max_model_len: int, phase: _Phases
-) -> int:
+) -> tuple[int, int, int]:
     """Size the KV cache pool (on CUDA after the warm-up, whose activation peak is kept out
-    of it) and allocate it on every rank; its number of blocks. With a draft model a block
-    holds both models' K/V: the budget buys both at once."""
+    of it) and allocate it on every rank; its number of blocks, of state slots and of state
+    checkpoints. With a draft model a block holds both models' K/V: the budget buys both at
+    once. A hybrid model's state slots come first out of the same budget (see
+    `state_slots_of`), with as many checkpoints when prefix caching is on."""
     started = time.monotonic()
     runner = executor.runner
 
@@ -174,7 +210,17 @@ def _allocate_kv_cache(
                 config.max_num_batched_tokens, max_model_len, config.max_num_seqs
             )
 
-    num_blocks = kv_cache_bytes(config, runner.device, warm_up) // runner.bytes_per_block
+    budget = kv_cache_bytes(config, runner.device, warm_up)
+    per_slot = runner.state_bytes_per_slot * (2 if config.enable_prefix_caching else 1)
+    num_state_slots = state_slots_of(
+        budget, per_slot, config.max_num_seqs, attention=runner.bytes_per_block > 0
+    )
+    num_checkpoints = num_state_slots if config.enable_prefix_caching else 0
+    budget -= num_state_slots * per_slot
+    if runner.bytes_per_block:
+        num_blocks = budget // runner.bytes_per_block
+    else:  # no attention layer: blocks cost nothing, every running sequence fits whole
+        num_blocks = config.max_num_seqs * -(-max_model_len // config.block_size)
     pool_tokens = num_blocks * config.block_size
     if max_model_len > pool_tokens:
         raise ValueError(
@@ -182,7 +228,7 @@ def _allocate_kv_cache(
             f"({pool_tokens} tokens = {num_blocks} blocks of {config.block_size}); raise "
             f"kv_cache_memory_bytes or lower max_model_len"
         )
-    executor.allocate_kv_cache(num_blocks)
+    executor.allocate_kv_cache(num_blocks, num_state_slots + num_checkpoints)
     phase.seconds["kv_cache"] = time.monotonic() - started - phase.seconds.get("warm_up", 0.0)
     logger.info(
         "KV cache pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s), %s",
@@ -193,4 +239,33 @@ def _allocate_kv_cache(
         "target and draft model" if runner.draft else "model",
         str(runner.kv_cache_dtype).removeprefix("torch."),
     )
-    return num_blocks
+    if num_state_slots:
+        logger.info(
+            "state slots: %d + %d prefix checkpoints x %.1f KiB a sequence = %.1f MiB "
+            "(recurrent layers' state)",
+            num_state_slots,
+            num_checkpoints,
+            runner.state_bytes_per_slot / 2**10,
+            num_state_slots * per_slot / 2**20,
+        )
+    return num_blocks, num_state_slots, num_checkpoints
+
+
+def state_slots_of(
+    budget: int, bytes_per_slot: int, max_num_seqs: int, attention: bool = True
+) -> int:
+    """A hybrid model's state slots: one per sequence of a full batch, or as many as half
+    the budget holds (the rest is the attention layers' KV blocks; all of it for a model
+    without `attention`), at `bytes_per_slot` each (a checkpoint's included); 0 for a model
+    without recurrent layers. ValueError when the budget holds none."""
+    if not bytes_per_slot:
+        return 0
+    share = budget // 2 if attention else budget
+    slots = min(max_num_seqs, share // bytes_per_slot)
+    if slots < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes ({budget}) holds no state slot: a sequence's recurrent "
+            f"state takes {bytes_per_slot} bytes ({'half ' if attention else ''}the budget "
+            f"goes to state slots at most); raise kv_cache_memory_bytes"
+        )
+    return slots

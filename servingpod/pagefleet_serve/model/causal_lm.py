@@ -12,6 +12,7 @@ and, where its checkpoint names differ, its mapping from them (`stacked_params_m
 from collections.abc import Iterable
 
 import torch
+from pagefleet_kernels.kv_cache import LayerKVCache
 from pagefleet_kernels.metadata import AttentionMetadata
 from torch import nn
 
@@ -23,6 +24,7 @@ from pagefleet_serve.model.layers.linear_methods import use_int8_activations
 from pagefleet_serve.model.layers.moe import FusedMoE, expert_param
 from pagefleet_serve.model.layers.norm import RMSNorm
 from pagefleet_serve.model.layers.rotary import RotaryEmbedding
+from pagefleet_serve.model.layers.state import StateSpec
 from pagefleet_serve.model.uri import UnsupportedModelError
 from pagefleet_serve.model.weights import Weight, is_kept_quantized
 from pagefleet_serve.parallel_shape import ModelShape, check_shape
@@ -81,17 +83,29 @@ class CausalLM(nn.Module):
             self.norm = self.make_norm(config.hidden_size)
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.windows = {layer.self_attn.attn.sliding_window for layer in self.layers}
+        self.windows = {
+            layer.self_attn.attn.sliding_window
+            for layer, specs in zip(self.layers, self.state_specs(), strict=True)
+            if not specs
+        }
 
     def make_norm(self, size: int) -> RMSNorm:
         return RMSNorm(size, self.config.rms_norm_eps)
+
+    def state_specs(self) -> list[tuple[StateSpec, ...]]:
+        """Per layer, the per-sequence state of a recurrent layer (a hybrid model's
+        convolution or state-space mixer, see `layers.state`); empty for an attention
+        layer, whose cache is the paged KV."""
+        return [layer.state_specs() for layer in self.layers]
 
     # -- the forward pass --------------------------------------------------------------
     def forward(
         self,
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
-        kv_caches: list,  # one pagefleet_kernels.kv_cache.LayerKVCache per layer
+        # Per layer its cache: a pagefleet_kernels.kv_cache.LayerKVCache for an attention
+        # layer, its state tensors by name for a recurrent one (rows: `attn.state`'s slots).
+        kv_caches: list,
         attn: AttentionMetadata,
         hidden: torch.Tensor | None = None,  # (T, H): a later pipeline stage's input
     ) -> torch.Tensor:
@@ -99,7 +113,9 @@ class CausalLM(nn.Module):
         layers' output, for the next stage."""
         x = self.embed(input_ids) if hidden is None else hidden
         ropes = self.layer_ropes(positions, attn, x.dtype)
-        self.backend.prepare(attn, kv_caches[0].key.shape[1], self.windows)
+        paged = [cache for cache in kv_caches if isinstance(cache, LayerKVCache)]
+        if paged:
+            self.backend.prepare(attn, paged[0].key.shape[1], self.windows)
         for layer, kv_cache, (cos, sin) in zip(self.layers, kv_caches, ropes, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         return x if self.norm is None else self.norm(x)

@@ -330,6 +330,22 @@ class _EngineCollector:
             "KV cache blocks held by live sequences.",
             stats.num_used_blocks,
         )
+        if stats.state is not None:
+            state = stats.state
+            yield gauge(names.STATE_SLOTS, "State slots of running sequences.", state.num_slots)
+            yield gauge(
+                names.STATE_USED_SLOTS, "State slots held by live sequences.", state.num_used_slots
+            )
+            yield gauge(
+                names.STATE_CHECKPOINTS,
+                "Prefix-cache state checkpoints holding a state.",
+                state.num_saved_checkpoints,
+            )
+            yield gauge(
+                names.STATE_BYTES_PER_SEQUENCE,
+                "Bytes of one sequence's recurrent state.",
+                state.bytes_per_sequence,
+            )
         yield from _spec_decode_counters(label, stats.spec_decode)
         if stats.lora is not None:
             yield _lora_info(label, stats.lora)

@@ -31,8 +31,8 @@ class Executor(ABC):
         plan = self.runner.plan(step)
         return self.runner.sample(plan, *self.on_every_rank("forward_batch", plan.batch))
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.on_every_rank("allocate_kv_cache", num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
+        self.on_every_rank("allocate_kv_cache", num_blocks, num_state_slots)
 
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
         """See `ModelRunner.warm_up`: rank 0's scratch bytes."""

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 from pagefleet_kernels.state_batch import StateMetadata
+from torch import nn
 
 from pagefleet_serve.model.context import current_context
 
@@ -53,6 +54,20 @@ class StatefulLayer(Protocol):
     def state_specs(self) -> tuple[StateSpec, ...]: ...
 
     def __call__(self, x: torch.Tensor, state: LayerState, meta: StateMetadata) -> torch.Tensor: ...
+
+
+class RecurrentDecoderLayer(nn.Module):
+    """A decoder layer whose mixer is a recurrent layer (a subclass declares its
+    `state_specs()`): `forward(x, cos, sin, state, attn)` takes its state tensors where an
+    attention layer takes its K/V, and `attn.state` for the step's slots. No fused kernel computes it, and nothing is
+    compiled around it: its mixer reads the step's state metadata."""
+
+    fusable = False
+    compiled = False
+    fused = None
+
+    def compile_around_attention(self) -> None:
+        """Nothing to compile (see the class)."""
 
 
 def allocate(

@@ -24,6 +24,7 @@ from pagefleet_serve.model.layers.linear import (
 )
 from pagefleet_serve.model.layers.linear_methods import prepare_for_compile
 from pagefleet_serve.model.layers.norm import RMSNorm
+from pagefleet_serve.model.layers.state import StateSpec
 from pagefleet_serve.model.loader.gguf_names import GGUFLayout
 
 
@@ -108,6 +109,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def make_norm(self, config: ModelConfig) -> RMSNorm:
         return RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        """Nothing: an attention layer keeps its cache in the paged KV (`CausalLM.state_specs`)."""
+        return ()
 
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         return LlamaMLP(config)
