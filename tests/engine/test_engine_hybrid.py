@@ -242,10 +242,17 @@ def test_abort_mid_prefill_frees_the_slot(lfm2):
     assert_released(llm)
 
 
-def test_hybrid_models_refuse_speculative_decoding(lfm2):
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
+        ({"enable_lora": True}, "enable_lora"),
+    ],
+)
+def test_hybrid_models_refuse_speculation_and_adapters(lfm2, setting, named):
     path, _ = lfm2
-    with pytest.raises(ValueError, match=r"hybrid model .* without speculative_config"):
-        serve(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=rf"hybrid model .* without {named}"):
+        serve(path, **setting)
 
 
 def test_state_slots_come_out_of_the_kv_budget():

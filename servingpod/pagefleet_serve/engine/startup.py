@@ -98,6 +98,8 @@ def start_model(config: EngineConfig, placement: CpuPlacement | None) -> Started
             headless,
         )
         name, model_config = loaded.name, loaded.config
+        if any(loaded.model.state_specs()):
+            _check_hybrid(config, name)
         spec = config.speculative_config
         # A draft model is not split: it runs on rank 0.
         draft = (
@@ -109,8 +111,6 @@ def start_model(config: EngineConfig, placement: CpuPlacement | None) -> Started
         pooler = None if pooling is None else Pooler(pooling)
         executor.runner = ModelRunner(loaded, runner_config, draft, pooler, executor.tp)
         del loaded
-        if executor.runner.state_bytes_per_slot:
-            _check_hybrid(config, name)
         seconds["weight_load"] = time.monotonic() - weights_started
         logger.info(
             "model %s: %d layers, %d heads (%d kv), loaded in %.1fs",
