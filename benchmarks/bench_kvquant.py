@@ -14,7 +14,7 @@ import math
 import time
 
 import torch
-from pagefleet_kernels.backend import AttentionMetadata
+from pagefleet_kernels.metadata import AttentionMetadata
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import KV_CACHE_DTYPES
 from pagefleet_serve.engine.device import RunnerConfig

@@ -84,7 +84,7 @@ def test_chunks_of_a_long_prompt_are_pooled_whole(tmp_path):
     llm = load(path)
     bm = llm.engine.block_manager
     free = bm.num_free_blocks
-    request = llm.inputs.make_request("long", PROMPTS[2], SamplingParams(), pooling=True)
+    request = llm.make_request("long", PROMPTS[2], SamplingParams(), pooling=True)
     llm.add(request)
     outputs, steps = [], 0
     while llm.has_unfinished_requests():
@@ -152,7 +152,7 @@ def test_each_task_refuses_the_other(tmp_path):
 def test_an_unserved_pooling_mode_is_refused_naming_its_file(tmp_path):
     import json
 
-    from pagefleet_serve.model.uri import UnsupportedModelError
+    from pagefleet_serve.model_uri import UnsupportedModelError
 
     path = build_embedding_model(tmp_path, pooling="mean")
     pooling_file = path / "1_Pooling" / "config.json"
@@ -167,7 +167,7 @@ def test_modules_that_would_change_the_vectors_are_refused_by_name(tmp_path):
     tokens, would give other vectors than the checkpoint's: refused, not ignored."""
     import json
 
-    from pagefleet_serve.model.uri import UnsupportedModelError
+    from pagefleet_serve.model_uri import UnsupportedModelError
 
     path = build_embedding_model(tmp_path, pooling="mean")
     modules = json.loads((path / "modules.json").read_text())

@@ -19,6 +19,7 @@ import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.engine.executor.multiproc import MultiprocExecutor
 
 from tests.engine.test_engine_architectures import ARCHITECTURES, PROMPTS, build
 
@@ -60,7 +61,8 @@ def both(model: str, parallel: dict = TP2, **settings) -> tuple[list, list]:
     llm = LLM(model, **parallel, **settings)
     try:
         ranks = parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
-        assert llm.engine.workers is not None and llm.engine.workers.size == ranks
+        executor = llm.engine.executor
+        assert isinstance(executor, MultiprocExecutor) and executor.size == ranks
         return one, run(llm)
     finally:
         llm.engine.close()
@@ -327,8 +329,9 @@ def test_a_model_that_cannot_be_split_is_refused_and_its_workers_end():
 def test_whole_projection_norms_over_more_ranks_than_key_value_heads_are_refused():
     """OLMoE's k norm spans every key/value head: it cannot be summed over ranks that
     replicate one head each."""
-    from pagefleet_serve.model.tensor_parallel import check_shardable
+    from pagefleet_serve.parallel_shape import ModelShape, check_shape
 
-    check_shardable(2, 4, 2, qk_norm_whole=True)
+    shape = ModelShape(num_heads=4, num_kv_heads=2, num_layers=2, whole_kv_norm=True)
+    check_shape(2, 1, shape)
     with pytest.raises(ValueError, match="cannot replicate: use at most 2 ranks"):
-        check_shardable(4, 4, 2, qk_norm_whole=True)
+        check_shape(4, 1, shape)

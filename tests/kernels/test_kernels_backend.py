@@ -21,13 +21,8 @@ from pagefleet_kernels import (
     triton_attention,
     triton_layer_ops,
 )
-from pagefleet_kernels.backend import (
-    AttentionMetadata,
-    KernelBackend,
-    cpu_backend,
-    torch_backend,
-    triton_backend,
-)
+from pagefleet_kernels.backend import KernelBackend, cpu_backend, torch_backend, triton_backend
+from pagefleet_kernels.metadata import AttentionMetadata
 
 from tests.kernels.kernel_batches import (
     KERNEL_TOLERANCE,

@@ -131,9 +131,7 @@ class ThreadServer:
         config = EngineConfig(**{"model": MODEL, "dtype": "float32"} | engine_config)
         engine = LLMEngine(config, tokenizer=load_engine_tokenizer(config))
         self.core = engine
-        self.engine = EngineCoreClient(
-            engine.config, ThreadLink(engine), engine.tokenizer, engine.grammar_compiler
-        )
+        self.engine = EngineCoreClient(engine.config, ThreadLink(engine), engine.tokenizer)
         self.server = create_server(
             ServerSettings(**{"served_model_names": (engine.model_name,), "port": 0} | settings),
             self.engine,

@@ -12,7 +12,7 @@ and, where its checkpoint names differ, its mapping from them (`stacked_params_m
 from collections.abc import Iterable
 
 import torch
-from pagefleet_kernels.backend import AttentionMetadata
+from pagefleet_kernels.metadata import AttentionMetadata
 from torch import nn
 
 from pagefleet_serve.model.config import ModelConfig
@@ -23,9 +23,9 @@ from pagefleet_serve.model.layers.linear_methods import use_int8_activations
 from pagefleet_serve.model.layers.moe import FusedMoE, expert_param
 from pagefleet_serve.model.layers.norm import RMSNorm
 from pagefleet_serve.model.layers.rotary import RotaryEmbedding
-from pagefleet_serve.model.tensor_parallel import check_shardable
-from pagefleet_serve.model.uri import UnsupportedModelError
 from pagefleet_serve.model.weights import Weight, is_kept_quantized
+from pagefleet_serve.model_uri import UnsupportedModelError
+from pagefleet_serve.parallel_shape import ModelShape, check_shape
 
 # What a pipeline stage may leave out (the first stage holds the embedding, the last the
 # final norm and the head).
@@ -60,12 +60,10 @@ class CausalLM(nn.Module):
         parallel = context.parallel
         if parallel.size > 1 and self.unsplit_reason is not None:
             raise UnsupportedModelError(f"{self.unsplit_reason}; use tensor_parallel_size 1")
-        check_shardable(parallel.size, config.num_heads, config.num_kv_heads, self.whole_qk_norm)
-        if parallel.stages > config.num_layers:
-            raise ValueError(
-                f"pipeline_parallel_size {parallel.stages} exceeds the model's "
-                f"{config.num_layers} layers: each stage needs one at least"
-            )
+        shape = ModelShape(
+            config.num_heads, config.num_kv_heads, config.num_layers, self.whole_qk_norm
+        )
+        check_shape(parallel.size, parallel.stages, shape)
         self.config = config
         self.backend = context.backend
         self.load_dtype = context.dtype

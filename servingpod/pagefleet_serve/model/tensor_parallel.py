@@ -165,22 +165,3 @@ class TensorParallel:
 
 
 NO_PARALLEL = TensorParallel()
-
-
-def check_shardable(
-    size: int, num_heads: int, num_kv_heads: int, qk_norm_whole: bool = False
-) -> None:
-    """ValueError when the model cannot be split over `size` ranks."""
-    if size == 1:
-        return
-    if num_kv_heads < size and (size % num_kv_heads or num_heads % size):
-        raise ValueError(
-            f"tensor_parallel_size {size} exceeds the model's {num_kv_heads} key/value heads: "
-            f"it must then be a multiple of them and divide the {num_heads} attention heads"
-        )
-    if qk_norm_whole and num_kv_heads < size:
-        raise ValueError(
-            f"tensor_parallel_size {size} exceeds the model's {num_kv_heads} key/value heads, "
-            "which its norm over the whole key projection (OLMoE) cannot replicate: use at "
-            f"most {num_kv_heads} ranks"
-        )

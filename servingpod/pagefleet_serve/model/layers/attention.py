@@ -4,7 +4,7 @@ sequence's cached keys (`KernelBackend.write_kv_cache`, `paged_attention`), with
 layer's sliding window, logit soft-capping and sink logits where its family has them."""
 
 import torch
-from pagefleet_kernels.backend import AttentionMetadata
+from pagefleet_kernels.metadata import AttentionMetadata
 from torch import nn
 
 from pagefleet_serve.model.context import current_context

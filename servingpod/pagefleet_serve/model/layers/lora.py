@@ -17,7 +17,8 @@ adapter's scale is folded into B once, at load (see `model.lora`).
 from dataclasses import dataclass
 
 import torch
-from pagefleet_kernels.backend import AddLoRAOp, LoRAMapping
+from pagefleet_kernels.backend import AddLoRAOp
+from pagefleet_kernels.metadata import LoRAMapping
 from torch import nn
 
 from pagefleet_serve.model.config import ModelConfig

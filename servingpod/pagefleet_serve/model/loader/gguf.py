@@ -28,8 +28,8 @@ from pagefleet_serve.model.quant import (
     from_gguf,
 )
 from pagefleet_serve.model.registry import gguf_architecture, gguf_architectures, model_class
-from pagefleet_serve.model.uri import UnsupportedModelError
 from pagefleet_serve.model.weights import Ranges, take
+from pagefleet_serve.model_uri import UnsupportedModelError
 
 # GGUF block types kept quantized with quantization="auto" as 4/8-bit codes, in a file
 # without K-quants or IQ4s; in one with them, any of GGUF_BLOCK_TYPES as blocks.
