@@ -47,9 +47,10 @@ DEQUANTIZE_ROWS = 64
 # The same for float32 activations, which torch's int4 matmul takes through a scalar path
 # (a 1536 x 576 matrix at one row: 1,129 us against 75 in bfloat16 on an AVX2 machine; 67
 # ms at 64 rows). They go to the backend's own `int4_matmul` when it has one (the C++ CPU
-# ops: 57 us there, 1.3x faster than the float32 matrix at one row, even at eight) and
-# are dequantized from this many rows on, where oneDNN's float GEMM pulls ahead (0.8 ms
-# against 0.4 at 32 rows). The fused decoder layer, made of those matmuls, takes fewer.
+# ops: 57 us there, 1.3x faster than the float32 matrix at one row, even at eight), whose
+# GEMM takes over from NATIVE_GEMM_ROWS on; without it they are dequantized from this many
+# rows on, where oneDNN's float GEMM pulls ahead of the few-row kernel (0.8 ms against 0.4
+# at 32 rows). The fused decoder layer, made of those matmuls, takes fewer.
 DEQUANTIZE_ROWS_FLOAT32 = 16
 # From this many rows on, the backend's own quantized matmuls (where a layer has one) take
 # their GEMM, which dequantizes each tile of the weight once for every row, instead of the
