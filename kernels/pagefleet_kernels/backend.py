@@ -92,9 +92,18 @@ QuantizeActivationsOp = Callable[[torch.Tensor], torch.Tensor]
 # dtype, strided rows, inside torch.compile), and the caller multiplies another way ------
 # linear(x (M, K) float32, weight (N, K) float32 as it lies) -> (M, N)
 FewRowLinearOp = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+# The quantized matmuls' last argument, gemm_rows: from that many rows on (0: never) a GEMM
+# that dequantizes each tile of the weight once for all rows, instead of the few-row kernels.
 # int8_matmul(x (M, K), codes (N, K) int8, scales (N, K / group) float32, group,
-# int8_activations) -> (M, N): GGUF's Q8_0, w = code * scale
-Int8MatmulOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor | None]
+# int8_activations, gemm_rows) -> (M, N): GGUF's Q8_0, w = code * scale
+Int8MatmulOp = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, bool, int], torch.Tensor | None
+]
+# blocks_matmul(x (M, K), GGUF blocks of each part (N_p, row bytes) uint8, each part's type
+# id, int8_activations, gemm_rows) -> (M, sum N_p): any pagefleet_kernels.gguf_blocks type
+BlocksMatmulOp = Callable[
+    [torch.Tensor, Sequence[torch.Tensor], Sequence[int], bool, int], torch.Tensor | None
+]
 
 
 class AddLoRAOp(Protocol):
@@ -213,9 +222,10 @@ class Int4Matmul:
     is two), in float32, returned in x's dtype; with `int8_activations` x^ (see
     `layer_ops.quantize_activations_int8`) times the codes, in integer dot products."""
 
-    # (x, nibbles of each part, each part's weight_layout, group, int8_activations)
+    # (x, nibbles of each part, each part's weight_layout, group, int8_activations,
+    # gemm_rows)
     matmul: Callable[
-        [torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor], int, bool],
+        [torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor], int, bool, int],
         torch.Tensor | None,
     ]
     # A part's PyTorch scales and zeros (K / group, N, 2), w = (code - 8) * scale + zero,
@@ -230,9 +240,10 @@ class FusedDecoderLayer:
     matmuls each have a native binding: `attention_inputs(x, cos, sin)` -> q, k, v and
     `attention_outputs(x, attended)` -> the layer's output."""
 
-    # bind_linear(*, nibbles=(), scales_and_shifts=(), codes=None, scales=None, bias=None,
-    # group_size, int8_activations): one 4-bit (`Int4Matmul`'s arguments) or Q8_0
-    # (`int8_matmul`'s) weight with its bias, as the fused layer multiplies it.
+    # bind_linear(*, nibbles=(), scales_and_shifts=(), codes=None, scales=None, blocks=(),
+    # types=(), bias=None, group_size, int8_activations): one 4-bit (`Int4Matmul`'s
+    # arguments), Q8_0 (`int8_matmul`'s) or GGUF blocks (`blocks_matmul`'s) weight with its
+    # bias, as the fused layer multiplies it.
     bind_linear: Callable[..., object]
     # bind_layer(input_norm, post_attention_norm, eps, unit_offset, qkv, o, gate_up, down
     # (bind_linear's), heads, kv_heads, head_dim, gelu) -> the layer's two calls.
@@ -265,6 +276,7 @@ class KernelBackend:
     linear: FewRowLinearOp | None = None
     int4_matmul: Int4Matmul | None = None
     int8_matmul: Int8MatmulOp | None = None
+    blocks_matmul: BlocksMatmulOp | None = None
     fused_decoder_layer: FusedDecoderLayer | None = None
     # The batched LoRA operator (multi-LoRA serving); None: this backend serves no adapters.
     add_lora: AddLoRAOp | None = None
@@ -337,6 +349,7 @@ def cpu_backend() -> KernelBackend:
             "linear": cpu_layer_ops.linear,
             "int4_matmul": Int4Matmul(cpu_layer_ops.int4_matmul, cpu_layer_ops.scales_and_shifts),
             "int8_matmul": cpu_layer_ops.int8_matmul,
+            "blocks_matmul": cpu_layer_ops.blocks_matmul,
             "fused_decoder_layer": FusedDecoderLayer(
                 cpu_layer_ops.quantized_linear, cpu_layer_ops.decoder_layer
             ),

@@ -58,7 +58,7 @@ BASE_FLAGS = ("-O3", "-fopenmp", "-fno-trapping-math")
 @dataclass(frozen=True)
 class Extension:
     name: str
-    source: str  # in csrc/, compiled with the shared headers of csrc/
+    sources: tuple[str, ...]  # in csrc/, compiled with the shared headers of csrc/
     flags: tuple[str, ...]
 
 
@@ -66,11 +66,13 @@ EXTENSIONS = {
     # -ffast-math for the reductions' vectorization; NaN/inf checks stay meaningful.
     "pagefleet_paged_attention_cpu": Extension(
         "pagefleet_paged_attention_cpu",
-        "paged_attention_cpu.cpp",
+        ("paged_attention_cpu.cpp",),
         ("-ffast-math", "-fno-finite-math-only"),
     ),
     "pagefleet_layer_ops_cpu": Extension(
-        "pagefleet_layer_ops_cpu", "layer_ops_cpu.cpp", ("-ffp-contract=off",)
+        "pagefleet_layer_ops_cpu",
+        ("layer_ops_cpu.cpp", "quant_matmul_cpu.cpp"),
+        ("-ffp-contract=off",),
     ),
 }
 
@@ -136,7 +138,7 @@ def _module_name(extension: Extension, family: Family) -> str:
 
     flags = [*BASE_FLAGS, *family.flags, *extension.flags]
     digest = hashlib.sha256(f"{torch.__version__} {' '.join(flags)}".encode())
-    for path in [CSRC / extension.source, *sorted(CSRC.glob("*.h"))]:
+    for path in [*(CSRC / source for source in extension.sources), *sorted(CSRC.glob("*.h"))]:
         digest.update(path.read_bytes())
     return f"{extension.name}_{family.name}_{digest.hexdigest()[:12]}"
 
@@ -202,7 +204,7 @@ def build(name: str, family_name: str) -> Path:
             ext_modules=[
                 CppExtension(
                     module,
-                    [str(CSRC / extension.source)],
+                    [str(CSRC / source) for source in extension.sources],
                     include_dirs=[str(CSRC)],
                     extra_compile_args=[*BASE_FLAGS, *family.flags, *extension.flags],
                     extra_link_args=["-fopenmp"],

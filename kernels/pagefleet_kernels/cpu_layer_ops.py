@@ -18,7 +18,9 @@ __all__ = [
     "add_lora",
     "add_rms_norm",
     "available",
+    "blocks_matmul",
     "decoder_layer",
+    "dequantize_blocks",
     "dequantize_int4",
     "int4_matmul",
     "int8_matmul",
@@ -83,28 +85,56 @@ def dequantize_int4(nibbles, scales_and_zeros, group_size: int):
     return ext.dequantize_int4(list(nibbles), list(scales_and_zeros), group_size)
 
 
-def int4_matmul(x, nibbles, scales_and_shifts, group_size: int, int8_activations: bool = False):
+def int4_matmul(
+    x, nibbles, scales_and_shifts, group_size: int, int8_activations: bool = False, gemm_rows=0
+):
     """x (M, K) times the transpose of a 4-bit weight given as parts, summed in float32,
     returned in x's dtype; None when the extension cannot take x (the caller then
     multiplies another way). A part: its codes as nibbles (see `dequantize_int4`) and each
     output row's float32 (scale, shift) per group, (N, K / group, 2): w = code * scale +
     shift (`scales_and_shifts` turns PyTorch's layout into it). `int8_activations`: x^ (see
-    `quantize_activations_int8`) times the weight, with integer dot products."""
+    `quantize_activations_int8`) times the weight, with integer dot products. From
+    `gemm_rows` rows on (0: never) a GEMM that dequantizes each tile of the weight once for
+    every row, instead of the few-row kernels that decode it for each block of 4 rows."""
     ext = _native(x)
     if ext is None or x.dim() != 2 or x.stride(-1) != 1:
         return None
-    return ext.int4_matmul(x, list(nibbles), list(scales_and_shifts), group_size, int8_activations)
+    return ext.int4_matmul(
+        x, list(nibbles), list(scales_and_shifts), group_size, int8_activations, gemm_rows
+    )
 
 
-def int8_matmul(x, codes, scales, group_size: int, int8_activations: bool = False):
+def int8_matmul(x, codes, scales, group_size: int, int8_activations: bool = False, gemm_rows=0):
     """x (M, K) times the transpose of W given as int8 codes (N, K) with one float32 scale
     per group of inputs, (N, K / group) (GGUF's Q8_0: w = code * scale), in float32, returned
-    in x's dtype; None when the extension cannot take x. `int8_activations` as for
-    `int4_matmul`."""
+    in x's dtype; None when the extension cannot take x. `int8_activations` and
+    `gemm_rows` as for `int4_matmul`."""
     ext = _native(x)
     if ext is None or x.dim() != 2 or x.stride(-1) != 1:
         return None
-    return ext.int8_matmul(x, codes, scales, group_size, int8_activations)
+    return ext.int8_matmul(x, codes, scales, group_size, int8_activations, gemm_rows)
+
+
+def blocks_matmul(x, blocks, types, int8_activations: bool = False, gemm_rows=0):
+    """x (M, K) times the transpose of a matrix given as GGUF blocks, in parts of whole
+    output rows (`blocks[p]` (N_p, row bytes) uint8 of the file's type id `types[p]`), in
+    float32, returned in x's dtype; None when the extension cannot take x. A few rows are
+    multiplied block by block as the weights are decoded. `int8_activations` and
+    `gemm_rows` as for `int4_matmul`."""
+    ext = _native(x)
+    if ext is None or x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    return ext.blocks_matmul(x, list(blocks), list(types), int8_activations, gemm_rows)
+
+
+def dequantize_blocks(blocks, ggml_type: int, dtype=torch.float32):
+    """(..., row bytes) uint8 GGUF blocks of type id `ggml_type` -> (..., row weights) in
+    `dtype`: bit for bit `gguf.quants.dequantize`, rounded once; None when the extension
+    cannot be built."""
+    ext = _extension()
+    if ext is None:
+        return None
+    return ext.dequantize_blocks(blocks.contiguous(), ggml_type, dtype)
 
 
 def scales_and_shifts(scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -166,18 +196,29 @@ def quantized_linear(
     scales_and_shifts=(),
     codes=None,
     scales=None,
+    blocks=(),
+    types=(),
     bias=None,
-    group_size: int,
+    group_size: int = 32,
     int8_activations: bool = False,
 ):
     """A quantized linear layer bound once for `decoder_layer`: 4-bit parts (the arguments
-    of `int4_matmul`) or Q8_0 codes with their scales (those of `int8_matmul`), and a bias
-    added after the product; None when the extension cannot be built."""
+    of `int4_matmul`), Q8_0 codes with their scales (those of `int8_matmul`) or GGUF blocks
+    with their type ids (those of `blocks_matmul`), and a bias added after the product;
+    None when the extension cannot be built."""
     ext = _extension()
     if ext is None:
         return None
     return ext.QuantizedLinear(
-        list(nibbles), list(scales_and_shifts), codes, scales, bias, group_size, int8_activations
+        list(nibbles),
+        list(scales_and_shifts),
+        codes,
+        scales,
+        list(blocks),
+        list(types),
+        bias,
+        group_size,
+        int8_activations,
     )
 
 

@@ -87,20 +87,29 @@ def longrope_attention_factor(config) -> float:
     return math.sqrt(1 + math.log(factor) / math.log(config.original_max_position_embeddings))
 
 
-def write_gguf(model, path, arch: str, name: str, expert_type=None) -> None:
+def write_gguf(model, path, arch: str, name: str, expert_type=None, quantize=None) -> None:
     """`expert_type`: a gguf.GGMLQuantizationType for a mixture's stacked experts (float32
-    when None)."""
+    when None). `quantize(gguf name, data)`: (the tensor's blocks, their type) for a tensor
+    written quantized, None for one written as it is (float32)."""
     c = model.config
 
     def add_experts(tensor_name: str, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)
         if expert_type is None:
-            writer.add_tensor(tensor_name, data)
+            add(tensor_name, data)
         else:
             quantized = gguf.quants.quantize(data, expert_type)
             writer.add_tensor(
                 tensor_name, quantized, raw_shape=quantized.shape, raw_dtype=expert_type
             )
+
+    def add(tensor_name: str, data: np.ndarray) -> None:
+        quantized = None if quantize is None else quantize(tensor_name, data)
+        if quantized is None:
+            writer.add_tensor(tensor_name, data)
+        else:
+            blocks, qtype = quantized
+            writer.add_tensor(tensor_name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
 
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
@@ -165,7 +174,7 @@ def write_gguf(model, path, arch: str, name: str, expert_type=None) -> None:
             data = llama_cpp_permute(data, c.num_key_value_heads)
         elif arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1.0
-        writer.add_tensor(gguf_name, np.ascontiguousarray(data.reshape(tensor.shape)))
+        add(gguf_name, np.ascontiguousarray(data.reshape(tensor.shape)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

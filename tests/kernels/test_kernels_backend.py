@@ -31,7 +31,7 @@ from tests.kernels.kernel_batches import (
     naive_attention,
 )
 
-OPTIONAL = ("linear", "int4_matmul", "int8_matmul", "fused_decoder_layer")
+OPTIONAL = ("linear", "int4_matmul", "int8_matmul", "blocks_matmul", "fused_decoder_layer")
 # Optional ops every backend declares today (each tested in its own file).
 DECLARED_BY_EVERY_BACKEND = ("add_lora", "fused_moe")
 LAYER_OPS = ("rms_norm", "add_rms_norm", "rope", "act_and_mul")
@@ -107,6 +107,7 @@ def test_cpu_backend_declares_its_native_kernels_iff_its_extension_builds(monkey
     if native:
         assert ops.linear is cpu_layer_ops.linear
         assert ops.int8_matmul is cpu_layer_ops.int8_matmul
+        assert ops.blocks_matmul is cpu_layer_ops.blocks_matmul
         assert ops.int4_matmul.matmul is cpu_layer_ops.int4_matmul
         assert ops.int4_matmul.weight_layout is cpu_layer_ops.scales_and_shifts
         assert ops.fused_decoder_layer.bind_linear is cpu_layer_ops.quantized_linear

@@ -1,7 +1,8 @@
 // The elementwise work of a decoder layer around its matmuls, one pass each: RMSNorm (with
 // the residual add before it), rotary embedding of q and k together, the gated MLP's
-// activation times its up projection, and 4-bit weights dequantized for a large batch's
-// matmul. Eager PyTorch runs these as 4-8 ops each (the norm
+// activation times its up projection, and a decoder layer's work around its attention in two
+// calls (DecoderLayer, over the quantized matmuls of quant_matmul_cpu.cpp); the float32
+// few-row matmul and the batched LoRA operator. Eager PyTorch runs these as 4-8 ops each (the norm
 // alone: cast, square, mean, add, rsqrt, multiply, cast, multiply, plus their dispatch),
 // which at decode batch 1 costs more than the arithmetic.
 //
@@ -16,18 +17,17 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_common.h"
+#include "layer_ops_cpu.h"
 
 #include <cmath>
 #include <vector>
 
 namespace {
 
+using pagefleet::check_rows;
 using pagefleet::Elem;
+using pagefleet::grain;
 using pagefleet::round_to;
-
-// Rows per parallel chunk: enough elements (~16K) that forking threads pays off; a decode
-// step's few rows run on the calling thread.
-int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
 // out = weight * rms_norm(float(s)).to(T), or rms_norm(float(s)) * (1 + float(weight)) with
 // unit_offset (Gemma), where s is x, or round_T(x + h) stored to `sum` when h is given.
@@ -122,409 +122,6 @@ void act_and_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, in
   });
 }
 
-// out (N, K) = sum over parts of (code - 8) * scale + zero, one group of `group` inputs per
-// scale and zero, in float32, rounded to T once. A part's codes are nibbles (N, K / 2): in
-// each group, byte j holds input j in its low nibble and input j + group / 2 in its high one
-// (GGUF's own order), so both halves of a group are written as contiguous runs. Its scales
-// and zeros are (K / group, N, 2), as PyTorch's int4 matmul takes them.
-// HALF: group / 2 known at compile time (16 for GGUF's groups of 32), which lets the
-// compiler turn each half-group into one vector operation; 0: read from `group`.
-template <typename T, int64_t HALF>
-void dequantize_int4_rows(const std::vector<const uint8_t*>& nibbles,
-                          const std::vector<const T*>& scales_and_zeros, T* out, int64_t N,
-                          int64_t K, int64_t group) {
-  const int64_t half = HALF > 0 ? HALF : group / 2;
-  at::parallel_for(0, N, grain(K), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);
-    for (int64_t n = begin; n < end; ++n) {
-      std::fill(row.begin(), row.end(), 0.f);
-      for (size_t p = 0; p < nibbles.size(); ++p) {
-        for (int64_t g = 0; g < K / group; ++g) {
-          // restrict: a byte pointer may alias anything, and without it the loop stays
-          // scalar (the stores to `low` could change `codes`).
-          const uint8_t* __restrict__ codes = nibbles[p] + n * (K / 2) + g * half;
-          const T* sz = scales_and_zeros[p] + (g * N + n) * 2;
-          const float scale = Elem<T>::load(sz[0]), zero = Elem<T>::load(sz[1]);
-          float* __restrict__ low = row.data() + g * group;
-          float* __restrict__ high = low + half;
-          for (int64_t j = 0; j < half; ++j) {
-            low[j] += (static_cast<float>(codes[j] & 0x0F) - 8.f) * scale + zero;
-            high[j] += (static_cast<float>(codes[j] >> 4) - 8.f) * scale + zero;
-          }
-        }
-      }
-      T* o = out + n * K;
-      for (int64_t i = 0; i < K; ++i) o[i] = Elem<T>::store(row[i]);
-    }
-  });
-}
-
-// y (M, N) = x (M, K) W^T for a 4-bit W of one or more parts (the Q8_0 head is two), in
-// float32 whatever T is: w = q * scale + shift (shift = zero - 8 * scale), so per group of
-// 32 inputs y += sum((q * scale) x) + shift * sum(x). Each output row's (scale, shift)
-// pairs lie side by side, (N, K / 32, 2): read in PyTorch's (K / 32, N, 2) order, a row's
-// scales were K / 32 strided streams, and a step's 4-bit matmuls at one row took 1.4x
-// longer (all of SmolLM2's, int8 activations, one process). For float32 (and float16) activations,
-// where torch's int4 kernel takes a scalar path 10-40x slower than its bfloat16 one.
-// With AVX2 and FMA each group's 32 weights are unpacked into four vectors once and used
-// for up to ROWS rows of x, whose sums stay in registers (two accumulators a row, so
-// that the fused multiply-adds do not wait on each other); a plain loop otherwise.
-constexpr int64_t INT4_GROUP = 32;
-constexpr int64_t ROWS = 4;
-
-struct Int4Part {
-  const uint8_t* nibbles;  // (N, K / 2): in each group, byte j = input j low, j + 16 high
-  const float* scales_and_shifts;  // (N, K / 32, 2), float32
-};
-
-#if defined(__AVX2__) && defined(__FMA__)
-template <int64_t R>
-void int4_rows_block(const float* x, const float* xsum, const std::vector<Int4Part>& parts,
-                     float* out, int64_t N, int64_t K, int64_t n) {
-  const int64_t groups = K / INT4_GROUP;
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m256 even[R], odd[R];
-  float zeros[R];
-  for (int64_t r = 0; r < R; ++r) {
-    even[r] = odd[r] = _mm256_setzero_ps();
-    zeros[r] = 0.f;
-  }
-  for (const Int4Part& part : parts) {
-    const uint8_t* row = part.nibbles + n * (K / 2);
-    const float* sz = part.scales_and_shifts + n * groups * 2;
-    for (int64_t g = 0; g < groups; ++g, sz += 2) {
-      const __m256 scale = _mm256_set1_ps(sz[0]);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
-      const __m128i low = _mm_and_si128(bytes, mask);
-      const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-      auto weights = [&](__m128i codes) {  // 8 codes -> q * scale
-        return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)));
-      };
-      const __m256 w0 = weights(low), w1 = weights(_mm_srli_si128(low, 8));
-      const __m256 w2 = weights(high), w3 = weights(_mm_srli_si128(high, 8));
-      for (int64_t r = 0; r < R; ++r) {
-        const float* xr = x + r * K + g * INT4_GROUP;
-        even[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, even[r]);
-        odd[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, odd[r]);
-        even[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, even[r]);
-        odd[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, odd[r]);
-        zeros[r] += sz[1] * xsum[r * groups + g];
-      }
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, _mm256_add_ps(even[r], odd[r]));
-    float sum = zeros[r];
-    for (float lane : lanes) sum += lane;
-    out[r * N + n] = sum;
-  }
-}
-#endif
-
-void int4_row(const float* x, const float* xsum, const std::vector<Int4Part>& parts,
-              float* out, int64_t K, int64_t N, int64_t n) {
-  const int64_t groups = K / INT4_GROUP;
-  float sum = 0.f;
-  for (const Int4Part& part : parts) {
-    const uint8_t* row = part.nibbles + n * (K / 2);
-    const float* sz = part.scales_and_shifts + n * groups * 2;
-    for (int64_t g = 0; g < groups; ++g, sz += 2) {
-      const float* xg = x + g * INT4_GROUP;
-      float dot = 0.f;
-      for (int64_t j = 0; j < INT4_GROUP / 2; ++j) {
-        const uint8_t code = row[g * INT4_GROUP / 2 + j];
-        dot += static_cast<float>(code & 0x0F) * xg[j];
-        dot += static_cast<float>(code >> 4) * xg[INT4_GROUP / 2 + j];
-      }
-      sum += sz[0] * dot + sz[1] * xsum[g];
-    }
-  }
-  *out = sum;
-}
-
-void int4_matmul_rows(const float* x, const std::vector<Int4Part>& parts, float* out,
-                      int64_t M, int64_t N, int64_t K) {
-  const int64_t groups = K / INT4_GROUP;
-  std::vector<float> xsum(M * groups);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < INT4_GROUP; ++j) sum += x[m * K + g * INT4_GROUP + j];
-      xsum[m * groups + g] = sum;
-    }
-  }
-  // Tiles of TILE outputs: each block of ROWS rows of x (L1-sized) meets a tile's weights
-  // (a few KB) while they are in cache, instead of every output streaming all of x.
-  constexpr int64_t TILE = 64;
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / (K * M)), [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; tile += TILE) {
-      for (int64_t m = 0; m < M; m += ROWS) {
-        const float* xm = x + m * K;
-        const float* xs = xsum.data() + m * groups;
-        float* o = out + m * N;
-        for (int64_t n = tile; n < std::min(tile + TILE, end); ++n) {
-#if defined(__AVX2__) && defined(__FMA__)
-          switch (std::min(ROWS, M - m)) {
-            case 1: int4_rows_block<1>(xm, xs, parts, o, N, K, n); break;
-            case 2: int4_rows_block<2>(xm, xs, parts, o, N, K, n); break;
-            case 3: int4_rows_block<3>(xm, xs, parts, o, N, K, n); break;
-            default: int4_rows_block<4>(xm, xs, parts, o, N, K, n); break;
-          }
-#else
-          for (int64_t r = 0; r < std::min(ROWS, M - m); ++r) {
-            int4_row(xm + r * K, xs + r * groups, parts, o + r * N + n, K, N, n);
-          }
-#endif
-        }
-      }
-    }
-  });
-}
-
-// Activations rounded to int8, one scale per group of 32 inputs (llama.cpp's Q8 activations):
-// d = max |x| / 127, code = nearbyint(x * (1 / d)) (0 where d is 0), x^ = code * d. `sum`
-// holds d * (the group's codes summed), for the zero-point term. The same float32
-// operations as pagefleet_kernels.layer_ops.quantize_int8_groups, so the same codes.
-void quantize_int8_groups(const float* x, int64_t M, int64_t K, int8_t* codes, float* scale,
-                          float* sum) {
-  const int64_t groups = K / INT4_GROUP;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* __restrict__ xg = x + m * K + g * INT4_GROUP;
-      int8_t* __restrict__ cg = codes + m * K + g * INT4_GROUP;
-      float amax = 0.f;
-      for (int64_t j = 0; j < INT4_GROUP; ++j) amax = std::max(amax, std::fabs(xg[j]));
-      const float d = amax / 127.f;
-      const float inverse = d != 0.f ? 1.f / d : 0.f;
-      int32_t total = 0;
-      for (int64_t j = 0; j < INT4_GROUP; ++j) {
-        const int32_t c = static_cast<int32_t>(std::nearbyint(xg[j] * inverse));
-        cg[j] = static_cast<int8_t>(c);
-        total += c;
-      }
-      scale[m * groups + g] = d;
-      sum[m * groups + g] = d * static_cast<float>(total);
-    }
-  }
-}
-
-// y (M, N) = x^ (M, K) W^T with x^ the int8-rounded activations above and W 4-bit
-// (w = q * scale + shift, as int4_matmul_rows reads it): per group of 32,
-// y += scale * d * sum(q * code) + shift * d * sum(code), the first an integer dot product
-// (32 unsigned codes times 32 signed ones: two AVX2 instructions), as llama.cpp computes its
-// Q4 x Q8 products. Each group's 32 weight codes are unpacked once for up to ROWS rows.
-#if defined(__AVX2__) && defined(__FMA__)
-template <int64_t R>
-void int4_int8_rows_block(const int8_t* codes, const float* scale, const float* sum,
-                          const std::vector<Int4Part>& parts, float* out, int64_t N, int64_t K,
-                          int64_t n) {
-  const int64_t groups = K / INT4_GROUP;
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][2];
-  float shifts[R];
-  for (int64_t r = 0; r < R; ++r) {
-    acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    shifts[r] = 0.f;
-  }
-  for (const Int4Part& part : parts) {
-    const uint8_t* row = part.nibbles + n * (K / 2);
-    const float* sz = part.scales_and_shifts + n * groups * 2;
-    for (int64_t g = 0; g < groups; ++g, sz += 2) {
-      const float w_scale = sz[0], w_shift = sz[1];
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
-      const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
-                                         _mm_and_si128(bytes, mask));
-      for (int64_t r = 0; r < R; ++r) {
-        const __m256i xq = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(codes + r * K + g * INT4_GROUP));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), ones);
-        const float d = scale[r * groups + g];
-        acc[r][g & 1] = _mm256_fmadd_ps(_mm256_set1_ps(w_scale * d), _mm256_cvtepi32_ps(dot),
-                                        acc[r][g & 1]);
-        shifts[r] += w_shift * sum[r * groups + g];
-      }
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    out[r * N + n] = pagefleet::sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1])) + shifts[r];
-  }
-}
-#endif
-
-void int4_int8_row(const int8_t* codes, const float* scale, const float* sum,
-                   const std::vector<Int4Part>& parts, float* out, int64_t K, int64_t N,
-                   int64_t n) {
-  const int64_t groups = K / INT4_GROUP;
-  float total = 0.f;
-  for (const Int4Part& part : parts) {
-    const uint8_t* row = part.nibbles + n * (K / 2);
-    const float* sz = part.scales_and_shifts + n * groups * 2;
-    for (int64_t g = 0; g < groups; ++g, sz += 2) {
-      const int8_t* cg = codes + g * INT4_GROUP;
-      int32_t dot = 0;
-      for (int64_t j = 0; j < INT4_GROUP / 2; ++j) {
-        const uint8_t code = row[g * INT4_GROUP / 2 + j];
-        dot += (code & 0x0F) * cg[j] + (code >> 4) * cg[INT4_GROUP / 2 + j];
-      }
-      total += sz[0] * scale[g] * static_cast<float>(dot) + sz[1] * sum[g];
-    }
-  }
-  *out = total;
-}
-
-void int4_int8_matmul_rows(const float* x, const std::vector<Int4Part>& parts, float* out,
-                           int64_t M, int64_t N, int64_t K) {
-  const int64_t groups = K / INT4_GROUP;
-  std::vector<int8_t> codes(M * K);
-  std::vector<float> scale(M * groups), sum(M * groups);
-  quantize_int8_groups(x, M, K, codes.data(), scale.data(), sum.data());
-  constexpr int64_t TILE = 64;
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / (K * M)), [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; tile += TILE) {
-      for (int64_t m = 0; m < M; m += ROWS) {
-        const int8_t* cm = codes.data() + m * K;
-        const float* dm = scale.data() + m * groups;
-        const float* sm = sum.data() + m * groups;
-        float* o = out + m * N;
-        for (int64_t n = tile; n < std::min(tile + TILE, end); ++n) {
-#if defined(__AVX2__) && defined(__FMA__)
-          switch (std::min(ROWS, M - m)) {
-            case 1: int4_int8_rows_block<1>(cm, dm, sm, parts, o, N, K, n); break;
-            case 2: int4_int8_rows_block<2>(cm, dm, sm, parts, o, N, K, n); break;
-            case 3: int4_int8_rows_block<3>(cm, dm, sm, parts, o, N, K, n); break;
-            default: int4_int8_rows_block<4>(cm, dm, sm, parts, o, N, K, n); break;
-          }
-#else
-          for (int64_t r = 0; r < std::min(ROWS, M - m); ++r) {
-            int4_int8_row(cm + r * K, dm + r * groups, sm + r * groups, parts, o + r * N + n,
-                          K, N, n);
-          }
-#endif
-        }
-      }
-    }
-  });
-}
-
-// y (M, N) = x (M, K) W^T for W given as int8 codes (N, K) with one scale per group of 32
-// inputs (GGUF's Q8_0: w = code * scale), in float32. Float x: each group's codes converted
-// once for up to ROWS rows, y += scale * sum(code * x). int8_activations: x rounded as
-// above, y += scale * d * sum(code * x code), the integer dot product as llama.cpp's Q8 x Q8
-// (maddubs takes one unsigned operand: |code| against x code carrying code's sign).
-#if defined(__AVX2__) && defined(__FMA__)
-template <int64_t R>
-void int8_rows_block(const float* x, const int8_t* w, const float* w_scale, float* out,
-                     int64_t N, int64_t K, int64_t n) {
-  const int64_t groups = K / INT4_GROUP;
-  __m256 acc[R][2];
-  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int8_t* row = w + n * K;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 wf[4];
-    for (int64_t i = 0; i < 4; ++i) {
-      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + g * 32 + i * 8));
-      wf[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
-    }
-    const __m256 scale = _mm256_set1_ps(w_scale[n * groups + g]);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* xr = x + r * K + g * INT4_GROUP;
-      __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(xr), wf[0]);
-      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), wf[1], dot);
-      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), wf[2], dot);
-      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), wf[3], dot);
-      acc[r][g & 1] = _mm256_fmadd_ps(scale, dot, acc[r][g & 1]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) out[r * N + n] = pagefleet::sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1]));
-}
-
-template <int64_t R>
-void int8_int8_rows_block(const int8_t* codes, const float* scale, const int8_t* w,
-                          const float* w_scale, float* out, int64_t N, int64_t K, int64_t n) {
-  const int64_t groups = K / INT4_GROUP;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][2];
-  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int8_t* row = w + n * K;
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32));
-    const __m256i magnitude = _mm256_sign_epi8(wq, wq);
-    const float ws = w_scale[n * groups + g];
-    for (int64_t r = 0; r < R; ++r) {
-      const __m256i xq = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(codes + r * K + g * INT4_GROUP));
-      const __m256i dot =
-          _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, wq)), ones);
-      acc[r][g & 1] = _mm256_fmadd_ps(_mm256_set1_ps(ws * scale[r * groups + g]),
-                                      _mm256_cvtepi32_ps(dot), acc[r][g & 1]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) out[r * N + n] = pagefleet::sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1]));
-}
-#endif
-
-// One output of one row, without AVX2/FMA: x_codes null for float x.
-float int8_dot(const float* x, const int8_t* x_codes, const float* x_scale, const int8_t* w,
-               const float* w_scale, int64_t K) {
-  float total = 0.f;
-  for (int64_t g = 0; g < K / INT4_GROUP; ++g) {
-    float dot = 0.f;
-    int32_t idot = 0;
-    for (int64_t j = g * INT4_GROUP; j < (g + 1) * INT4_GROUP; ++j) {
-      if (x_codes) idot += static_cast<int32_t>(w[j]) * x_codes[j];
-      else dot += static_cast<float>(w[j]) * x[j];
-    }
-    total += x_codes ? w_scale[g] * x_scale[g] * static_cast<float>(idot) : w_scale[g] * dot;
-  }
-  return total;
-}
-
-void int8_matmul_rows(const float* x, const int8_t* w, const float* w_scale, float* out,
-                      int64_t M, int64_t N, int64_t K, bool int8_activations) {
-  const int64_t groups = K / INT4_GROUP;
-  std::vector<int8_t> codes(int8_activations ? M * K : 0);
-  std::vector<float> scale(int8_activations ? M * groups : 0), sum(scale.size());
-  if (int8_activations) quantize_int8_groups(x, M, K, codes.data(), scale.data(), sum.data());
-  constexpr int64_t TILE = 64;
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / (K * M)), [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; tile += TILE) {
-      for (int64_t m = 0; m < M; m += ROWS) {
-        const int64_t rows = std::min(ROWS, M - m);
-        const float* xm = x + m * K;
-        const int8_t* cm = int8_activations ? codes.data() + m * K : nullptr;
-        const float* dm = int8_activations ? scale.data() + m * groups : nullptr;
-        float* o = out + m * N;
-        for (int64_t n = tile; n < std::min(tile + TILE, end); ++n) {
-#if defined(__AVX2__) && defined(__FMA__)
-          if (int8_activations) {
-            switch (rows) {
-              case 1: int8_int8_rows_block<1>(cm, dm, w, w_scale, o, N, K, n); break;
-              case 2: int8_int8_rows_block<2>(cm, dm, w, w_scale, o, N, K, n); break;
-              case 3: int8_int8_rows_block<3>(cm, dm, w, w_scale, o, N, K, n); break;
-              default: int8_int8_rows_block<4>(cm, dm, w, w_scale, o, N, K, n); break;
-            }
-          } else {
-            switch (rows) {
-              case 1: int8_rows_block<1>(xm, w, w_scale, o, N, K, n); break;
-              case 2: int8_rows_block<2>(xm, w, w_scale, o, N, K, n); break;
-              case 3: int8_rows_block<3>(xm, w, w_scale, o, N, K, n); break;
-              default: int8_rows_block<4>(xm, w, w_scale, o, N, K, n); break;
-            }
-          }
-#else
-          for (int64_t r = 0; r < rows; ++r) {
-            o[r * N + n] = int8_dot(xm + r * K, cm ? cm + r * K : nullptr,
-                                    dm ? dm + r * groups : nullptr, w + n * K,
-                                    w_scale + n * groups, K);
-          }
-#endif
-        }
-      }
-    }
-  });
-}
 
 // y (M, N) = x (M, K) W^T for a float32 W (N, K) and a few rows of x (a decode step's):
 // bound by reading W, which oneDNN's prepacked matmul read at 10-12 GB/s at one row (half
@@ -676,17 +273,6 @@ void add_lora_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride,
   });
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
-}
-
-#define PAGEFLEET_DISPATCH(dtype, ...)                                            \
-  switch (dtype) {                                                                \
-    case torch::kFloat32: { using T = float; __VA_ARGS__; break; }               \
-    case torch::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; }       \
-    case torch::kFloat16: { using T = c10::Half; __VA_ARGS__; break; }            \
-    default: TORCH_CHECK(false, "dtype ", dtype, " is not float32, bfloat16 or float16"); \
-  }
 
 }  // namespace
 
@@ -757,130 +343,25 @@ torch::Tensor act_and_mul(const torch::Tensor& gate_up, bool gelu) {
   return out;
 }
 
-// (nibbles [(N, K / 2) uint8], scales_and_zeros [(K / group, N, 2)], group) -> the
-// weight (N, K) in the scales' dtype, the parts summed (a Q8_0 matrix is two int4 parts).
-torch::Tensor dequantize_int4(std::vector<torch::Tensor> nibbles,
-                              std::vector<torch::Tensor> scales_and_zeros, int64_t group) {
-  TORCH_CHECK(!nibbles.empty() && nibbles.size() == scales_and_zeros.size(),
-              "one scales_and_zeros tensor per nibbles tensor");
-  const int64_t N = nibbles[0].size(0), K = 2 * nibbles[0].size(1);
-  TORCH_CHECK(group % 2 == 0 && K % group == 0, "group must be even and divide K");
-  const auto dtype = scales_and_zeros[0].scalar_type();
-  for (size_t p = 0; p < nibbles.size(); ++p) {
-    TORCH_CHECK(nibbles[p].scalar_type() == torch::kUInt8 && nibbles[p].is_contiguous() &&
-                    nibbles[p].size(0) == N && nibbles[p].size(1) == K / 2,
-                "nibbles must be contiguous uint8 (N, K / 2), alike for every part");
-    const auto& sz = scales_and_zeros[p];
-    TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == dtype && sz.dim() == 3 &&
-                    sz.size(0) == K / group && sz.size(1) == N && sz.size(2) == 2,
-                "scales_and_zeros must be contiguous (K / group, N, 2) of one dtype");
-  }
-  auto out = torch::empty({N, K}, scales_and_zeros[0].options());
-  std::vector<const uint8_t*> codes;
-  for (const auto& t : nibbles) codes.push_back(t.data_ptr<uint8_t>());
-  PAGEFLEET_DISPATCH(dtype, {
-    std::vector<const T*> sz;
-    for (const auto& t : scales_and_zeros) sz.push_back(t.data_ptr<T>());
-    if (group == 32) {
-      dequantize_int4_rows<T, 16>(codes, sz, out.data_ptr<T>(), N, K, group);
-    } else {
-      dequantize_int4_rows<T, 0>(codes, sz, out.data_ptr<T>(), N, K, group);
-    }
-  });
-  return out;
-}
 
-// (x (M, K), 4-bit parts: nibbles as for dequantize_int4 with each output row's float32
-// (scale, shift) pairs, (N, K / group, 2), w = q * scale + shift) -> x W^T (M, N) in x's
-// dtype, computed in float32; with int8_activations, x^ W^T (x rounded to int8 codes per
-// group of 32, integer dot products: int4_int8_matmul_rows).
-torch::Tensor int4_matmul(const torch::Tensor& x, const std::vector<torch::Tensor>& nibbles,
-                          const std::vector<torch::Tensor>& scales_and_shifts, int64_t group,
-                          bool int8_activations) {
-  check_rows(x, "x");
-  TORCH_CHECK(group == INT4_GROUP, "int4_matmul takes groups of 32 inputs (GGUF's), not ", group);
-  TORCH_CHECK(!nibbles.empty() && nibbles.size() == scales_and_shifts.size(),
-              "one scales_and_shifts tensor per nibbles tensor");
-  const int64_t M = x.size(0), N = nibbles[0].size(0), K = 2 * nibbles[0].size(1);
-  TORCH_CHECK(x.size(1) == K && K % group == 0, "x has ", x.size(1), " columns, the weight ", K);
-  std::vector<Int4Part> parts;
-  for (size_t p = 0; p < nibbles.size(); ++p) {
-    TORCH_CHECK(nibbles[p].scalar_type() == torch::kUInt8 && nibbles[p].is_contiguous() &&
-                    nibbles[p].size(0) == N && nibbles[p].size(1) == K / 2,
-                "nibbles must be contiguous uint8 (N, K / 2), alike for every part");
-    const auto& sz = scales_and_shifts[p];
-    TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == torch::kFloat32 && sz.dim() == 3 &&
-                    sz.size(0) == N && sz.size(1) == K / group && sz.size(2) == 2,
-                "scales_and_shifts must be contiguous float32 (N, K / group, 2)");
-    parts.push_back({nibbles[p].data_ptr<uint8_t>(), sz.data_ptr<float>()});
-  }
-  const auto xf = x.to(torch::kFloat32).contiguous();
-  auto out = torch::empty({M, N}, xf.options());
-  if (int8_activations) {
-    int4_int8_matmul_rows(xf.data_ptr<float>(), parts, out.data_ptr<float>(), M, N, K);
-  } else {
-    int4_matmul_rows(xf.data_ptr<float>(), parts, out.data_ptr<float>(), M, N, K);
-  }
-  return out.to(x.scalar_type());
-}
-
-// x (M, K) float32 -> x^ (M, K): each group of 32 inputs rounded to int8 codes with one
-// scale (quantize_int8_groups), returned as code * scale: what int4_matmul multiplies with
-// int8_activations, for the products that dequantize the weight instead (wide batches).
-torch::Tensor quantize_activations_int8(torch::Tensor x) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "quantize_activations_int8 takes float32");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % INT4_GROUP == 0, "x has ", K, " columns, not a multiple of ", INT4_GROUP);
-  const auto xc = x.contiguous();
-  auto out = torch::empty_like(xc);
-  const float* in = xc.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, M, grain(K), [&](int64_t begin, int64_t end) {
-    std::vector<int8_t> codes(K);
-    std::vector<float> scale(K / INT4_GROUP), sum(K / INT4_GROUP);
-    for (int64_t m = begin; m < end; ++m) {
-      quantize_int8_groups(in + m * K, 1, K, codes.data(), scale.data(), sum.data());
-      for (int64_t j = 0; j < K; ++j) o[m * K + j] = static_cast<float>(codes[j]) * scale[j / INT4_GROUP];
-    }
-  });
-  return out;
-}
-
-// (x (M, K), codes (N, K) int8, scales (N, K / group) float32) -> x W^T (M, N) in x's dtype
-// for w = code * scale (GGUF's Q8_0), computed in float32; int8_activations as int4_matmul.
-torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& scales, int64_t group, bool int8_activations) {
-  check_rows(x, "x");
-  TORCH_CHECK(group == INT4_GROUP, "int8_matmul takes groups of 32 inputs (GGUF's), not ", group);
-  const int64_t M = x.size(0), N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.dim() == 2,
-              "codes must be contiguous int8 (N, K)");
-  TORCH_CHECK(x.size(1) == K && K % group == 0, "x has ", x.size(1), " columns, the weight ", K);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
-                  scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group,
-              "scales must be contiguous float32 (N, K / group)");
-  const auto xf = x.to(torch::kFloat32).contiguous();
-  auto out = torch::empty({M, N}, xf.options());
-  int8_matmul_rows(xf.data_ptr<float>(), codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                   out.data_ptr<float>(), M, N, K, int8_activations);
-  return out.to(x.scalar_type());
-}
-
-// A linear layer kept quantized, as QuantizedLinear binds it for the matmuls above: 4-bit
-// parts, or Q8_0's codes with their scales (`codes` defined); a bias added after, as
-// QuantizedLinear adds it.
+// A linear layer kept quantized, as QuantizedLinear binds it for the matmuls of
+// quant_matmul_cpu.cpp: 4-bit parts, Q8_0's codes with their scales (`codes` defined), or GGUF
+// blocks of one or more types (`blocks`); a bias added after, as QuantizedLinear adds it.
 struct QuantizedLinear {
   std::vector<torch::Tensor> nibbles, scales_and_shifts;
   torch::Tensor codes, scales;
+  std::vector<torch::Tensor> blocks;
+  std::vector<int64_t> types;
   c10::optional<torch::Tensor> bias;
   int64_t group;
   bool int8_activations;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y = codes.defined()
-                          ? int8_matmul(x, codes, scales, group, int8_activations)
-                          : int4_matmul(x, nibbles, scales_and_shifts, group, int8_activations);
+    torch::Tensor y =
+        !blocks.empty() ? pagefleet::blocks_matmul(x, blocks, types, int8_activations, 0)
+        : codes.defined()
+            ? pagefleet::int8_matmul(x, codes, scales, group, int8_activations, 0)
+            : pagefleet::int4_matmul(x, nibbles, scales_and_shifts, group, int8_activations, 0);
     return bias ? y + *bias : y;
   }
 };
@@ -986,30 +467,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm of the sum (CPU)");
   m.def("rope", &rope, "rotary embedding of (T, H, D) (CPU)");
   m.def("act_and_mul", &act_and_mul, "SiLU or GELU-tanh of the gate times up (CPU)");
-  m.def("dequantize_int4", &dequantize_int4, "4-bit weights (one or more parts) to a matrix");
-  m.def("int4_matmul", &int4_matmul, "x times a 4-bit weight (one or more parts), in float32",
-        py::arg("x"), py::arg("nibbles"), py::arg("scales_and_shifts"), py::arg("group"),
-        py::arg("int8_activations") = false);
-  m.def("int8_matmul", &int8_matmul, "x times an int8 weight with a scale per 32 inputs",
-        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("group"),
-        py::arg("int8_activations") = false);
-  m.def("quantize_activations_int8", &quantize_activations_int8,
+  m.def("dequantize_int4", &pagefleet::dequantize_int4,
+        "4-bit weights (one or more parts) to a matrix");
+  m.def("int4_matmul", &pagefleet::int4_matmul,
+        "x times a 4-bit weight (one or more parts), in float32", py::arg("x"),
+        py::arg("nibbles"), py::arg("scales_and_shifts"), py::arg("group"),
+        py::arg("int8_activations") = false, py::arg("gemm_rows") = 0);
+  m.def("int8_matmul", &pagefleet::int8_matmul,
+        "x times an int8 weight with a scale per 32 inputs", py::arg("x"), py::arg("codes"),
+        py::arg("scales"), py::arg("group"), py::arg("int8_activations") = false,
+        py::arg("gemm_rows") = 0);
+  m.def("quantize_activations_int8", &pagefleet::quantize_activations_int8,
         "x rounded to int8 per group of 32 inputs, as code * scale (CPU)");
+  m.def("dequantize_blocks", &pagefleet::dequantize_blocks,
+        "GGUF blocks to their weights, bit for bit gguf's", py::arg("blocks"), py::arg("type"),
+        py::arg("dtype"));
+  m.def("blocks_matmul", &pagefleet::blocks_matmul,
+        "x times GGUF blocks (one or more parts of any block type), in float32", py::arg("x"),
+        py::arg("blocks"), py::arg("types"), py::arg("int8_activations") = false,
+        py::arg("gemm_rows") = 0);
   py::class_<QuantizedLinear>(m, "QuantizedLinear")
       .def(py::init([](std::vector<torch::Tensor> nibbles,
                        std::vector<torch::Tensor> scales_and_shifts, c10::optional<torch::Tensor> codes,
-                       c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> bias,
+                       c10::optional<torch::Tensor> scales, std::vector<torch::Tensor> blocks,
+                       std::vector<int64_t> types, c10::optional<torch::Tensor> bias,
                        int64_t group, bool int8_activations) {
-             TORCH_CHECK(codes.has_value() == scales.has_value() &&
-                             codes.has_value() != !nibbles.empty(),
-                         "a QuantizedLinear is 4-bit parts or Q8_0 codes with scales");
+             const int kinds = !nibbles.empty() + codes.has_value() + !blocks.empty();
+             TORCH_CHECK(codes.has_value() == scales.has_value() && kinds == 1 &&
+                             blocks.size() == types.size(),
+                         "a QuantizedLinear is 4-bit parts, Q8_0 codes with scales, or GGUF "
+                         "blocks with their types");
              return QuantizedLinear{std::move(nibbles), std::move(scales_and_shifts),
                                     codes.value_or(torch::Tensor()),
-                                    scales.value_or(torch::Tensor()), std::move(bias), group,
-                                    int8_activations};
+                                    scales.value_or(torch::Tensor()), std::move(blocks),
+                                    std::move(types), std::move(bias), group, int8_activations};
            }),
            py::arg("nibbles"), py::arg("scales_and_shifts"), py::arg("codes"), py::arg("scales"),
-           py::arg("bias"), py::arg("group"), py::arg("int8_activations"))
+           py::arg("blocks"), py::arg("types"), py::arg("bias"), py::arg("group"),
+           py::arg("int8_activations"))
       .def("__call__", &QuantizedLinear::operator());
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init<torch::Tensor, torch::Tensor, double, bool, QuantizedLinear, QuantizedLinear,

@@ -2,9 +2,9 @@
 checkpoint holds them, and read only where a loader takes them.
 
 A loader hands each parameter's `weight_loader(param, weight, shard_id)` the checkpoint's
-full tensor: a torch tensor, a `QuantizedWeight` (kept quantized), or a lazy one that has
-not been read yet (`LazyWeight`: a safetensors slice, a GGUF tensor's mapped blocks, a
-whole tensor whose read is scheduled). The weight loader cuts its rank's part (`cut`:
+full tensor: a torch tensor, a `QuantizedWeight` or a `BlockWeight` (kept quantized), or a
+lazy one that has not been read yet (`LazyWeight`: a safetensors slice, a GGUF tensor's
+mapped blocks, a whole tensor whose read is scheduled). The weight loader cuts its rank's part (`cut`:
 a lazy tensor reads only those bytes) and writes it into its place (`load_into`), or keeps
 a quantized one as it is (`is_kept_quantized`, `load`).
 """
@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from pagefleet_serve.model.block_weight import BlockWeight
 from pagefleet_serve.model.quant import QuantizedWeight
 
 Ranges = list[tuple[int, int]]
@@ -27,7 +28,7 @@ class LazyWeight(Protocol):
 
     @property
     def kept_quantized(self) -> bool:
-        """Whether `load` gives a QuantizedWeight (the checkpoint's own codes)."""
+        """Whether `load` gives a quantized weight (the checkpoint's own codes)."""
 
     def cut(self, dim: int, ranges: Ranges) -> "LazyWeight":
         """The `ranges` along `dim`, joined; nothing is read."""
@@ -35,13 +36,15 @@ class LazyWeight(Protocol):
     def dequantized(self) -> "LazyWeight":
         """The same tensor, loaded as floats even where it would be kept quantized."""
 
-    def load(self, dtype: torch.dtype) -> "torch.Tensor | QuantizedWeight": ...
+    def load(self, dtype: torch.dtype) -> "torch.Tensor | Quantized": ...
 
     def load_into(self, out: torch.Tensor) -> None:
         """Read the tensor into `out` (of its shape), converted to `out`'s dtype."""
 
 
-Weight = torch.Tensor | QuantizedWeight | LazyWeight
+# A matrix kept quantized: 4/8-bit codes with scales, or GGUF's blocks as the file has them.
+Quantized = QuantizedWeight | BlockWeight
+Weight = torch.Tensor | Quantized | LazyWeight
 
 
 def take(source, dim: int, ranges: Ranges, cat=torch.cat):
@@ -56,15 +59,24 @@ def shape_of(weight: Weight) -> tuple[int, ...]:
 
 
 def is_kept_quantized(weight: Weight) -> bool:
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, (QuantizedWeight, BlockWeight)):
         return True
     return isinstance(weight, LazyWeight) and weight.kept_quantized
+
+
+def is_kept_in_blocks(weight: Weight) -> bool:
+    """Whether `load` gives a BlockWeight (a K-quant GGUF's blocks as the file has them)."""
+    if isinstance(weight, BlockWeight):
+        return True
+    return is_kept_quantized(weight) and getattr(weight, "as_blocks", False)
 
 
 def cut(weight: Weight, dim: int, ranges: Ranges) -> Weight:
     """This rank's part of `weight`."""
     if isinstance(weight, QuantizedWeight):
         return _cut_quantized(weight, dim, ranges)
+    if isinstance(weight, BlockWeight):
+        return weight.cut(dim, ranges)
     if isinstance(weight, torch.Tensor):
         return take(weight, dim, ranges)
     return weight.cut(dim, ranges)
@@ -72,16 +84,16 @@ def cut(weight: Weight, dim: int, ranges: Ranges) -> Weight:
 
 def dequantized(weight: Weight) -> Weight:
     """`weight` as floats (a quantized one expanded; a lazy one loaded as floats)."""
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, (QuantizedWeight, BlockWeight)):
         return weight.dequantize()
     if isinstance(weight, torch.Tensor):
         return weight
     return weight.dequantized()
 
 
-def load(weight: Weight, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
-    """The tensor (or the QuantizedWeight) itself, read now."""
-    if isinstance(weight, (torch.Tensor, QuantizedWeight)):
+def load(weight: Weight, dtype: torch.dtype) -> torch.Tensor | Quantized:
+    """The tensor (or the quantized weight) itself, read now."""
+    if isinstance(weight, (torch.Tensor, QuantizedWeight, BlockWeight)):
         return weight
     return weight.load(dtype)
 

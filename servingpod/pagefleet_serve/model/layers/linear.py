@@ -21,15 +21,22 @@ at load (`finish_loading`), or after it (`prepack`, `quantize_int8`).
 
 import torch
 import torch.nn.functional as F
+from pagefleet_kernels.gguf_blocks import dequantize_blocks
 from torch import nn
 
+from pagefleet_serve.model.block_weight import BlockWeight
 from pagefleet_serve.model.context import current_context
-from pagefleet_serve.model.layers.linear_methods import PrepackedLinear, quantized_linear
-from pagefleet_serve.model.quant import QuantizedWeight, quantize_int8
+from pagefleet_serve.model.layers.linear_methods import (
+    BlockLinear,
+    PrepackedLinear,
+    quantized_linear,
+)
+from pagefleet_serve.model.quant import quantize_int8
 from pagefleet_serve.model.weights import (
     Ranges,
     Weight,
     cut,
+    is_kept_in_blocks,
     is_kept_quantized,
     load,
     load_into,
@@ -73,7 +80,7 @@ class LinearBase(nn.Module):
         self.bias = parameter((out_features,), self.weight_loader, dtype) if bias else None
         # A format other than a float matrix as it lies (see the module docstring).
         self.method: nn.Module | None = None
-        self._quantized: dict = {}  # shard id -> QuantizedWeight, until `finish_loading`
+        self._quantized: dict = {}  # shard id -> its quantized weight, until `finish_loading`
         self._bind()
 
     @property
@@ -141,7 +148,7 @@ class LinearBase(nn.Module):
         if missing:
             raise ValueError(f"a fused matrix has quantized parts without parts {missing}")
         parts = [self._quantized.pop(s) for s in shard_ids]
-        weight = parts[0] if len(parts) == 1 else QuantizedWeight.cat_rows(parts)
+        weight = parts[0] if len(parts) == 1 else type(parts[0]).cat_rows(parts)
         self.use_method(quantized_linear(weight, self.bias_term, self.backend))
 
     def prepack(self) -> bool:
@@ -280,7 +287,9 @@ class RowParallelLinear(LinearBase):
 class VocabParallelEmbedding(nn.Module):
     """The embedding table: a rank looks up its part of the vocabulary (zero rows for the
     other ranks' ids), summed over the ranks. A quantized table is expanded at load: a
-    lookup reads a few rows, not the whole table."""
+    lookup reads a few rows, not the whole table; except GGUF blocks (a K-quant file's
+    table, on one rank), kept as the file holds them and the looked-up rows dequantized
+    (bit for bit gguf's weights), so that a Q4_K_M model is not its float table."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -291,8 +300,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = parameter(
             (self.num_embeddings, hidden_size), self.weight_loader, context.dtype
         )
+        self.blocks: BlockWeight | None = None  # the table in GGUF blocks, one part
+        self.dtype = context.dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            rows, type_name = self.blocks.parts[0]
+            return dequantize_blocks(rows[input_ids], type_name, self.dtype)
         if not self.parallel.parallel:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.first
@@ -303,7 +317,21 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, weight: Weight, shard_id=None) -> None:
         if self.parallel.parallel:
             weight = cut(weight, 0, [(self.first, self.first + self.num_embeddings)])
+        elif is_kept_in_blocks(weight):
+            blocks = load(weight, param.dtype)
+            assert isinstance(blocks, BlockWeight)
+            self.blocks = blocks
+            del self.weight
+            return
         load_into(weight, param.data)
+
+    def share_blocks(self, head: BlockWeight) -> None:
+        """Look up the rows of `head`'s blocks, a tied head's copy of this table, and hold
+        none of its own."""
+        if self.blocks is not None and len(self.blocks.parts) == len(head.parts) == 1:
+            (mine, kind), (theirs, their_kind) = self.blocks.parts[0], head.parts[0]
+            if kind == their_kind and torch.equal(mine, theirs):
+                self.blocks = head
 
 
 class ParallelLMHead(ColumnParallelLinear):
@@ -332,6 +360,8 @@ class ParallelLMHead(ColumnParallelLinear):
         quantized codes)."""
         if self.method is None:
             self.weight = embedding.weight
+        elif isinstance(self.method, BlockLinear):
+            embedding.share_blocks(self.method.weight())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(rows, vocab) float32 logits; under tensor parallelism on rank 0 only (gathered

@@ -9,6 +9,8 @@ linear layer (`layers.linear`) whose weight is not a float matrix as it lies.
 - `Int4Linear`: 4-bit codes (GGUF's Q4_0/Q4_1); `Q8_0Linear`: GGUF's Q8_0, held as two
   4-bit parts (see `pagefleet_serve.model.quant`) plus, where the backend multiplies Q8_0
   codes itself, those codes.
+- `BlockLinear`: GGUF blocks as the file holds them (the K-quants, IQ4; see
+  `pagefleet_serve.model.block_weight`), multiplied by the backend's `blocks_matmul`.
 
 A layer is built with a float weight; a quantized matrix the loader hands it makes it use
 the quantized class of its format (`quantized_linear`), and prepacking a float one
@@ -19,11 +21,15 @@ by the rows' count and dtype alone; which kernels it calls comes from the
 tensors change (`.to()`, int8 activations, compilation), never per call.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from pagefleet_kernels.backend import KernelBackend
+from pagefleet_kernels.gguf_blocks import GGUF_BLOCK_TYPES
 from torch import nn
 
+from pagefleet_serve.model.block_weight import BlockWeight
 from pagefleet_serve.model.quant import INT4_OFFSET, QuantizedWeight
 
 # The batch size oneDNN is told to expect when a weight is prepacked; any batch runs. 64
@@ -41,10 +47,19 @@ DEQUANTIZE_ROWS = 64
 # The same for float32 activations, which torch's int4 matmul takes through a scalar path
 # (a 1536 x 576 matrix at one row: 1,129 us against 75 in bfloat16 on an AVX2 machine; 67
 # ms at 64 rows). They go to the backend's own `int4_matmul` when it has one (the C++ CPU
-# ops: 57 us there, 1.3x faster than the float32 matrix at one row, even at eight) and
-# are dequantized from this many rows on, where oneDNN's float GEMM pulls ahead (0.8 ms
-# against 0.4 at 32 rows). The fused decoder layer, made of those matmuls, takes fewer.
+# ops: 57 us there, 1.3x faster than the float32 matrix at one row, even at eight), whose
+# GEMM takes over from NATIVE_GEMM_ROWS on; without it they are dequantized from this many
+# rows on, where oneDNN's float GEMM pulls ahead of the few-row kernel (0.8 ms against 0.4
+# at 32 rows). The fused decoder layer, made of those matmuls, takes fewer.
 DEQUANTIZE_ROWS_FLOAT32 = 16
+# From this many rows on, the backend's own quantized matmuls (where a layer has one) take
+# their GEMM, which dequantizes each tile of the weight once for every row, instead of the
+# few-row kernels, which decode it again for every 4 rows (benchmarks/bench_weight_quant.py
+# --matmul measures the crossover; docs/performance.md). Such a layer multiplies a wide
+# batch with it too, instead of dequantizing the whole matrix into memory for a float
+# GEMM. The same count as DEQUANTIZE_ROWS_FLOAT32, so that the fused decoder layer, which
+# takes fewer rows, multiplies as the layers do.
+NATIVE_GEMM_ROWS = DEQUANTIZE_ROWS_FLOAT32
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -103,10 +118,10 @@ class QuantizedLinear(nn.Module):
     """What the quantized formats share: their shape, the bias (added after the product),
     and no binding for a fused decoder layer unless the format has a native matmul."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: QuantizedWeight | BlockWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.group_size = weight.group_size
+        self.group_size = getattr(weight, "group_size", 32)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def fused_binding(self):
@@ -116,10 +131,12 @@ class QuantizedLinear(nn.Module):
 
 
 def quantized_linear(
-    weight: QuantizedWeight, bias: torch.Tensor | None, backend: KernelBackend
+    weight: QuantizedWeight | BlockWeight, bias: torch.Tensor | None, backend: KernelBackend
 ) -> QuantizedLinear:
     """The layer of `weight`'s format. Its tensors are buffers, not parameters, and not in
     the state dict: built from the checkpoint's codes at load, never loaded by name."""
+    if isinstance(weight, BlockWeight):
+        return BlockLinear(weight, bias, backend)
     if weight.codes.dtype == torch.float8_e4m3fn:
         return Fp8Linear(weight, bias)
     if weight.bits == 4:
@@ -214,7 +231,32 @@ def _codes(nibbles: torch.Tensor, group: int) -> torch.Tensor:
     return torch.cat((halves & 0x0F, halves >> 4), dim=-1).flatten(1)
 
 
-class Int4Linear(QuantizedLinear):
+class BoundLinear(QuantizedLinear):
+    """A format whose product its `_bind` binds once for the current tensors and settings
+    (int8 activations, compilation), and binds again when they change."""
+
+    int8_activations = False
+    # Inside torch.compile the backend's native kernels are opaque: torch's own multiply.
+    compiled = False
+    _bind: Callable[[], None]
+
+    def round_activations_to_int8(self) -> None:
+        """From now on, multiply x^ (see the class) instead of x."""
+        self.int8_activations = True
+        self._bind()
+
+    def prepare_for_compile(self) -> None:
+        """Multiply with PyTorch's own kernels, which torch.compile traces."""
+        self.compiled = True
+        self._bind()
+
+    def _apply(self, fn, recurse=True):  # .to() and the like: new tensors, a new binding
+        super()._apply(fn, recurse)
+        self._bind()
+        return self
+
+
+class Int4Linear(BoundLinear):
     """4-bit codes in one or more parts summed (a Q8_0 matrix is two), held as nibbles with
     PyTorch's scales and zeros: (parts, N, K / 2) and (parts, K / group, N, 2).
 
@@ -226,8 +268,9 @@ class Int4Linear(QuantizedLinear):
     (the backend's `dequantize_int4`) and multiplied as a float matrix: 4-bit weights take
     one byte per weight instead of half a byte, still half of bfloat16's. Float32 rows,
     which PyTorch's int4 matmul takes through a slow scalar path, go to the backend's own
-    `int4_matmul` (the C++ CPU ops) instead, below `DEQUANTIZE_ROWS_FLOAT32` rows: with
-    that kernel the layer keeps its (scale, shift) layout and no packed copy.
+    `int4_matmul` (the C++ CPU ops) instead at every batch size (its GEMM from
+    `NATIVE_GEMM_ROWS` rows on: no dequantized matrix in memory): with that kernel the
+    layer keeps its (scale, shift) layout and no packed copy.
 
     With `int8_activations` every product of the 4-bit weight takes x^, the activations
     rounded to int8 with one scale per 32 inputs (`quantize_activations_int8`), instead of
@@ -236,9 +279,6 @@ class Int4Linear(QuantizedLinear):
     other paths (wide batches, other backends) round x first, so every batch size computes
     with the same x^."""
 
-    int8_activations = False
-    # Inside torch.compile the backend's native kernels are opaque: torch's own multiply.
-    compiled = False
     # The few-row kernels' layouts, built by `_bind` for the kernel it binds, None else:
     # torch's packed parts, or the backend's (scale, shift) pairs per part.
     LAYOUTS = ("packed", "scales_and_shifts")
@@ -264,7 +304,8 @@ class Int4Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         wide = DEQUANTIZE_ROWS_FLOAT32 if flat.dtype == torch.float32 else DEQUANTIZE_ROWS
-        y = self._few_rows(flat) if flat.shape[0] < wide else None
+        native = self._weights is not None  # the backend's matmul: its own GEMM when wide
+        y = self._few_rows(flat) if native or flat.shape[0] < wide else None
         if y is None:  # a wide batch, or rows the native kernel does not take (strided)
             if self.int8_activations:
                 flat = self.backend.quantize_activations_int8(flat)
@@ -276,21 +317,6 @@ class Int4Linear(QuantizedLinear):
     def dequantized(self) -> torch.Tensor:
         """The weight (its parts summed) as a float matrix in the scales' dtype."""
         return self.backend.dequantize_int4(*self._parts, self.group_size)
-
-    def round_activations_to_int8(self) -> None:
-        """From now on, multiply x^ (see the class) instead of x."""
-        self.int8_activations = True
-        self._bind()
-
-    def prepare_for_compile(self) -> None:
-        """Multiply with PyTorch's own kernels, which torch.compile traces."""
-        self.compiled = True
-        self._bind()
-
-    def _apply(self, fn, recurse=True):  # .to() and the like: new tensors, a new binding
-        super()._apply(fn, recurse)
-        self._bind()
-        return self
 
     def _native_weights(self) -> dict | None:
         """The backend's own matmul for these weights: its layout, built here once, as the
@@ -316,7 +342,7 @@ class Int4Linear(QuantizedLinear):
             self.int8_activations,
         )
         nibbles, shifts = weights["nibbles"], weights["scales_and_shifts"]
-        return lambda flat: matmul(flat, nibbles, shifts, group, int8)
+        return lambda flat: matmul(flat, nibbles, shifts, group, int8, NATIVE_GEMM_ROWS)
 
     def _bind(self) -> None:
         """Choose the few-row kernel for the current tensors and settings, keep its layout
@@ -407,13 +433,78 @@ class Q8_0Linear(Int4Linear):
             return super()._native_matmul(weights)
         matmul, group, int8 = self.backend.int8_matmul, self.group_size, self.int8_activations
         codes, scales = weights["codes"], weights["scales"]
-        return lambda flat: matmul(flat, codes, scales, group, int8)
+        return lambda flat: matmul(flat, codes, scales, group, int8, NATIVE_GEMM_ROWS)
+
+
+class BlockLinear(BoundLinear):
+    """GGUF blocks as the file holds them, one or more parts of whole output rows (a fused
+    layer of a mixed file: Q4_K and Q6_K), multiplied by the backend's `blocks_matmul`,
+    which chooses by the rows' count alone: a few rows block by block as the weights are
+    decoded in registers, a wide batch through a GEMM that decodes each tile of weights once
+    for all of its rows. A backend without it (the torch and triton ones), or a compiled
+    layer, multiplies the matrix dequantized for the call (bit for bit gguf's weights), so
+    nothing but the blocks is held. `int8_activations` as for `Int4Linear`."""
+
+    def __init__(
+        self, weight: BlockWeight, bias: torch.Tensor | None, backend: KernelBackend
+    ) -> None:
+        super().__init__(weight, bias)
+        self.backend = backend
+        self.type_names = tuple(type_name for _, type_name in weight.parts)
+        self.types = tuple(GGUF_BLOCK_TYPES[t].ggml_type for t in self.type_names)
+        for i, (blocks, _) in enumerate(weight.parts):
+            self.register_buffer(f"blocks{i}", blocks.contiguous(), persistent=False)
+        self._bind()
+
+    @property
+    def blocks(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f"blocks{i}") for i in range(len(self.types)))
+
+    def weight(self) -> BlockWeight:
+        return BlockWeight(tuple(zip(self.blocks, self.type_names, strict=True)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = None if self._native is None else self._native(flat)
+        if y is None:
+            if self.int8_activations:
+                flat = self.backend.quantize_activations_int8(flat)
+            y = F.linear(flat, self.weight().dequantize(flat.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _bind(self) -> None:
+        matmul = None if self.compiled else self.backend.blocks_matmul
+        blocks, types, int8 = self.blocks, self.types, self.int8_activations
+        self._native = (
+            None
+            if matmul is None
+            else lambda flat: matmul(flat, blocks, types, int8, NATIVE_GEMM_ROWS)
+        )
+
+    def fused_binding(self):
+        fused = self.backend.fused_decoder_layer
+        if fused is None or self._native is None:
+            return None
+        return fused.bind_linear(
+            blocks=self.blocks,
+            types=self.types,
+            bias=self.bias,
+            int8_activations=self.int8_activations,
+        )
+
+    def extra_repr(self) -> str:
+        kind = " + ".join(self.type_names)
+        if self.int8_activations:
+            kind += ", int8 activations"
+        return f"in={self.in_features}, out={self.out_features}, {kind}"
 
 
 def use_int8_activations(model: nn.Module) -> int:
-    """Round the activations of every 4-bit layer of `model` to int8 per 32 inputs (see
-    `Int4Linear`); how many layers that is."""
-    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    """Round the activations of every 4-bit layer and GGUF-block layer of `model` to int8
+    per 32 inputs (see `Int4Linear`); how many layers that is."""
+    layers = [m for m in model.modules() if isinstance(m, BoundLinear)]
     for layer in layers:
         layer.round_activations_to_int8()
     return len(layers)
@@ -424,5 +515,5 @@ def prepare_for_compile(module: nn.Module) -> None:
     is about to trace (the backend's native matmuls are opaque to it; the compiled code
     would otherwise fall back to dequantizing)."""
     for layer in module.modules():
-        if isinstance(layer, Int4Linear):
+        if isinstance(layer, BoundLinear):
             layer.prepare_for_compile()

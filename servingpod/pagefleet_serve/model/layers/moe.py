@@ -25,8 +25,8 @@ from pagefleet_serve.model.layers.linear_methods import (
     can_prepack,
     quantized_linear,
 )
-from pagefleet_serve.model.quant import QuantizedWeight
 from pagefleet_serve.model.weights import (
+    Quantized,
     Weight,
     cut,
     dequantized,
@@ -142,7 +142,7 @@ class FusedMoE(nn.Module):
         self.down_proj = stacked(hidden_size, local)
         self.gate_up_proj_bias = stacked(2 * local) if bias else None
         self.down_proj_bias = stacked(hidden_size) if bias else None
-        self._quantized: dict = {}  # (projection, part) -> stacked QuantizedWeight
+        self._quantized: dict = {}  # (projection, part) -> stacked quantized weight
 
     def weight_loader(self, param: nn.Parameter, weight: Weight, shard_id=None) -> None:
         """`shard_id` (expert, part): the checkpoint's tensor is expert `expert`'s (None:
@@ -184,8 +184,7 @@ class FusedMoE(nn.Module):
         if set(self._quantized) == parts:
             gate, up = self._quantized[("gate_up", 0)], self._quantized[("gate_up", 1)]
             fused = [
-                QuantizedWeight.cat_rows([g, u])
-                for g, u in zip(gate.experts(), up.experts(), strict=True)
+                type(g).cat_rows([g, u]) for g, u in zip(gate.experts(), up.experts(), strict=True)
             ]
             self.keep_quantized(fused, self._quantized[("down", None)].experts())
         else:
@@ -197,7 +196,7 @@ class FusedMoE(nn.Module):
                 out.copy_(weight.dequantize())
         self._quantized = {}
 
-    def keep_quantized(self, gate_up: list[QuantizedWeight], down: list[QuantizedWeight]) -> None:
+    def keep_quantized(self, gate_up: list[Quantized], down: list[Quantized]) -> None:
         """Hold each expert's matrices as the quantized layers of their format (GGUF's 4- and
         8-bit blocks, multiplied by the backend's kernels, as the dense layers are) instead
         of the stacked float tensors: a Q4 mixture keeps its 4.5 bits a weight."""

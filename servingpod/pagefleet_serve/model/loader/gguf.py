@@ -3,8 +3,9 @@
 them.
 
 Q4_0/Q4_1/Q8_0 matrices are kept quantized with `quantization="auto"` (the model multiplies
-their codes), everything else is dequantized into the parameters' dtype, a slice of rows at
-a time. A tensor-parallel rank reads its own rows, or whole blocks of its columns
+their codes); in a file that holds K-quants or IQ4s (Q4_K_M, Q5_K_M, ...) every block-
+quantized matrix is kept in the file's own blocks instead (`BlockWeight`); everything else
+is dequantized into the parameters' dtype, a slice of rows at a time. A tensor-parallel rank reads its own rows, or whole blocks of its columns
 (`GGUFWeight.cut`).
 """
 
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pagefleet_kernels.gguf_blocks import GGUF_BLOCK_TYPES
 
+from pagefleet_serve.model.block_weight import BLOCK_KEPT_TYPES, BlockWeight
 from pagefleet_serve.model.config import ModelConfig
 from pagefleet_serve.model.layers.rotary import rope_scaling
 from pagefleet_serve.model.loader.gguf_names import CONFIG_KEYS, GLOBAL_NAMES, LAYER_NAMES
@@ -28,7 +31,8 @@ from pagefleet_serve.model.registry import gguf_architecture, gguf_architectures
 from pagefleet_serve.model.weights import Ranges, take
 from pagefleet_serve.model_uri import UnsupportedModelError
 
-# GGUF block types kept quantized with quantization="auto".
+# GGUF block types kept quantized with quantization="auto" as 4/8-bit codes, in a file
+# without K-quants or IQ4s; in one with them, any of GGUF_BLOCK_TYPES as blocks.
 GGUF_KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")
 _LONGROPE = {
     "rope_factors_short.weight": "short_factor",
@@ -54,6 +58,7 @@ class GGUFWeight:
     kept_quantized: bool
     offset: float = 0.0
     head_dim: int | None = None
+    as_blocks: bool = False  # kept as the file's blocks (BlockWeight), not as codes
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -83,10 +88,12 @@ class GGUFWeight:
             return self.data
         return np.ascontiguousarray(_unpermute(self.data, self.data.shape[0] // self.head_dim))
 
-    def load(self, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
+    def load(self, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight | BlockWeight:
         data, type_name = self._rows(), self.tensor.tensor_type.name
         if not self.kept_quantized:
             return _dequantize(self.tensor, dtype, self.offset, None, data)
+        if self.as_blocks:
+            return BlockWeight.from_gguf(data, type_name)
         if data.ndim == 3:  # (experts, rows, bytes)
             return QuantizedWeight.stack([from_gguf(e, type_name) for e in data])
         return from_gguf(data, type_name)
@@ -99,6 +106,7 @@ class GGUFWeight:
 class GGUFCheckpoint:
     config: ModelConfig
     weights: Iterator[tuple[str, GGUFWeight]]
+    tensor_bytes: int  # the file's tensors, as stored
 
 
 def open_gguf(path: Path, supported: str, keep_quantized: bool) -> GGUFCheckpoint:
@@ -153,10 +161,15 @@ def open_gguf(path: Path, supported: str, keep_quantized: bool) -> GGUFCheckpoin
     )
     hf["bos_token_id"] = reader.fields.get("tokenizer.ggml.bos_token_id")
     config = cls.config_class.from_hf(hf, scaling, () if eos is None else (eos,), architecture)
-    return GGUFCheckpoint(config, _weights(reader, keys, layout, config.head_dim, keep_quantized))
+    tensor_bytes = sum(t.data.nbytes for t in reader.tensors)
+    weights = _weights(reader, keys, layout, config.head_dim, keep_quantized)
+    return GGUFCheckpoint(config, weights, tensor_bytes)
 
 
 def _weights(reader, keys: dict, layout, head_dim: int, keep_quantized: bool):
+    types = {tensor.tensor_type.name for tensor in reader.tensors}
+    as_blocks = any(t in BLOCK_KEPT_TYPES for t in types)
+    kept = GGUF_BLOCK_TYPES if as_blocks else GGUF_KEPT_QUANTIZED
     for tensor in reader.tensors:
         key = keys.get(tensor.name)
         if key is None:
@@ -168,9 +181,10 @@ def _weights(reader, keys: dict, layout, head_dim: int, keep_quantized: bool):
             GGUFWeight(
                 tensor,
                 tensor.data,
-                keep_quantized and tensor.tensor_type.name in GGUF_KEPT_QUANTIZED,
+                keep_quantized and tensor.tensor_type.name in kept,
                 layout.norm_offset if key.endswith("norm.weight") else 0.0,
                 head_dim if permuted else None,
+                as_blocks,
             ),
         )
         reader.release(tensor)

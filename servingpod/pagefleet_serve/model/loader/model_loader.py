@@ -106,12 +106,31 @@ def load_local(
             loaded = from_weights(local.name, checkpoint.config, checkpoint.weights, context)
         except (mxfp4.Mxfp4FormatError, fp8.Fp8FormatError) as exc:
             raise UnsupportedModelError(f"{local.path}: {exc}") from None
+        file_bytes = getattr(checkpoint, "tensor_bytes", None)
+        if file_bytes:
+            held = resident_bytes(loaded.model)
+            logger.info(
+                "weights: %.1f MiB resident for %.1f MiB of GGUF tensors (%.2fx)",
+                held / 2**20,
+                file_bytes / 2**20,
+                held / file_bytes,
+            )
     finally:
         if local.shards is not None:
             local.shards.cancel()  # after a failure: the shards nobody will read
     if quantization == "int8":
         loaded.model.quantize_int8()
     return loaded
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """The bytes of `model`'s parameters and buffers, each storage counted once (a tied
+    head's table, an embedding sharing its blocks)."""
+    storages = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def from_weights(
