@@ -136,6 +136,24 @@ class RouterSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+class ResponseIdReader:
+    """A /v1/responses response's id, from its first bytes as they are relayed (the id may
+    arrive split across chunks); the HTTP proxy and the Endpoint Picker both read it."""
+
+    def __init__(self) -> None:
+        self._head: bytes | None = b""
+
+    def feed(self, chunk: bytes) -> str | None:
+        """The id once these bytes complete it (once only); None before and after."""
+        if self._head is None:
+            return None
+        self._head += chunk[: _RESPONSE_ID_SCAN_BYTES - len(self._head)]
+        found = _RESPONSE_ID.search(self._head)
+        if found or len(self._head) >= _RESPONSE_ID_SCAN_BYTES:
+            self._head = None
+        return found.group(1).decode(errors="replace") if found else None
+
+
 class _UpstreamUnavailable(Exception):
     """The pod failed before sending a byte of its response."""
 
@@ -486,7 +504,7 @@ class Router:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED}
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)
-        head = b"" if learn_response_id else None
+        reader = ResponseIdReader() if learn_response_id else None
         chunks = upstream.content.iter_any()
         while True:
             try:
@@ -500,13 +518,9 @@ class Router:
             ):
                 await self._upstream_failed(response, upstream, url)
                 return response
-            if head is not None:
-                head += chunk[: _RESPONSE_ID_SCAN_BYTES - len(head)]
-                found = _RESPONSE_ID.search(head)
-                if found:
-                    self.response_pods.record([found.group(1).decode(errors="replace")], url)
-                if found or len(head) >= _RESPONSE_ID_SCAN_BYTES:
-                    head = None
+            response_id = reader.feed(chunk) if reader is not None else None
+            if response_id is not None:
+                self.response_pods.record([response_id], url)
             try:
                 await response.write(chunk)
             except ConnectionResetError:
