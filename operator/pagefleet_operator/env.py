@@ -70,8 +70,11 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         flags["enable-lora"] = True
     if uses_adapters_file(spec):
         # A file of the mounted ConfigMap (adapters.py), not the adapters themselves: the
-        # pods apply a change on their own, and the template, hence the pods, stay.
+        # template, hence the pods, stay when they change. The operator loads and unloads
+        # a change through the pods' runtime API (adapter_sync.py); the file is what a
+        # starting pod reads, and what a pod the operator cannot reach follows.
         flags["lora-modules-file"] = ADAPTERS_FILE_PATH
+        flags["allow-runtime-lora-updating"] = True
     if spec.router.enabled:
         # Every request comes from a router pod, whose addresses are not known here: the
         # pods take the client from the X-Forwarded-For the router appends, so that their
