@@ -89,6 +89,7 @@ class EngineStats:
     num_kv_tokens: int  # tokens whose K/V the running sequences hold in their blocks
     spec_decode: SpecDecodeStats = SpecDecodeStats()
     lora: LoRAStats | None = None  # None: the engine serves no adapters
+    kv_events_dropped: int | None = None  # None: no KV events published
 
 
 # -- frontend -> core ------------------------------------------------------------------------

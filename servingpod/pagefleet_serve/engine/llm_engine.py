@@ -624,6 +624,7 @@ class LLMEngine:
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
             spec_decode=self.speculator.stats() if self.speculator else SpecDecodeStats(),
             lora=self._lora_stats(),
+            kv_events_dropped=self.kv_events.num_dropped if self.kv_events else None,
         )
 
     def _lora_stats(self) -> LoRAStats | None:
