@@ -22,7 +22,7 @@ from aiohttp import web
 
 from .bounded_json import parse_prefix
 from .discovery import Discovery, PodRegistry, ScrapeSettings, refresh
-from .metrics import RouterMetrics
+from .metrics import PRECISE_FALLBACK_REASONS, RouterMetrics
 from .pod_table import PodTable
 from .policy import Decision, PolicyConfig, choose_pod, is_fresh
 from .prefix import PrefixTable, block_hashes, prompt_text
@@ -199,6 +199,8 @@ class Router:
         # response id -> the pod that answered it (whose store holds it)
         self.response_pods: PodTable[str] = PodTable(settings.response_table_size)
         self.metrics = RouterMetrics()
+        for reason in PRECISE_FALLBACK_REASONS if precise is not None else ():
+            self.metrics.precise_fallbacks.labels(reason)
         self.session: aiohttp.ClientSession | None = None
         self._scrape_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
@@ -208,6 +210,7 @@ class Router:
         # Set while some pod has fresh metrics; held requests wait on it.
         self._pod_ready = asyncio.Event()
         self._held = 0
+        self._fallbacks_logged: set[str] = set()  # precise routing's, logged once each
 
     def create_app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_request_body_bytes)
@@ -463,8 +466,30 @@ class Router:
             hashes,
             model if isinstance(model, str) else None,
             _previous_response_id(path, payload, body if cut else None),
-            self.precise.blocks.names(path, payload) if self.precise is not None else [],
+            self._block_names(path, payload, model) if self.precise is not None else [],
         )
+
+    def _block_names(self, path: str, payload: dict, model: Any) -> list[bytes]:
+        """The prompt's blocks as the pods name them, or [] with the reason counted in
+        router_precise_fallbacks and logged the first time (precise routing is on, and a
+        class of requests never uses it)."""
+        assert self.precise is not None
+        if any(model in p.adapters or model in p.cpu_adapters for p in self.registry.states()):
+            names: list[bytes] = []
+            reason: str | None = "adapter"
+        else:
+            names, reason = self.precise.blocks.names(path, payload)
+        if reason is not None:
+            self.metrics.precise_fallbacks.labels(reason).inc()
+            if reason not in self._fallbacks_logged:
+                self._fallbacks_logged.add(reason)
+                logger.info(
+                    "precise prefix routing: %s requests are routed by the approximate "
+                    "prefix table (reason %s; see router_precise_fallbacks_total)",
+                    path,
+                    reason,
+                )
+        return names
 
     async def _open_upstream(
         self, request: web.Request, url: str, body: bytes, attempt: int
