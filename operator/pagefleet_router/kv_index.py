@@ -17,6 +17,7 @@ routed by the approximate prefix table, counted by why
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from pagefleet_serve.kv_event_messages import (
     KVCacheEvent,
     hash_block,
 )
+from pagefleet_serve.model.uri import ModelURIError, parse_model_uri
 
 _CHAT_PATHS = ("/v1/chat/completions", "/v1/responses")
 
@@ -35,14 +37,12 @@ class PromptBlocks:
     """A completion prompt's leading block names, from its text as the pods tokenize it
     (no special tokens added) or from its token ids."""
 
-    def __init__(self, tokenizer_file: Path, block_size: int, max_blocks: int) -> None:
-        from tokenizers import Tokenizer  # only with precise routing
-
+    def __init__(self, tokenizer: str | Path, block_size: int, max_blocks: int) -> None:
         if block_size < 1 or max_blocks < 1:
             raise ValueError(
                 f"block size and max blocks must be >= 1, got {block_size}, {max_blocks}"
             )
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer = load_tokenizer(str(tokenizer))
         self.block_size = block_size
         self.max_blocks = max_blocks
 
@@ -63,6 +63,29 @@ class PromptBlocks:
         else:
             return [], "prompt_form"
         return chain_names(token_ids, self.block_size, self.max_blocks), None
+
+
+def load_tokenizer(source: str):
+    """A tokenizer.json path, or hf://org/name[@revision]: that repository's tokenizer.json
+    from the Hugging Face Hub (the `tokenizers` package's own download; HF_TOKEN for a
+    gated or private one), the pods' model as the operator names it. ValueError naming
+    the source when it is neither."""
+    from tokenizers import Tokenizer  # only with precise routing
+
+    if not source.startswith("hf://"):
+        return Tokenizer.from_file(source)
+    try:
+        model = parse_model_uri(source)
+    except ModelURIError as exc:
+        raise ValueError(f"--tokenizer {source}: {exc}") from None
+    if model.filename is not None:
+        raise ValueError(
+            f"--tokenizer {source}: a GGUF file holds its tokenizer; give the tokenizer.json "
+            "of the repository it was made from"
+        )
+    return Tokenizer.from_pretrained(
+        str(model.repo_id), revision=model.revision or "main", token=os.environ.get("HF_TOKEN")
+    )
 
 
 def chain_names(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[bytes]:
