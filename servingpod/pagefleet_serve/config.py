@@ -375,7 +375,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # vLLM's --task: one of TASKS (auto: detected from the model's files).
     task: str = "auto"
-    # vLLM's --tensor-parallel-size: ranks the model is split over (engine/parallel.py), one
+    # vLLM's --tensor-parallel-size: ranks the model is split over (engine/executor/), one
     # per GPU, on the CPU one per group of the core's CPUs; --pipeline-parallel-size: stages
     # of layers, one after the other, each of tensor_parallel_size ranks.
     tensor_parallel_size: int = 1

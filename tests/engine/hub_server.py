@@ -27,7 +27,7 @@ def save_tiny_llama(path: Path) -> Path:
     """A tiny random Llama as save_pretrained writes it (two safetensors shards and their
     index), with the built-in model's tokenizer and chat template."""
     import torch
-    from pagefleet_serve.model.loader import load_tokenizer
+    from pagefleet_serve.frontend.tokenizer import load_tokenizer
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = load_tokenizer("builtin://smollm2-135m")

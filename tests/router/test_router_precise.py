@@ -23,13 +23,13 @@ from pagefleet_router.discovery import PodMetrics, StaticEndpoints
 from pagefleet_router.kv_feed import FeedSettings, PodFeed, PreciseRouting
 from pagefleet_router.kv_index import KVBlockIndex, PromptBlocks, chain_names
 from pagefleet_router.proxy import Router, RouterSettings
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 from pagefleet_serve.kv_event_messages import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
 )
-from pagefleet_serve.model.loader import load_tokenizer
 
 from tests.router.test_router_proxy import (
     API_KEY,

@@ -495,7 +495,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid configuration: %s", exc)
         return 2
     if args.headless:
-        from pagefleet_serve.engine.parallel import run_headless
+        from pagefleet_serve.engine.executor.headless import run_headless
 
         return run_headless(config)
 
@@ -504,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _progress(f"loading model {config.model} in the engine core process"):
             # The core first: its imports and load run beside this process's imports
-            # below (xgrammar, torch and transformers for the frontend, about 2 s).
+            # below (transformers for the frontend).
             link = ProcessLink(config, placement, args.log_level)
             from pagefleet_serve.frontend.core_client import start_core_process
 
