@@ -127,7 +127,7 @@ async def test_adapters_come_and_go_without_a_restart_and_are_served_throughout(
         items = read(f"{api_url}/api/v1/namespaces/{NAMESPACE}/events").get("items", [])
         return [e.get("message", "") for e in items if e.get("reason") == reason]
 
-    async with cluster(kmock, tmp_path) as (simulation, service):
+    async with cluster(kmock, tmp_path, NAMESPACE) as (simulation, service):
         await operator.call("POST", f"/api/v1/namespaces/{NAMESPACE}/secrets", secret)
         await operator.call("POST", ISVC_PATH, resource)
         await until(
