@@ -21,19 +21,23 @@ mount would give it: a kubeconfig for the emulator (KUBECONFIG) and its namespac
 (PAGEFLEET_NAMESPACE, which the router reads from the mount in a cluster). A container
 argument `--host=0.0.0.0` (all of the pod's addresses) becomes the pod's own address.
 
-The template's emptyDir volumes become per-pod directories: environment values under a
-mount path are rewritten to the pod's directory. A template change is not rolled out
-(the walk changes replicas only).
+The template's volumes become per-pod directories: environment values under a mount
+path are rewritten to the pod's directory, and a ConfigMap volume holds the ConfigMap's
+keys as they were when the pod started (never refreshed). Environment values from a
+Secret, from the pod's IP or name, and $(NAME) references are resolved. A template change
+is not rolled out (the walks change replicas, and what pods take while running).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -60,6 +64,11 @@ def _address_is_free(address: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _expand(value: str, defined: dict[str, str]) -> str:
+    """The kubelet's $(NAME) references to the container's variables defined before."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: defined.get(m[1], m[0]), value)
 
 
 def _resource_field(container: dict, ref: dict) -> str:
@@ -322,19 +331,28 @@ class KubeletSimulation:
         for mount in container.get("volumeMounts", []):
             mounts[mount["mountPath"]] = pod_dir / mount["name"]
             mounts[mount["mountPath"]].mkdir(parents=True, exist_ok=True)
+        for volume in spec.get("volumes", []):
+            if "configMap" in volume:
+                await self._project_config_map(volume, pod_dir / volume["name"])
         env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
         if "PYTHONPATH" in os.environ:  # a checkout's own sources, ahead of the installed ones
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         if "PAGEFLEET_KERNELS_DIR" in os.environ:  # C++ extensions built outside the package
             env["PAGEFLEET_KERNELS_DIR"] = os.environ["PAGEFLEET_KERNELS_DIR"]
+        defined: dict[str, str] = {}  # the container's own variables, for $(NAME)
         for item in container.get("env", []):
+            source = item.get("valueFrom", {})
             if "value" in item:
-                env[item["name"]] = self._in_volumes(item["value"], mounts)
-            elif "resourceFieldRef" in item.get("valueFrom", {}):  # the downward API
-                env[item["name"]] = _resource_field(
-                    container, item["valueFrom"]["resourceFieldRef"]
-                )
-            # valueFrom a Secret has nothing to resolve here
+                value = self._in_volumes(_expand(item["value"], defined), mounts)
+            elif "resourceFieldRef" in source:  # the downward API
+                value = _resource_field(container, source["resourceFieldRef"])
+            elif "fieldRef" in source:
+                value = {"status.podIP": address, "metadata.name": name}[
+                    source["fieldRef"]["fieldPath"]
+                ]
+            else:
+                value = await self._secret_key(source["secretKeyRef"])
+            defined[item["name"]] = env[item["name"]] = value
         env["PAGEFLEET_HOST"] = address  # the pod's own IP
         if spec.get("automountServiceAccountToken") and self.kubeconfig:
             env["KUBECONFIG"] = self.kubeconfig
@@ -355,6 +373,19 @@ class KubeletSimulation:
         logger.info("started %s on %s:%d (pid %d)", name, address, port, process.pid)
         labels = dict(template["metadata"]["labels"])
         return SimPod(name, address, port, labels, spec, process, log_path, replica_set_uid)
+
+    async def _project_config_map(self, volume: dict, directory: Path) -> None:
+        """A ConfigMap volume's keys as files, written at the pod's start only: a change
+        made later never reaches a running pod here (a kubelet takes up to about a
+        minute), so what reaches one came some other way."""
+        config_map = volume["configMap"]["name"]
+        found = await self._call("GET", self._path("api/v1", "configmaps", config_map))
+        for key, text in (found.get("data") or {}).items():
+            (directory / key).write_text(text)
+
+    async def _secret_key(self, ref: dict) -> str:
+        found = await self._call("GET", self._path("api/v1", "secrets", ref["name"]))
+        return base64.b64decode(found["data"][ref["key"]]).decode()
 
     @staticmethod
     def _in_volumes(value: str, mounts: dict[str, Path]) -> str:

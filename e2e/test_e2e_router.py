@@ -48,14 +48,14 @@ def fetch(url: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def cluster(kmock, tmp_path):
-    """The simulated kubelet (its pods reach the emulator through a kubeconfig, as the
-    router's EndpointSlice watch needs) and the Service's forwarder."""
+async def cluster(kmock, tmp_path, namespace: str = NAMESPACE):
+    """The simulated kubelet of `namespace` (its pods reach the emulator through a
+    kubeconfig, as the router's EndpointSlice watch needs) and the Service's forwarder."""
     async with (
         aiohttp.ClientSession(base_url=str(kmock.url).rstrip("/")) as api,
         KubeletSimulation(
             api,
-            NAMESPACE,
+            namespace,
             tmp_path,
             prestop_seconds=0,
             kubeconfig=write_kubeconfig(kmock, tmp_path),

@@ -36,7 +36,7 @@ def get_pod_model_uri(spec: InferenceServiceSpec) -> str:
     return f"file://{MODEL_MOUNT_DIR}/{spec.model.parsed.path}".rstrip("/")
 
 
-def _from_secret(name: str, ref) -> dict[str, Any]:
+def get_secret_env(name: str, ref) -> dict[str, Any]:
     """An env entry read from a Secret key by the kubelet: the value never enters the spec."""
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}
 
@@ -70,8 +70,11 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         flags["enable-lora"] = True
     if uses_adapters_file(spec):
         # A file of the mounted ConfigMap (adapters.py), not the adapters themselves: the
-        # pods apply a change on their own, and the template, hence the pods, stay.
+        # template, hence the pods, stay when they change. The operator loads and unloads
+        # a change through the pods' runtime API (adapter_sync.py); the file is what a
+        # starting pod reads, and what a pod the operator cannot reach follows.
         flags["lora-modules-file"] = ADAPTERS_FILE_PATH
+        flags["allow-runtime-lora-updating"] = True
     if spec.router.enabled:
         # Every request comes from a router pod, whose addresses are not known here: the
         # pods take the client from the X-Forwarded-For the router appends, so that their
@@ -82,10 +85,10 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         {"name": get_flag_env_name(flag), "value": _format(value)} for flag, value in flags.items()
     ]
     if spec.engine.api_key_secret_ref:
-        env.append(_from_secret(get_flag_env_name("api-key"), spec.engine.api_key_secret_ref))
+        env.append(get_secret_env(get_flag_env_name("api-key"), spec.engine.api_key_secret_ref))
     if spec.model.token_secret_ref:
         # huggingface_hub reads HF_TOKEN for gated and private repositories.
-        env.append(_from_secret("HF_TOKEN", spec.model.token_secret_ref))
+        env.append(get_secret_env("HF_TOKEN", spec.model.token_secret_ref))
     env += _threads_from_cpu_request(spec)
     # The root filesystem is read-only: every library cache must land on a volume.
     env += [

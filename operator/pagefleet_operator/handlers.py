@@ -13,6 +13,7 @@ from typing import Any
 import kopf
 
 from . import API_VERSION, FINALIZER, GROUP, KIND, PLURAL, VERSION
+from .adapter_sync import sync_adapters
 from .apply import ApplyError
 from .autoscale import Decision
 from .cache import WATCHED_KINDS, WatchCache
@@ -20,7 +21,7 @@ from .config import OperatorConfig
 from .kube import RESOURCES, Kube, KubeError, load_api_client
 from .lws import API_VERSION as LWS_API_VERSION
 from .names import MANAGED_BY
-from .reconcile import OPTIONAL_APIS, Outcome, get_claims, reconcile
+from .reconcile import OPTIONAL_APIS, Outcome, get_claims, parse_resource, reconcile
 from .scaler import autoscale_once, autoscaled_spec
 from .spec import AutoscalingSpec
 from .telemetry import OperatorMetrics
@@ -203,6 +204,38 @@ def _reconcile(body: Any, memo: kopf.Memo, logger: kopf.Logger, retry: int = 0) 
             )
     for change in outcome.changes:
         logger.info("%s %s %s", change.verb, change.kind, change.name)
+    _sync_adapters(body, memo, logger)
+
+
+def _sync_adapters(body: Any, memo: kopf.Memo, logger: kopf.Logger) -> None:
+    """After a reconcile: the running pods' adapters made what spec.adapters says
+    (adapter_sync.py). An Event per pod that changed; a Warning when what is still
+    pending changes (not at every reconcile while an adapter stays unloadable)."""
+    spec, _ = parse_resource(body, **memo["config"].spec_options())
+    if spec is None:
+        return
+    try:
+        results = sync_adapters(memo["kube"], body, spec)
+    except KubeError as exc:  # listing the pods or reading the key: the next round retries
+        logger.warning("syncing the pods' adapters failed: %s", exc)
+        return
+    for result in results:
+        if result.changed:
+            words = [f"loaded {', '.join(result.loaded)}"] if result.loaded else []
+            words += [f"unloaded {', '.join(result.unloaded)}"] if result.unloaded else []
+            message = f"pod {result.pod}: {'; '.join(words)}"
+            logger.info("adapters: %s", message)
+            kopf.event(body, type="Normal", reason="AdaptersChanged", message=message)
+    pending = sorted(
+        f"pod {r.pod}{f' adapter {name}' if name else ''}: {why}"
+        for r in results
+        for name, why in r.pending.items()
+    )
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    reported = memo.setdefault("adapters_pending", {})
+    if pending and reported.get(key) != pending:
+        kopf.warn(body, reason="AdaptersPending", message="; ".join(pending))
+    reported[key] = pending
 
 
 def _reconcile_once(body: Any, memo: kopf.Memo, retry: int) -> Outcome:
@@ -243,7 +276,9 @@ def resync_service(
 # optional: kopf's finalizer is there for the daemons anyway; this must never hold a deletion.
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def forget_service(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    memo["metrics"].forget(body["metadata"]["namespace"], body["metadata"]["name"])
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    memo["metrics"].forget(*key)
+    memo.get("adapters_pending", {}).pop(key, None)
 
 
 # A cluster without LeaderWorkerSet: kopf warns that it cannot watch them, nothing more;

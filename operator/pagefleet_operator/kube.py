@@ -32,6 +32,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
     # spec.adapters, read by the serving pods from a mounted file.
     "ConfigMap": ("v1", "configmaps"),
+    # spec.engine.apiKeySecretRef: the key the adapters' load and unload calls carry.
+    "Secret": ("v1", "secrets"),
     # spec.router: the router's identity, and the pods it discovers.
     "ServiceAccount": ("v1", "serviceaccounts"),
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),

@@ -4,9 +4,6 @@ router pods' for the requests they hold while no serving pod is ready."""
 from __future__ import annotations
 
 import logging
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,12 +16,11 @@ from pagefleet_serve.metric_names import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from .autoscale import PodSample
-from .names import HTTP_PORT, HTTP_PORT_NAME
+from .pod_http import PodAnswerTooLarge, call_pod, get_pod_url
 
 SCRAPE_TIMEOUT_SECONDS = 2.0
 # A serving pod's whole /metrics is a few tens of KiB; anything far larger is not one.
 MAX_METRICS_BYTES = 2 * 1024 * 1024
-READ_CHUNK_BYTES = 64 * 1024
 
 logger = logging.getLogger(__name__)
 
@@ -62,44 +58,16 @@ def is_pod_ready(pod: Mapping[str, Any]) -> bool:
 
 
 def get_metrics_url(pod: Mapping[str, Any]) -> str:
-    port = HTTP_PORT
-    for container in pod.get("spec", {}).get("containers", []):
-        for item in container.get("ports", []):
-            if item.get("name") == HTTP_PORT_NAME:
-                port = item["containerPort"]
-    ip = pod["status"]["podIP"]
-    host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{port}/metrics"
-
-
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        raise urllib.error.HTTPError(
-            req.full_url, code, f"redirect to {newurl} refused", headers, fp
-        )
-
-
-# The pod's image is the user's choice, so its answer is untrusted: no redirects (they
-# could point the operator's GETs anywhere), no proxies from the environment (pod IPs
-# are reached directly), a size cap and an overall deadline (a pod that sends forever,
-# or one byte a second, must not hold the operator's memory or its autoscaler round).
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _RefuseRedirects)
+    return f"{get_pod_url(pod)}/metrics"
 
 
 def fetch_metrics(
     url: str, timeout: float = SCRAPE_TIMEOUT_SECONDS, max_bytes: int = MAX_METRICS_BYTES
 ) -> str:
-    deadline = time.monotonic() + timeout
-    chunks, size = [], 0
-    with _OPENER.open(url, timeout=timeout) as response:
-        while chunk := response.read1(READ_CHUNK_BYTES):
-            size += len(chunk)
-            if size > max_bytes:
-                raise MetricsError(f"/metrics answer exceeds {max_bytes} bytes")
-            if time.monotonic() > deadline:
-                raise MetricsError(f"/metrics answer took longer than {timeout}s")
-            chunks.append(chunk)
-    return b"".join(chunks).decode("utf-8")
+    try:
+        return call_pod(url, timeout=timeout, max_bytes=max_bytes).decode("utf-8")
+    except PodAnswerTooLarge as exc:
+        raise MetricsError(f"/metrics {exc}") from None
 
 
 def scrape_pod(pod: Mapping[str, Any]) -> PodSample:

@@ -21,6 +21,7 @@ KV_EVENTS_PORT_NAME = "kv-events"
 KV_EVENTS_PORT = 5557
 KV_REPLAY_PORT_NAME = "kv-replay"
 KV_REPLAY_PORT = 5558
+KV_EVENTS_TOPIC = "kv"
 # Every child carries the resource's name: the Service needs a DNS-1035 label and label
 # values allow 63 characters. The CRD refuses other names; this repeats it for objects
 # that slipped past (see spec.py).

@@ -105,6 +105,9 @@ RULES: list[dict[str, Any]] = [
         "resources": ["configmaps"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    # spec.adapters with spec.engine.apiKeySecretRef: the pods' load and unload calls
+    # carry their API key (adapter_sync.py), read by name (no list: it names its Secret).
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
     # A claim created after its service is noticed at once (handlers.claim_changed).
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "list", "watch"]},
     # kopf's scanning (cluster-wide): a CRD installed later is watched from then on.

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import GROUP, PLURAL
+from .env import get_secret_env
 from .lws import get_serving_selector_labels
 from .names import (
     EXT_PROC_PORT,
@@ -22,6 +23,9 @@ from .names import (
     HTTP_PORT,
     HTTP_PORT_NAME,
     INSTANCE_LABEL,
+    KV_EVENTS_PORT,
+    KV_EVENTS_TOPIC,
+    KV_REPLAY_PORT,
     get_labels,
     get_object_meta,
 )
@@ -32,6 +36,8 @@ ROUTER_LABEL = "pagefleet.dev/router"
 ROUTER_SUFFIX = "-router"
 POD_SERVICE_SUFFIX = "-pods"
 ROUTER_CONTAINER_NAME = "router"
+# A tokenizer.json is a few MiB; the Hub client keeps it, and little else, in HOME (/tmp).
+TOKENIZER_CACHE_LIMIT = "256Mi"
 
 
 def get_router_selector_labels(name: str) -> dict[str, str]:
@@ -144,7 +150,30 @@ def get_router_args(name: str, spec: InferenceServiceSpec) -> list[str]:
         args.append(f"--scale-from-zero={name}")
     if spec.inference_pool.enabled:
         args.append(f"--ext-proc-port={EXT_PROC_PORT}")
+    if spec.router.precise_routing:
+        # The pods' sockets as spec.py's --kv-events-config binds them, on each pod's IP.
+        args += [
+            f"--kv-events-endpoint=tcp://{{host}}:{KV_EVENTS_PORT}",
+            f"--kv-replay-endpoint=tcp://{{host}}:{KV_REPLAY_PORT}",
+            f"--kv-events-topic={KV_EVENTS_TOPIC}",
+            f"--tokenizer={spec.model.uri}",
+        ]
+        block_size = spec.engine.settings.get("block-size")
+        if block_size is not None:  # else both take the engine's default
+            args.append(f"--kv-block-size={block_size}")
     return args
+
+
+def _precise_routing_parts(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
+    """(env, volumes, mounts) of the router container with precise routing: the Hub token
+    of a gated model, and a writable /tmp (HOME) for the tokenizer's download cache under
+    a read-only root filesystem."""
+    if not spec.router.precise_routing:
+        return [], [], []
+    ref = spec.model.token_secret_ref
+    env = [get_secret_env("HF_TOKEN", ref)] if ref else []
+    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": TOKENIZER_CACHE_LIMIT}}]
+    return env, volumes, [{"name": "tmp", "mountPath": "/tmp"}]
 
 
 def _probe(path: str) -> dict[str, Any]:
@@ -167,7 +196,8 @@ def get_router_deployment(
         ports.append(
             {"name": EXT_PROC_PORT_NAME, "containerPort": EXT_PROC_PORT, "protocol": "TCP"}
         )
-    container = {
+    env, volumes, mounts = _precise_routing_parts(spec)
+    container: dict[str, Any] = {
         "name": ROUTER_CONTAINER_NAME,
         "image": spec.router.image,
         # The operator image's entry point is the operator; the router is its sibling.
@@ -186,6 +216,20 @@ def get_router_deployment(
     }
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
+    if env:
+        container["env"] = env
+    if mounts:
+        container["volumeMounts"] = mounts
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": name + ROUTER_SUFFIX,
+        # The router reads EndpointSlices and patches the scale subresource.
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "securityContext": get_pod_security_context(spec),
+    }
+    if volumes:
+        pod_spec["volumes"] = volumes
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -200,14 +244,7 @@ def get_router_deployment(
             "revisionHistoryLimit": 3,
             "template": {
                 "metadata": {"labels": get_router_labels(name)},
-                "spec": {
-                    "serviceAccountName": name + ROUTER_SUFFIX,
-                    # The router reads EndpointSlices and patches the scale subresource.
-                    "automountServiceAccountToken": True,
-                    "enableServiceLinks": False,
-                    "containers": [container],
-                    "securityContext": get_pod_security_context(spec),
-                },
+                "spec": pod_spec,
             },
         },
     }

@@ -37,7 +37,7 @@ from .kubefields import (
     check_secret_key_ref,
     check_tolerations,
 )
-from .names import KV_EVENTS_PORT, KV_REPLAY_PORT
+from .names import KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_REPLAY_PORT
 from .spec_errors import SpecError
 
 # What a resource serves: the engine's TASKS but auto (a resource says which it means).
@@ -111,6 +111,8 @@ class RouterSpec:
     max_held_requests: int = 256
     hold_timeout_seconds: int = 300
     resources: Mapping[str, Any] = field(default_factory=dict)
+    # Route by the blocks the pods' KV caches hold (their KV events, the model's tokenizer).
+    precise_routing: bool = False
 
 
 @dataclass(frozen=True)
@@ -344,7 +346,7 @@ def _kv_events_config(engine: Mapping[str, Any]) -> str | None:
             "publisher": "zmq",
             "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
             "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
-            "topic": "kv",
+            "topic": KV_EVENTS_TOPIC,
         },
         separators=(",", ":"),
     )
@@ -474,7 +476,32 @@ def _parse_router(
             section, "holdTimeoutSeconds", path, defaults.hold_timeout_seconds, 1
         ),
         resources=_get_resources(section, path),
+        precise_routing=_get(section, "preciseRouting", path, bool, False),
     )
+
+
+def _check_precise_routing(spec: Mapping[str, Any], router: RouterSpec, model: ModelSpec) -> None:
+    """What spec.router.preciseRouting needs: the router, the pods' KV events, and a
+    tokenizer.json the router pod can read (an hf:// repository: a claim or a path is the
+    serving pods', not the router's)."""
+    if not router.precise_routing:
+        return
+    field_path = "router.preciseRouting"
+    if not router.enabled:
+        raise SpecError(field_path, "needs the router: set spec.router.enabled: true")
+    kv_events = _get(_get_section(spec, "engine"), "kvEvents", "engine", dict, {})
+    if not _get(kv_events, "enabled", "engine.kvEvents", bool, False):
+        raise SpecError(
+            field_path,
+            "needs the pods' KV cache events: set spec.engine.kvEvents.enabled: true",
+        )
+    if model.parsed.scheme != "hf" or model.parsed.filename is not None:
+        raise SpecError(
+            field_path,
+            f"needs an hf://org/name[@revision] model, got {model.uri}: the router reads "
+            "the repository's tokenizer.json from the Hub (a pvc://, file:// or builtin:// "
+            "model, or a .gguf file, is not readable from the router pod)",
+        )
 
 
 def _check_scale_to_zero(autoscaling: AutoscalingSpec, router: RouterSpec) -> None:
@@ -655,6 +682,7 @@ def parse_spec(
     inference_pool, router = _parse_inference_pool(spec, router, inference_pool_default)
     _check_scale_to_zero(autoscaling, router)
     model = _parse_model(spec)
+    _check_precise_routing(spec, router, model)
     resources = _get(spec, "resources", "", dict, {})
     parallelism = _parse_parallelism(spec, resources)
     check_resources("resources", resources)

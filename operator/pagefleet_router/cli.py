@@ -197,7 +197,8 @@ def get_parser() -> argparse.ArgumentParser:
     flag("--kv-events-topic", "the pods' KV event topic", default="")
     flag(
         "--tokenizer",
-        "the model's tokenizer.json: the router names a prompt's blocks as the pods do",
+        "the model's tokenizer.json, or hf://org/name[@revision] (read from the Hub, with "
+        "HF_TOKEN): the router names a prompt's blocks as the pods do",
         default=None,
     )
     flag(
@@ -259,12 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ext-proc-fallbacks must be >= 0, got {args.ext_proc_fallbacks}")
     if bool(args.kv_events_endpoint) != bool(args.tokenizer):
         parser.error("--kv-events-endpoint and --tokenizer go together (precise prefix routing)")
-    router = Router(
-        settings,
-        *_discovery_and_waker(args, parser),
-        tracing=tracing,
-        precise=_precise_routing(args, settings) if args.kv_events_endpoint else None,
-    )
+    try:
+        precise = _precise_routing(args, settings) if args.kv_events_endpoint else None
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception (no file, no download)
+        logger.error("precise prefix routing: cannot read the tokenizer: %s", exc)
+        return 2
+    router = Router(settings, *_discovery_and_waker(args, parser), tracing=tracing, precise=precise)
     app = router.create_app()
     if args.ext_proc_port is not None:
         # Imported only here: the Envoy messages take most of a second to import.
@@ -289,12 +290,12 @@ def _precise_routing(args: argparse.Namespace, settings: RouterSettings) -> Prec
     from .kv_feed import FeedSettings, KVEventFeeds, PreciseRouting
     from .kv_index import KVBlockIndex, PromptBlocks
 
+    blocks = PromptBlocks(args.tokenizer, args.kv_block_size, settings.max_prefix_blocks)
     index = KVBlockIndex()
     feeds = KVEventFeeds(
         FeedSettings(args.kv_events_endpoint, args.kv_replay_endpoint, args.kv_events_topic),
         index,
     )
-    blocks = PromptBlocks(Path(args.tokenizer), args.kv_block_size, settings.max_prefix_blocks)
     return PreciseRouting(blocks, index, feeds)
 
 

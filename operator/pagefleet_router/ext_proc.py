@@ -20,7 +20,10 @@ every pod's queue is over the limit (shed: the pods would only queue it deeper, 
 Envoy has no queue to hold it in), 400 for a body that is not a JSON request, 413 over
 the body cap. While the service is scaled to zero the pick waits like a held HTTP
 request. The response's status and `usage` are counted against the pod that served it
-(`x-gateway-destination-endpoint-served`, else the pick)."""
+(`x-gateway-destination-endpoint-served`, else the pick), and a created /v1/responses
+response's id is remembered with that pod (read from the response body's first bytes,
+when the data plane sends the body), so that a request naming it
+(`previous_response_id`, GET or DELETE) is picked for the pod whose store holds it."""
 
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ from envoy_data_plane.google.protobuf import Struct, Value
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .policy import Decision
-from .proxy import NotHeld, Router, RoutingKey, error_body
+from .proxy import NotHeld, ResponseIdReader, Router, RoutingKey, error_body
 
 logger = logging.getLogger("pagefleet_router.ext_proc")
 
@@ -123,6 +126,8 @@ class _Exchange:
     key: RoutingKey | None = None
     pod: str | None = None  # the pod holding this request in its in-flight count
     tail: bytes = b""  # the response's last bytes (its usage)
+    # Reads a created /v1/responses response's id, to remember its pod (its store).
+    response_id: ResponseIdReader | None = None
 
 
 class EndpointPicker:
@@ -343,6 +348,10 @@ class _Stream:
             self.router.registry.record_answer(exchange.pod, int(status) if status.isdigit() else 0)
             if status == "200" and exchange.key is not None:
                 self.router.prefix_table.record(exchange.key.hashes, exchange.pod)
+                if exchange.method == "POST" and exchange.path == "/v1/responses":
+                    exchange.response_id = ResponseIdReader()
+                elif exchange.method == "DELETE" and exchange.key.response_id:
+                    self.router.response_pods.forget(exchange.key.response_id)
         if headers.end_of_stream:
             self.end_exchange()
         return [ProcessingResponse(response_headers=HeadersResponse())]
@@ -350,6 +359,10 @@ class _Stream:
     def _response_body(self, body: HttpBody) -> list[ProcessingResponse]:
         exchange = self.exchange
         exchange.tail = (exchange.tail + body.body)[-_USAGE_TAIL_BYTES:]
+        if exchange.response_id is not None and exchange.pod is not None:
+            learnt = exchange.response_id.feed(body.body)
+            if learnt is not None:
+                self.router.response_pods.record([learnt], exchange.pod)
         if body.end_of_stream:
             self._count_usage()
             self.end_exchange()

@@ -3,8 +3,10 @@ in a `KVBlockIndex`; the engine side is servingpod's engine/kv_events.py.
 
 Each pod's batches carry consecutive sequence numbers. A pod followed for the first time
 is asked for what it kept (its replay socket, from 0) so that the index starts with what
-it already holds. A number past the next one is a gap (batches lost, e.g. the pod's queue
-was full): the missing ones are asked for again. A number below the next one from a batch
+it already holds. A number past the next one is a gap (batches lost on the way): the
+missing ones are asked for again. A gap no replay fills (a batch the pod's full queue
+dropped, or one it no longer keeps) leaves the index unsure of that pod: what it held is
+forgotten, and the index goes on from the batches after the gap. A number below the next one from a batch
 newer than the last applied is a restart (a new process counts from 0): what the pod held
 is forgotten, and its kept batches are read again. Batches the replay and the live socket
 both deliver are applied once.
@@ -91,13 +93,13 @@ class PodFeed:
                 sequence - 1,
             )
             await self._replay(self.next_sequence)
-            if sequence > self.next_sequence:  # not kept any more: start afresh
-                self.index.clear(self.url)
         self._apply(sequence, batch)
 
     def _apply(self, sequence: int, batch: EventBatch) -> None:
         if sequence < self.next_sequence:
             return  # already applied (replayed, then received live)
+        if sequence > self.next_sequence:  # batches lost for good: start afresh
+            self.index.clear(self.url)
         self.index.apply(self.url, batch.events)
         self.next_sequence = sequence + 1
         self.last_ts = batch.ts

@@ -6,13 +6,18 @@ its token ids (`pagefleet_serve.kv_event_messages.hash_block`), so the router, t
 a prompt with the model's own tokenizer (the `tokenizers` package and the model's
 tokenizer.json: no model weights, no transformers), computes the very names the events
 carry and asks which pod holds the longest run of them from the start. Only base-model
-/v1/completions prompts are named this way (an adapter's blocks chain from a seed the
-router cannot know, a chat prompt needs the model's chat template): other requests, and
-pods whose events are missing, are routed by the approximate prefix table.
+/v1/completions prompts are named this way: a chat prompt's tokens are the model's chat
+template rendered by transformers in the pod (its Jinja environment, the request's
+messages as the pod normalizes them), which a router with the tokenizer alone would only
+imitate, and a near miss names no block any pod holds; an adapter's blocks chain from a
+seed the router cannot know. Those requests, and pods whose events are missing, are
+routed by the approximate prefix table, counted by why
+(metrics.PRECISE_FALLBACK_REASONS).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -23,27 +28,31 @@ from pagefleet_serve.kv_event_messages import (
     KVCacheEvent,
     hash_block,
 )
+from pagefleet_serve.model.uri import ModelURIError, parse_model_uri
+
+_CHAT_PATHS = ("/v1/chat/completions", "/v1/responses")
 
 
 class PromptBlocks:
     """A completion prompt's leading block names, from its text as the pods tokenize it
     (no special tokens added) or from its token ids."""
 
-    def __init__(self, tokenizer_file: Path, block_size: int, max_blocks: int) -> None:
-        from tokenizers import Tokenizer  # only with precise routing
-
+    def __init__(self, tokenizer: str | Path, block_size: int, max_blocks: int) -> None:
         if block_size < 1 or max_blocks < 1:
             raise ValueError(
                 f"block size and max blocks must be >= 1, got {block_size}, {max_blocks}"
             )
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer = load_tokenizer(str(tokenizer))
         self.block_size = block_size
         self.max_blocks = max_blocks
 
-    def names(self, path: str, body: Mapping) -> list[bytes]:
-        """[] for anything but a base-model completion of one prompt."""
+    def names(self, path: str, body: Mapping) -> tuple[list[bytes], str | None]:
+        """A completion's block names, else [] and the reason why (metrics.PRECISE_FALLBACK_REASONS)
+        (None for a request with no prompt to cache, an embedding's)."""
+        if path.endswith(_CHAT_PATHS):
+            return [], "chat_template"
         if not path.endswith("/v1/completions"):
-            return []
+            return [], None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -52,8 +61,31 @@ class PromptBlocks:
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             token_ids = prompt
         else:
-            return []
-        return chain_names(token_ids, self.block_size, self.max_blocks)
+            return [], "prompt_form"
+        return chain_names(token_ids, self.block_size, self.max_blocks), None
+
+
+def load_tokenizer(source: str):
+    """A tokenizer.json path, or hf://org/name[@revision]: that repository's tokenizer.json
+    from the Hugging Face Hub (the `tokenizers` package's own download; HF_TOKEN for a
+    gated or private one), the pods' model as the operator names it. ValueError naming
+    the source when it is neither."""
+    from tokenizers import Tokenizer  # only with precise routing
+
+    if not source.startswith("hf://"):
+        return Tokenizer.from_file(source)
+    try:
+        model = parse_model_uri(source)
+    except ModelURIError as exc:
+        raise ValueError(f"--tokenizer {source}: {exc}") from None
+    if model.filename is not None:
+        raise ValueError(
+            f"--tokenizer {source}: a GGUF file holds its tokenizer; give the tokenizer.json "
+            "of the repository it was made from"
+        )
+    return Tokenizer.from_pretrained(
+        str(model.repo_id), revision=model.revision or "main", token=os.environ.get("HF_TOKEN")
+    )
 
 
 def chain_names(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[bytes]:

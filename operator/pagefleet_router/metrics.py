@@ -7,6 +7,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from .policy import REASONS
 
+# Why a request under precise routing is routed by the approximate prefix table instead:
+# its prompt is a chat (/v1/chat/completions, /v1/responses: the pods' chat template), a
+# batch or neither text nor token ids, or its model is a LoRA adapter.
+PRECISE_FALLBACK_REASONS = ("chat_template", "prompt_form", "adapter")
+
 
 class RouterMetrics:
     def __init__(self) -> None:
@@ -56,6 +61,13 @@ class RouterMetrics:
             "pagefleet:router_kv_cached_blocks",
             "Blocks each pod's KV cache holds, as its KV events told (precise routing).",
             ("pod",),
+            registry=self.registry,
+        )
+        self.precise_fallbacks = Counter(
+            "pagefleet:router_precise_fallbacks",
+            "Requests precise prefix routing could not name the blocks of, routed by the "
+            "approximate prefix table, by reason (PRECISE_FALLBACK_REASONS).",
+            ("reason",),
             registry=self.registry,
         )
         self.pods = Gauge(

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from .bounded_json import parse_prefix
 from .discovery import Discovery, PodRegistry, ScrapeSettings, refresh
-from .metrics import RouterMetrics
+from .metrics import PRECISE_FALLBACK_REASONS, RouterMetrics
 from .pod_table import PodTable
 from .policy import Decision, PolicyConfig, choose_pod, is_fresh
 from .prefix import PrefixTable, block_hashes, prompt_text
@@ -136,6 +136,24 @@ class RouterSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+class ResponseIdReader:
+    """A /v1/responses response's id, from its first bytes as they are relayed (the id may
+    arrive split across chunks); the HTTP proxy and the Endpoint Picker both read it."""
+
+    def __init__(self) -> None:
+        self._head: bytes | None = b""
+
+    def feed(self, chunk: bytes) -> str | None:
+        """The id once these bytes complete it (once only); None before and after."""
+        if self._head is None:
+            return None
+        self._head += chunk[: _RESPONSE_ID_SCAN_BYTES - len(self._head)]
+        found = _RESPONSE_ID.search(self._head)
+        if found or len(self._head) >= _RESPONSE_ID_SCAN_BYTES:
+            self._head = None
+        return found.group(1).decode(errors="replace") if found else None
+
+
 class _UpstreamUnavailable(Exception):
     """The pod failed before sending a byte of its response."""
 
@@ -181,6 +199,8 @@ class Router:
         # response id -> the pod that answered it (whose store holds it)
         self.response_pods: PodTable[str] = PodTable(settings.response_table_size)
         self.metrics = RouterMetrics()
+        for reason in PRECISE_FALLBACK_REASONS if precise is not None else ():
+            self.metrics.precise_fallbacks.labels(reason)
         self.session: aiohttp.ClientSession | None = None
         self._scrape_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
@@ -190,6 +210,7 @@ class Router:
         # Set while some pod has fresh metrics; held requests wait on it.
         self._pod_ready = asyncio.Event()
         self._held = 0
+        self._fallbacks_logged: set[str] = set()  # precise routing's, logged once each
 
     def create_app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_request_body_bytes)
@@ -445,8 +466,30 @@ class Router:
             hashes,
             model if isinstance(model, str) else None,
             _previous_response_id(path, payload, body if cut else None),
-            self.precise.blocks.names(path, payload) if self.precise is not None else [],
+            self._block_names(path, payload, model) if self.precise is not None else [],
         )
+
+    def _block_names(self, path: str, payload: dict, model: Any) -> list[bytes]:
+        """The prompt's blocks as the pods name them, or [] with the reason counted in
+        router_precise_fallbacks and logged the first time (precise routing is on, and a
+        class of requests never uses it)."""
+        assert self.precise is not None
+        if any(model in p.adapters or model in p.cpu_adapters for p in self.registry.states()):
+            names: list[bytes] = []
+            reason: str | None = "adapter"
+        else:
+            names, reason = self.precise.blocks.names(path, payload)
+        if reason is not None:
+            self.metrics.precise_fallbacks.labels(reason).inc()
+            if reason not in self._fallbacks_logged:
+                self._fallbacks_logged.add(reason)
+                logger.info(
+                    "precise prefix routing: %s requests are routed by the approximate "
+                    "prefix table (reason %s; see router_precise_fallbacks_total)",
+                    path,
+                    reason,
+                )
+        return names
 
     async def _open_upstream(
         self, request: web.Request, url: str, body: bytes, attempt: int
@@ -486,7 +529,7 @@ class Router:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED}
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)
-        head = b"" if learn_response_id else None
+        reader = ResponseIdReader() if learn_response_id else None
         chunks = upstream.content.iter_any()
         while True:
             try:
@@ -500,13 +543,9 @@ class Router:
             ):
                 await self._upstream_failed(response, upstream, url)
                 return response
-            if head is not None:
-                head += chunk[: _RESPONSE_ID_SCAN_BYTES - len(head)]
-                found = _RESPONSE_ID.search(head)
-                if found:
-                    self.response_pods.record([found.group(1).decode(errors="replace")], url)
-                if found or len(head) >= _RESPONSE_ID_SCAN_BYTES:
-                    head = None
+            response_id = reader.feed(chunk) if reader is not None else None
+            if response_id is not None:
+                self.response_pods.record([response_id], url)
             try:
                 await response.write(chunk)
             except ConnectionResetError:

@@ -15,7 +15,7 @@ from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.constraint import StructuredOutputs
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 # -- the data both sides share ---------------------------------------------------------------
@@ -104,6 +104,7 @@ class EngineStats:
     spec_decode: SpecDecodeStats = SpecDecodeStats()
     lora: LoRAStats | None = None  # None: the engine serves no adapters
     state: StateStats | None = None  # None: the model keeps no per-sequence state
+    kv_events_dropped: int | None = None  # None: no KV events published
 
 
 # -- frontend -> core ------------------------------------------------------------------------

@@ -68,6 +68,9 @@ STATE_BYTES_PER_SEQUENCE = "pagefleet:state_bytes_per_sequence"
 NUM_REQUESTS_QUEUED = "pagefleet:num_requests_queued"
 ENGINE_HEALTHY = "pagefleet:engine_healthy"
 DRAINING = "pagefleet:draining"
+# KV event batches the publisher's full queue dropped (--kv-events-config): vLLM's
+# publisher blocks its step instead, and has no such counter.
+KV_EVENTS_DROPPED = "pagefleet:kv_events_dropped"
 # Seconds each start-up phase took (label `phase`: imports, download, kernel_load,
 # weight_load, kv_cache, warm_up, and total: the process's start to the engine ready).
 STARTUP_SECONDS = "pagefleet:startup_seconds"

@@ -2,8 +2,9 @@
 its pod selector must select the serving pods the operator builds (or it protects
 nothing), its port must be the serving container's port, and the peers it admits must
 select the operator's own pods (the chart's Deployment, in the release namespace) and the
-router pods the operator builds. Real Helm renders the chart; the operator's pure
-builders make the serving and router Deployments."""
+router pods the operator builds; the KV cache event ports, which a router with precise
+routing follows, admit the router pods alone. Real Helm renders the chart; the
+operator's pure builders make the serving and router Deployments."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ BODY = {
     "apiVersion": "pagefleet.dev/v1alpha1",
     "kind": "InferenceService",
     "metadata": {"name": "demo", "namespace": SERVING_NAMESPACE, "uid": "u", "generation": 1},
-    "spec": {"model": {"uri": "builtin://smollm2-135m"}, "router": {"enabled": True}},
+    "spec": {
+        "model": {"uri": "hf://org/model"},
+        "router": {"enabled": True, "preciseRouting": True},
+        "engine": {"kvEvents": {"enabled": True}},
+    },
 }
 
 
@@ -43,6 +48,11 @@ def selects(selector: dict, labels: dict[str, str]) -> bool:
         if not holds:
             return False
     return True
+
+
+def http_rule(policy: dict) -> dict:
+    [rule] = [r for r in policy["ingress"] if r["ports"] == [{"port": "http", "protocol": "TCP"}]]
+    return rule
 
 
 def pod_template(deployment: dict) -> tuple[dict[str, str], dict]:
@@ -82,14 +92,15 @@ def test_the_policy_selects_the_serving_pods_and_no_router_pod(policy, built):
 def test_the_policy_opens_the_serving_containers_port(policy, built):
     _, pod = pod_template(built["serving"])
     ports = {p["name"] for c in pod["containers"] for p in c["ports"]}
-    [rule] = policy["ingress"]
-    assert {p["port"] for p in rule["ports"]} <= ports
+    for rule in policy["ingress"]:  # http, then the KV cache events'
+        assert {p["port"] for p in rule["ports"]} <= ports
+    assert len(policy["ingress"]) == 2
 
 
 def test_the_policy_admits_the_operator_and_the_router_and_nothing_else(policy, objects, built):
     """Peers: the operator's pods in the release namespace (it scrapes /metrics) and the
-    router pods in the serving namespace; a pod of any other kind is not admitted."""
-    [rule] = policy["ingress"]
+    router pods in the serving namespace; a pod of any other kind is not admitted. The
+    KV cache event ports admit the router pods alone (the operator never reads them)."""
     operator_labels, _ = pod_template(
         next(d for d in find(objects, "Deployment") if d["metadata"]["namespace"] == NAMESPACE)
     )
@@ -99,7 +110,7 @@ def test_the_policy_admits_the_operator_and_the_router_and_nothing_else(policy, 
         SERVING_NAMESPACE: {"kubernetes.io/metadata.name": SERVING_NAMESPACE},
     }
 
-    def admitted(namespace: str, labels: dict[str, str]) -> bool:
+    def admitted(namespace: str, labels: dict[str, str], rule: dict) -> bool:
         for peer in rule["from"]:
             # A peer without namespaceSelector means the policy's own namespace.
             in_namespace = (
@@ -111,7 +122,16 @@ def test_the_policy_admits_the_operator_and_the_router_and_nothing_else(policy, 
                 return True
         return False
 
-    assert admitted(NAMESPACE, operator_labels)
-    assert admitted(SERVING_NAMESPACE, router_labels)
-    assert not admitted(SERVING_NAMESPACE, {"app": "someone-else"})
-    assert not admitted(SERVING_NAMESPACE, operator_labels)  # the operator's, elsewhere
+    http = http_rule(policy)
+    assert admitted(NAMESPACE, operator_labels, http)
+    assert admitted(SERVING_NAMESPACE, router_labels, http)
+    assert not admitted(SERVING_NAMESPACE, {"app": "someone-else"}, http)
+    assert not admitted(SERVING_NAMESPACE, operator_labels, http)  # the operator's, elsewhere
+    [kv] = [rule for rule in policy["ingress"] if rule is not http]
+    assert {p["port"] for p in kv["ports"]} == {"kv-events", "kv-replay"}
+    assert admitted(SERVING_NAMESPACE, router_labels, kv)
+    assert not admitted(NAMESPACE, operator_labels, kv)
+    assert not admitted(SERVING_NAMESPACE, {"app": "someone-else"}, kv)
+    # the router those ports are open to follows them there
+    _, router_pod = pod_template(built["router"])
+    assert "--kv-events-endpoint=tcp://{host}:5557" in router_pod["containers"][0]["args"]

@@ -128,7 +128,7 @@ def test_network_policy_admits_only_the_operator_and_the_named_peers():
         "app.kubernetes.io/component": "serving",
         "app.kubernetes.io/managed-by": "pagefleet-operator",
     }
-    (rule,) = policy["spec"]["ingress"]
+    rule, _kv_events = policy["spec"]["ingress"]  # the second: test_chart_contracts.py
     operator_peer, own_router_peer, router_peer = rule["from"]
     assert operator_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
     # The operator's router pods (spec.router) in the same namespace, and only those.

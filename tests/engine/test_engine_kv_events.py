@@ -5,10 +5,12 @@ events maps tagged by `type`), not with the pod's structs: stored blocks carry t
 prompt's tokens in order with a consistent parent chain; a prompt sharing a prefix
 stores only its new blocks, chained to the shared ones; eviction publishes BlockRemoved;
 a reset publishes AllBlocksCleared; the sequence numbers have no gap, and the replay
-socket sends a subscriber what it asks for again."""
+socket sends a subscriber what it asks for again. A batch the publisher's full queue
+drops is counted, and its number is a gap the subscriber sees."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -17,6 +19,8 @@ import zmq
 from pagefleet_serve import LLM
 from pagefleet_serve.config import KVEventsConfig
 from pagefleet_serve.engine.block_manager import hash_block
+from pagefleet_serve.engine.kv_events import KVEventPublisher
+from pagefleet_serve.kv_event_messages import AllBlocksCleared as PodAllBlocksCleared
 from pagefleet_serve.sampling_params import SamplingParams
 
 from tests.engine.conftest import smollm_kv_bytes
@@ -216,3 +220,31 @@ def test_the_replay_socket_resends_from_a_sequence_number(llm, subscriber):
         context.term()
     assert [sequence for sequence, _ in replies] == [last - 1, last]
     assert [batch.events[-1].token_ids for _, batch in replies] == [p[:BLOCK] for p in prompts]
+
+
+def test_a_batch_the_full_queue_drops_is_counted_and_leaves_a_gap():
+    receiver = Subscriber()
+    config = KVEventsConfig(True, "zmq", receiver.endpoint, max_queue_size=1, topic="kv@")
+    publisher = KVEventPublisher(config)
+    try:
+        assert not receiver.sub.poll(500)  # the subscription reaches the publisher
+        published = 0
+        # The step loop outpaces the thread that sends: a queue of one overflows.
+        while publisher.num_dropped < 3 and published < 1_000_000:
+            publisher.publish([PodAllBlocksCleared()])
+            published += 1
+        time.sleep(0.5)  # the thread empties the queue: the last batch is sent
+        publisher.publish([PodAllBlocksCleared()])
+        published += 1
+        publisher.close()  # what is queued is sent
+        received = []
+        while receiver.sub.poll(1000):
+            _, sequence, payload = receiver.sub.recv_multipart()
+            assert DECODER.decode(payload).events == [AllBlocksCleared()]
+            received.append(int.from_bytes(sequence, "big"))
+    finally:
+        receiver.close()
+    assert publisher.num_dropped >= 3
+    # every number was taken once, by a dropped batch too: those are the gaps
+    assert received == sorted(set(received)) and received[-1] == published - 1
+    assert len(received) == published - publisher.num_dropped

@@ -283,6 +283,7 @@ def declare_resources(server) -> None:
         ("v1/events", "Event"),
         ("v1/persistentvolumeclaims", "PersistentVolumeClaim"),
         ("v1/configmaps", "ConfigMap"),
+        ("v1/secrets", "Secret"),
         ("networking.k8s.io/v1/ingresses", "Ingress"),
         ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
         ("v1/serviceaccounts", "ServiceAccount"),

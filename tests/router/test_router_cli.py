@@ -81,3 +81,15 @@ def test_hold_and_tracing_flags_from_the_environment(monkeypatch):
     args = get_parser().parse_args(["--service", "chat-pods"])
     assert args.max_held_requests == 7
     assert args.otlp_traces_endpoint == "http://collector:4318/v1/traces"
+
+
+def test_a_tokenizer_the_router_cannot_read_is_named_and_stops_it(caplog, tmp_path):
+    flags = ["--endpoints", "http://a:8000", "--kv-events-endpoint", "tcp://{host}:5557"]
+    gguf = "hf://org/model-GGUF/model-q4.gguf"
+    assert main([*flags, "--tokenizer", gguf]) == 2
+    assert f"--tokenizer {gguf}: a GGUF file holds its tokenizer" in caplog.text
+    assert main([*flags, "--tokenizer", "hf://org"]) == 2
+    assert "--tokenizer hf://org: 'hf://org' is not hf://org/name" in caplog.text
+    missing = tmp_path / "tokenizer.json"
+    assert main([*flags, "--tokenizer", str(missing)]) == 2
+    assert "cannot read the tokenizer" in caplog.text and "No such file" in caplog.text

@@ -40,6 +40,7 @@ from pagefleet_serve import metric_names as names
 from tests.router.router_harness import LoopbackPod, running_router
 from tests.router.test_router_proxy import (
     API_KEY,
+    MODEL,
     POD_FLAGS,
     RouterProcess,
     auth,
@@ -167,11 +168,13 @@ def endpoint(pod: ServerProcess) -> str:
     return f"127.0.0.1:{pod.port}"
 
 
-def serve_through(stream: ExtProcStream, payload: bytes, target: str, served: str) -> dict:
+def serve_through(
+    stream: ExtProcStream, payload: bytes, target: str, served: str, path: str = "/v1/completions"
+) -> dict:
     """Envoy's part after the pick: the request to `target`, its response passed back
     through the stream with `served` as the endpoint that answered."""
     response = httpx.post(
-        f"http://{target}/v1/completions",
+        f"http://{target}{path}",
         content=payload,
         headers={**auth(), "Content-Type": "application/json"},
         timeout=120,
@@ -230,6 +233,35 @@ def test_the_destination_names_a_pod_and_a_shared_prefix_returns_to_the_pod_that
     assert metrics[key.format("prompt", served_url)] == usage["prompt_tokens"]
     assert metrics[key.format("completion", served_url)] == usage["completion_tokens"] == 4
     assert metrics['pagefleet:router_routing_decisions_total{reason="prefix"}'] == 2
+
+
+def test_a_response_created_through_the_picker_is_continued_and_read_on_its_pod(pods, epp):
+    router, channel = epp
+    decisions = 'pagefleet:router_routing_decisions_total{reason="response"}'
+    before = router.metrics().get(decisions, 0)
+    request = {"model": MODEL, "input": "Name a colour of the sea.", "max_output_tokens": 4}
+    stream = ExtProcStream(channel)
+    stream.send(headers(*post("/v1/responses"), mode=BodyMode.FULL_DUPLEX_STREAMED))
+    payload = json.dumps(request).encode()
+    named = full_duplex_request_answer(stream, payload)
+    # Served by the fallback (the gateway retried): its store, not the pick's, holds it.
+    served = named[1]
+    created = serve_through(stream, payload, served, served, path="/v1/responses")
+    stream.close()
+
+    # A continuation whose own text would go elsewhere follows the response to its pod.
+    follow = {**request, "input": "And of the sky?", "previous_response_id": created["id"]}
+    stream = ExtProcStream(channel)
+    stream.send(headers(*post("/v1/responses"), mode=BodyMode.FULL_DUPLEX_STREAMED))
+    assert full_duplex_request_answer(stream, json.dumps(follow).encode())[0] == served
+    stream.close()
+    # So does reading it back (a GET: headers only, answered at once).
+    stream = ExtProcStream(channel)
+    path = f"/v1/responses/{created['id']}"
+    stream.send(headers((":method", "GET"), (":path", path), end_of_stream=True))
+    assert destination(stream.receive()[0]).split(",")[0] == served
+    stream.close()
+    assert router.metrics()[decisions] == before + 2
 
 
 def full_duplex_request_answer(stream: ExtProcStream, payload: bytes) -> list[str]:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from pagefleet_serve.config import LoRAModule
 from pagefleet_serve.frontend.core_client import LoRAAdapterError
+from pagefleet_serve.messages import LoRAAdapterInfo
 from pagefleet_serve.server.lora_file_watcher import (
     LoRAFileWatcher,
     parse_lora_modules_file,
@@ -53,8 +54,8 @@ class ConfigMapVolume:
 
 
 class RecordingEngine:
-    """The two engine calls the watcher makes; `busy` names are refused unloads (409),
-    `unreadable` uris refused loads (400)."""
+    """The engine calls the watcher makes and the adapters it serves; `busy` names are
+    refused unloads (409), `unreadable` uris and names taken refused loads (400)."""
 
     def __init__(self, loaded: dict[str, str]) -> None:
         self.loaded = dict(loaded)
@@ -62,10 +63,16 @@ class RecordingEngine:
         self.unreadable: set[str] = set()
         self.calls: list[tuple[str, str]] = []
 
+    @property
+    def lora_adapters(self) -> dict[str, LoRAAdapterInfo]:
+        return {name: LoRAAdapterInfo(name, uri) for name, uri in self.loaded.items()}
+
     async def load_lora_adapter(self, name: str, uri: str) -> None:
         self.calls.append(("load", name))
         if uri in self.unreadable:
             raise LoRAAdapterError(400, f"{uri}: adapter_config.json not found")
+        if name in self.loaded:
+            raise LoRAAdapterError(400, f"the LoRA adapter {name!r} has already been loaded")
         self.loaded[name] = uri
 
     async def unload_lora_adapter(self, name: str) -> None:
@@ -157,6 +164,22 @@ def test_only_the_files_own_adapters_are_unloaded(tmp_path):
     volume.write([])
     asyncio.run(watcher.poll())
     assert engine.loaded == {"flag": "/flag"}
+
+
+def test_an_adapter_the_runtime_api_loaded_first_becomes_the_files_own(tmp_path):
+    volume, engine, watcher = watch(tmp_path, [])
+    engine.loaded["sql"] = "/sql"  # the operator's load, before the kubelet's refresh
+    volume.write([{"name": "sql", "uri": "/sql"}])
+    asyncio.run(watcher.poll())
+    assert engine.calls == []  # not loaded twice (a 400: already loaded)
+    volume.write([])
+    asyncio.run(watcher.poll())
+    assert engine.calls == [("unload", "sql")] and engine.loaded == {}
+    # from another uri, it is not the file's: the file's is loaded once that one goes
+    engine.loaded["sql"] = "/old"
+    volume.write([{"name": "sql", "uri": "/sql"}])
+    asyncio.run(watcher.poll())
+    assert engine.calls[1:] == [("load", "sql")] and engine.loaded == {"sql": "/old"}
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,14 @@
 """Publishes the block manager's KV cache events over ZMQ, as vLLM does with
 --kv-events-config (the format is in `pagefleet_serve.kv_event_messages`).
 
-The step loop hands each step's events over as one batch and goes on: the batch waits in
-a bounded queue for the publisher thread, which encodes it, numbers it and sends it on a
-PUB socket, and keeps the last `buffer_steps` batches for the ROUTER replay socket (a
+The step loop numbers each step's events as one batch, hands it over and goes on: the
+batch waits in a bounded queue for the publisher thread, which encodes it and sends it on
+a PUB socket, and keeps the last `buffer_steps` batches for the ROUTER replay socket (a
 subscriber that saw a gap asks from a sequence number and gets every kept batch from
-there, then END_OF_REPLAY). A full queue drops the batch and counts it: a subscriber
-then sees a gap in the numbers and resyncs, while the step never waits on the network.
+there, then END_OF_REPLAY). A full queue drops the batch and counts it
+(pagefleet:kv_events_dropped_total; vLLM's publisher blocks its step instead, and counts
+nothing): its number is never sent nor kept, so a subscriber sees a gap no replay fills
+and starts that pod's index afresh, while the step never waits on the network.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class KVEventPublisher:
         self.config = config
         self.data_parallel_rank = data_parallel_rank
         self.num_dropped = 0  # batches the full queue turned away
-        self._queue: queue.Queue[EventBatch | None] = queue.Queue(config.max_queue_size)
+        self._next_sequence = 0  # taken by a dropped batch too: the gap says it was lost
+        self._queue: queue.Queue[tuple[int, EventBatch] | None] = queue.Queue(config.max_queue_size)
         self._context = zmq.Context()
         # Made here so that a bad or taken endpoint fails the start, not the thread; used
         # only by the thread from then on (its start orders the two).
@@ -66,8 +69,9 @@ class KVEventPublisher:
         if not events:
             return
         batch = EventBatch(time.time(), events, self.data_parallel_rank)
+        sequence, self._next_sequence = self._next_sequence, self._next_sequence + 1
         try:
-            self._queue.put_nowait(batch)
+            self._queue.put_nowait((sequence, batch))
         except queue.Full:
             self.num_dropped += 1
             if self.num_dropped & (self.num_dropped - 1) == 0:  # 1, 2, 4, 8, ...: a trace
@@ -92,23 +96,22 @@ class KVEventPublisher:
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         topic = self.config.topic.encode()
-        sequence = 0
         while True:
             if self._replay is not None and self._replay.poll(0):
                 self._answer_replay()
             try:
-                batch = self._queue.get(timeout=_POLL_MS / 1000)
+                item = self._queue.get(timeout=_POLL_MS / 1000)
             except queue.Empty:
                 continue
-            if batch is None:
+            if item is None:
                 return
+            sequence, batch = item
             payload = encoder.encode(batch)
             try:
                 self._pub.send_multipart((topic, sequence.to_bytes(8, "big"), payload))
             except zmq.ZMQError:  # the batch is kept: a subscriber gets it by replay
                 logger.exception("sending KV event batch %d failed", sequence)
             self._kept.append((sequence, payload))
-            sequence += 1
 
     def _answer_replay(self) -> None:
         """A request [identity, b"", first sequence number] gets every kept batch from

@@ -315,6 +315,7 @@ class LLMEngine:
             spec_decode=self.speculator.stats() if self.speculator else SpecDecodeStats(),
             lora=self.loras.stats(self.scheduler.running, self.admission.waiting()),
             state=self._state_stats(),
+            kv_events_dropped=self.kv_events.num_dropped if self.kv_events else None,
         )
 
     def _state_stats(self) -> StateStats | None:

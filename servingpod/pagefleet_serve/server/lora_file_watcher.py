@@ -13,7 +13,9 @@ Nothing here fails the pod or a request: a file that cannot be read or parsed lo
 warning and leaves the adapters as they are; an unload refused because requests use the
 adapter (409) is tried again at the next poll; an adapter that cannot be loaded logs a
 warning and is tried again only once the file changes. Only adapters the file put there
-are unloaded: those of `--lora-modules` and of the runtime API stay.
+are unloaded: those of `--lora-modules` and of the runtime API stay. An adapter the file
+lists that the runtime API already loaded from the same uri (the operator loads a change
+through the API before the kubelet refreshes the file) is taken as the file's own.
 """
 
 import asyncio
@@ -155,6 +157,12 @@ class LoRAFileWatcher:
             logger.info("LoRA adapter %s unloaded (no longer in %s)", name, self.path)
         for name, uri in self.wanted.items():
             if name in self.served or (name, uri) in self._failed:
+                continue
+            loaded = self.engine.lora_adapters.get(name)
+            if loaded is not None and loaded.path == uri:
+                # Loaded through the runtime API first (the operator pushes a change
+                # before the kubelet refreshes this file): the file's own from now on.
+                self.served[name] = uri
                 continue
             try:
                 await self.engine.load_lora_adapter(name, uri)

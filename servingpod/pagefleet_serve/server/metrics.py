@@ -347,6 +347,12 @@ class _EngineCollector:
                 state.bytes_per_sequence,
             )
         yield from _spec_decode_counters(label, stats.spec_decode)
+        if stats.kv_events_dropped is not None:
+            yield counter(
+                names.KV_EVENTS_DROPPED,
+                "KV event batches dropped because the publisher's queue was full.",
+                stats.kv_events_dropped,
+            )
         if stats.lora is not None:
             yield _lora_info(label, stats.lora)
             yield _lora_resident(label, stats.lora)
