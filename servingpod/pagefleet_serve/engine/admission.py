@@ -28,6 +28,21 @@ def grammar_stop_token_ids(config: ModelConfig) -> list[int]:
     return sorted({*config.eos_token_ids, config.eos_token_id} - {None})
 
 
+def make_grammar_compiler(
+    tokenizer, model_config: ModelConfig, config: EngineConfig
+) -> GrammarCompiler | None:
+    """The engine's grammar compiler, the one place constraints are compiled; None for a
+    model served on token ids (no tokenizer to make token masks from)."""
+    if tokenizer is None:
+        return None
+    return GrammarCompiler(
+        tokenizer,
+        model_config.vocab_size,
+        grammar_stop_token_ids(model_config),
+        config.structured_outputs_compile_timeout,
+    )
+
+
 class Admission:
     def __init__(
         self,

@@ -25,11 +25,14 @@ from pagefleet_serve.engine.compile_requests import CompileRequests
 from pagefleet_serve.engine.executor.distributed import WorkerLost
 from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
 from pagefleet_serve.messages import (
+    PROTOCOL_VERSION,
     AbortRequest,
     AddRequest,
     CoreFailed,
+    CoreReady,
     LoadLoRAAdapter,
     LoRAAdaptersChanged,
+    RequestLimits,
     RequestRejected,
     Shutdown,
     StepOutputs,
@@ -45,6 +48,24 @@ _IDLE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
+def core_ready(engine: LLMEngine) -> CoreReady:
+    """What a frontend needs to know of an engine: its first message."""
+    limits = RequestLimits(
+        engine.max_model_len, engine.model_config.vocab_size, engine.config.max_num_seqs
+    )
+    return CoreReady(
+        version=PROTOCOL_VERSION,
+        model_name=engine.model_name,
+        limits=limits,
+        num_blocks=engine.block_manager.num_blocks,
+        stats=engine.stats(),
+        startup_seconds=dict(engine.startup_seconds),
+        lora_adapters=engine.loras.infos(),
+        lora_enabled=engine.config.enable_lora,
+        pooling=engine.pooling,
+    )
+
+
 class _AdapterRead:
     """The loop's own message: a LoRA adapter's files have been read (or failed to be)."""
 
@@ -225,7 +246,7 @@ class ThreadLink:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.ready = engine.ready()
+        self.ready = core_ready(engine)
         self.core: EngineCore | None = None
         self.thread: threading.Thread | None = None
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.cpu_placement import place_core_threads
-from pagefleet_serve.engine.core import EngineCore
+from pagefleet_serve.engine.core import EngineCore, core_ready
 from pagefleet_serve.engine.lifetime import die_with_parent
 from pagefleet_serve.engine.llm_engine import LLMEngine
 from pagefleet_serve.messages import CoreFailed, Heartbeat, StepOutputs
@@ -65,7 +65,7 @@ def core_main(
     except BaseException as exc:  # noqa: BLE001 - the frontend reports it and exits
         emit(CoreFailed(f"cannot load model {config.model}: {type(exc).__name__}: {exc}"))
         _exit_now(1)
-    ready = engine.ready()
+    ready = core_ready(engine)
     emit(replace(ready, startup_seconds={"imports": imports_seconds, **ready.startup_seconds}))
     core = EngineCore(engine, emit)
     # A rank lost between steps (or while one waits in a collective) fails the core at

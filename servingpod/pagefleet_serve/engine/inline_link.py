@@ -10,14 +10,14 @@ until the engine has none left has every output.
 import time
 from collections.abc import Callable
 
-from pagefleet_serve.engine.core import EngineCore
+from pagefleet_serve.engine.core import EngineCore, core_ready
 from pagefleet_serve.engine.llm_engine import LLMEngine
 
 
 class InlineLink:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.ready = engine.ready()
+        self.ready = core_ready(engine)
         self.core: EngineCore | None = None
         self._closed = False
 

@@ -17,7 +17,12 @@ import weakref
 
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.cpu_placement import CpuPlacement
-from pagefleet_serve.engine.admission import Admission, Failure, grammar_stop_token_ids
+from pagefleet_serve.engine.admission import (
+    Admission,
+    Failure,
+    grammar_stop_token_ids,
+    make_grammar_compiler,
+)
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.executor.distributed import WorkerLost
 from pagefleet_serve.engine.kv_events import KVEventPublisher
@@ -30,20 +35,14 @@ from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.draft_model import DraftModelProposer
 from pagefleet_serve.engine.spec_decode.speculator import Speculator
 from pagefleet_serve.engine.startup import start_model
-from pagefleet_serve.engine.state_checkpoints import StateCheckpoints
-from pagefleet_serve.engine.state_slots import StateSlots
+from pagefleet_serve.engine.state_checkpoints import state_cache, state_stats
 from pagefleet_serve.messages import (
-    PROTOCOL_VERSION,
-    CoreReady,
     EngineStats,
     Request,
-    RequestLimits,
     SpecDecodeStats,
-    StateStats,
 )
 from pagefleet_serve.model.lora import LoRAAdapter
 from pagefleet_serve.outputs import RequestOutput
-from pagefleet_serve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -78,20 +77,11 @@ class LLMEngine:
             config.enable_prefix_caching and not self.pooling,
             record_events=config.kv_events_config is not None,
         )
-        self.kv_events = None
-        if config.kv_events_config is not None:
-            self.kv_events = KVEventPublisher(config.kv_events_config)
-        self.state_slots, self.state_checkpoints = None, None
-        if model.num_state_slots:
-            self.state_slots = StateSlots(model.num_state_slots)
-            if self.block_manager.enable_prefix_caching:
-                self.state_checkpoints = StateCheckpoints(
-                    self.state_slots,
-                    model.num_state_slots,
-                    model.num_state_checkpoints,
-                    config.block_size,
-                )
-                self.block_manager.on_evict.append(self.state_checkpoints.forget)
+        events = config.kv_events_config
+        self.kv_events = KVEventPublisher(events) if events is not None else None
+        self.state_slots, self.state_checkpoints = state_cache(
+            model.num_state_slots, model.num_state_checkpoints, self.block_manager
+        )
         self.scheduler = Scheduler(
             config, self.block_manager, self.max_model_len, self.state_slots, self.state_checkpoints
         )
@@ -103,14 +93,8 @@ class LLMEngine:
         self.outputs = OutputTracker()
         self._pending: list[RequestOutput] = []  # aborts, handed out by the next step
         self.grammar_stop_token_ids = grammar_stop_token_ids(self.model_config)
-        self.grammar_compiler = None
-        if self.tokenizer is not None:
-            self.grammar_compiler = GrammarCompiler(
-                self.tokenizer,
-                self.model_config.vocab_size,
-                self.grammar_stop_token_ids,
-                config.structured_outputs_compile_timeout,
-            )
+        self.grammar_compiler = make_grammar_compiler(tokenizer, self.model_config, config)
+        if self.grammar_compiler is not None:
             # Its threads keep it (and their worker processes) alive: it ends with the
             # engine, closed or collected (an `LLM` dropped without a close).
             self._close_compiler = weakref.finalize(self, self.grammar_compiler.close)
@@ -145,27 +129,6 @@ class LLMEngine:
         if self.grammar_compiler is not None:
             self._close_compiler()
         self.loras.close()
-
-    # -- what a frontend is told --------------------------------------------------------
-    @property
-    def limits(self) -> RequestLimits:
-        return RequestLimits(
-            self.max_model_len, self.model_config.vocab_size, self.config.max_num_seqs
-        )
-
-    def ready(self) -> CoreReady:
-        """What a frontend needs to know of this engine."""
-        return CoreReady(
-            version=PROTOCOL_VERSION,
-            model_name=self.model_name,
-            limits=self.limits,
-            num_blocks=self.block_manager.num_blocks,
-            stats=self.stats(),
-            startup_seconds=dict(self.startup_seconds),
-            lora_adapters=self.loras.infos(),
-            lora_enabled=self.config.enable_lora,
-            pooling=self.pooling,
-        )
 
     # -- LoRA adapters (`self.loras`; these add what the requests use) ------------------
     def load_lora(self, name: str, path: str) -> LoRAAdapter:
@@ -314,18 +277,8 @@ class LLMEngine:
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
             spec_decode=self.speculator.stats() if self.speculator else SpecDecodeStats(),
             lora=self.loras.stats(self.scheduler.running, self.admission.waiting()),
-            state=self._state_stats(),
+            state=state_stats(
+                self.state_slots, self.state_checkpoints, self.runner.state_bytes_per_slot
+            ),
             kv_events_dropped=self.kv_events.num_dropped if self.kv_events else None,
-        )
-
-    def _state_stats(self) -> StateStats | None:
-        slots, checkpoints = self.state_slots, self.state_checkpoints
-        if slots is None:
-            return None
-        return StateStats(
-            num_slots=slots.num_slots,
-            num_used_slots=slots.num_used,
-            num_checkpoints=0 if checkpoints is None else checkpoints.num_checkpoints,
-            num_saved_checkpoints=0 if checkpoints is None else checkpoints.num_saved,
-            bytes_per_sequence=self.runner.state_bytes_per_slot,
         )

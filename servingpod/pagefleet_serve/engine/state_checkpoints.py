@@ -18,8 +18,10 @@ evicted first), and one goes with its block when the block leaves the prefix cac
 
 import collections
 
+from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.state_slots import StateSlots
+from pagefleet_serve.messages import StateStats
 
 
 class StateCheckpoints:
@@ -78,3 +80,33 @@ class StateCheckpoints:
             self._free.append(self._saved.popitem(last=False)[1])
         slot = self._saved[block_hash] = self._free.pop()
         self.slots.copy(seq.state_slot, slot)
+
+
+def state_cache(
+    num_slots: int, num_checkpoints: int, block_manager: BlockManager
+) -> tuple[StateSlots | None, StateCheckpoints | None]:
+    """A hybrid model's state slots, and their checkpoints when the prefix cache is on;
+    (None, None) for a model that keeps no per-sequence state (`num_slots` 0)."""
+    if not num_slots:
+        return None, None
+    slots = StateSlots(num_slots)
+    if not block_manager.enable_prefix_caching:
+        return slots, None
+    checkpoints = StateCheckpoints(slots, num_slots, num_checkpoints, block_manager.block_size)
+    block_manager.on_evict.append(checkpoints.forget)
+    return slots, checkpoints
+
+
+def state_stats(
+    slots: StateSlots | None, checkpoints: StateCheckpoints | None, bytes_per_sequence: int
+) -> StateStats | None:
+    """What /metrics shows of the state cache; None for a model without one."""
+    if slots is None:
+        return None
+    return StateStats(
+        num_slots=slots.num_slots,
+        num_used_slots=slots.num_used,
+        num_checkpoints=0 if checkpoints is None else checkpoints.num_checkpoints,
+        num_saved_checkpoints=0 if checkpoints is None else checkpoints.num_saved,
+        bytes_per_sequence=bytes_per_sequence,
+    )
