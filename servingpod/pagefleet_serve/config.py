@@ -251,7 +251,18 @@ class KVEventsConfig:
 
 
 # --lora-modules: vLLM's `name=path` pairs (or its JSON objects {"name", "path"}).
-LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+# An adapter's name is a Prometheus label value and a /v1/models id: bounded as a DNS label
+# is (the CRD's adapter names are too).
+MAX_LORA_NAME_CHARS = 63
+LORA_NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_LORA_NAME_CHARS - 1}}}$"
+LORA_NAME_RULE = (
+    f"must be at most {MAX_LORA_NAME_CHARS} letters, digits, '.', '_' or '-', starting with "
+    "a letter or digit"
+)
+
+
+def is_lora_name(name: object) -> bool:
+    return isinstance(name, str) and re.fullmatch(LORA_NAME_PATTERN, name) is not None
 
 
 @dataclass(frozen=True)
@@ -264,11 +275,9 @@ class LoRAModule:
     path: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not re.match(LORA_NAME_PATTERN, self.name):
-            raise ValueError(
-                f"lora_modules: adapter name {self.name!r} must be letters, digits, '.', '_' "
-                "or '-', starting with a letter or digit"
-            )
+        if not is_lora_name(self.name):
+            shown = self.name if len(str(self.name)) <= 80 else f"{str(self.name)[:80]}..."
+            raise ValueError(f"lora_modules: adapter name {shown!r} {LORA_NAME_RULE}")
         try:
             parse_model_uri(self.path)
         except ModelURIError as exc:
@@ -373,6 +382,9 @@ class EngineConfig:
     # device's are among them); the others are read again from their path when a request
     # names one. None: every adapter served stays in host memory.
     max_cpu_loras: int | None = None
+    # Seconds an adapter's files may take to be read (a load, or a read back into host
+    # memory) before the read fails: storage that hangs fails its adapter, not the pod.
+    lora_read_timeout: float = 60.0
     # vLLM's --task: one of TASKS (auto: detected from the model's files).
     task: str = "auto"
     # vLLM's --tensor-parallel-size: ranks the model is split over (engine/executor/), one
@@ -416,6 +428,8 @@ class EngineConfig:
             "max_cpu_loras",
         ):
             positive(name)
+        if not self.lora_read_timeout > 0:
+            raise ValueError(f"lora_read_timeout must be > 0 seconds, got {self.lora_read_timeout}")
         self._check_lora()
         self._check_parallel()
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

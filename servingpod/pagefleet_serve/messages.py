@@ -118,6 +118,10 @@ class LoadLoRAAdapter:
     op_id: str
     lora_name: str
     lora_path: str
+    # A client's load (POST /v1/load_lora_adapter): a local path must lie under
+    # `allowed_root`, and a file that cannot be read is answered without the server's paths.
+    from_client: bool = False
+    allowed_root: str | None = None
 
 
 @dataclass(frozen=True)

@@ -341,11 +341,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=engine("max_cpu_loras"),
     )
     flag(
+        "--lora-read-timeout",
+        "seconds an adapter's files may take to be read (a load or a read back into host "
+        "memory) before the read fails",
+        type=float,
+        default=engine("lora_read_timeout"),
+    )
+    flag(
         "--allow-runtime-lora-updating",
         "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora)",
         action=argparse.BooleanOptionalAction,
         default=server("allow_runtime_lora_updating"),
+    )
+    flag(
+        "--allowed-lora-root",
+        "the directory under which POST /v1/load_lora_adapter may read local adapter paths "
+        "(symlinks followed; default: none, only hf:// adapters load at run time)",
+        default=server("allowed_lora_root"),
     )
     flag(
         "--responses-store-max-entries",
@@ -447,6 +460,7 @@ def run(args: argparse.Namespace) -> int:
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
+            lora_read_timeout=args.lora_read_timeout,
             task=args.task,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
@@ -485,6 +499,7 @@ def run(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            allowed_lora_root=args.allowed_lora_root,
             responses_store_max_entries=args.responses_store_max_entries,
             responses_store_max_age=args.responses_store_max_age,
         )
