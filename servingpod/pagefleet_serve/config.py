@@ -380,8 +380,11 @@ class EngineConfig:
     max_lora_rank: int = 16
     # vLLM's --max-cpu-loras: adapters kept in host memory at once (at least max_loras: the
     # device's are among them); the others are read again from their path when a request
-    # names one. None: every adapter served stays in host memory.
+    # names one. None: max_loras (vLLM's default).
     max_cpu_loras: int | None = None
+    # Adapters served by name at once (each a /v1/models entry and a metric label); a load
+    # past it is refused until one is unloaded.
+    max_lora_adapters: int = 1024
     # Seconds an adapter's files may take to be read (a load, or a read back into host
     # memory) before the read fails: storage that hangs fails its adapter, not the pod.
     lora_read_timeout: float = 60.0
@@ -426,6 +429,7 @@ class EngineConfig:
             "max_loras",
             "max_lora_rank",
             "max_cpu_loras",
+            "max_lora_adapters",
         ):
             positive(name)
         if not self.lora_read_timeout > 0:
@@ -532,6 +536,11 @@ class EngineConfig:
             raise ValueError(f"lora_modules: adapter names must be unique, got {names}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules names adapters, which need enable_lora")
+        if len(names) > self.max_lora_adapters:
+            raise ValueError(
+                f"lora_modules names {len(names)} adapters, more than max_lora_adapters "
+                f"({self.max_lora_adapters})"
+            )
         if self.enable_lora and not self.enforce_eager:
             raise ValueError(
                 "enable_lora runs the layers op by op, which torch.compile does not cover: "

@@ -67,8 +67,7 @@ class SpecDecodeStats:
 class LoRAStats:
     """The adapters of the running and the waiting requests (names, sorted), and how many
     the device holds at once; the adapters resident now, in use or idle: in the device's
-    slots, and in host memory only (empty without max_cpu_loras: then host memory holds
-    every served adapter, so it tells no pod from another)."""
+    slots, and in host memory only (at most max_cpu_loras, max_loras by default)."""
 
     running: tuple[str, ...]
     waiting: tuple[str, ...]

@@ -21,6 +21,7 @@ from pagefleet_serve.model.lora import (
     LoRAAdapter,
     LoRABusy,
     LoRAError,
+    LoRAFull,
     LoRANotFound,
     ServedLoRA,
     read_adapter,
@@ -38,7 +39,8 @@ class LoRAManager:
         self.model_config = model_config
         self.adapters: dict[str, ServedLoRA] = {}
         self._ids = itertools.count(1)
-        self.cache = LoRAHostCache(config.max_cpu_loras, slots) if slots is not None else None
+        host_capacity = config.max_cpu_loras or config.max_loras
+        self.cache = LoRAHostCache(host_capacity, slots) if slots is not None else None
         self.slots = slots
         # Every read of adapter files, each in a thread of its own with a time limit.
         self.reader = AdapterReader(config.lora_read_timeout)
@@ -86,8 +88,14 @@ class LoRAManager:
         )
 
     def _check_name_free(self, name: str) -> None:
+        """LoRAError for a name served already, LoRAFull when no other may be served."""
         if name in self.adapters:
             raise LoRAError(f"the LoRA adapter {name!r} has already been loaded")
+        if len(self.adapters) >= self.config.max_lora_adapters:
+            raise LoRAFull(
+                f"this server serves {len(self.adapters)} LoRA adapters, the most it may "
+                f"(--max-lora-adapters {self.config.max_lora_adapters}); unload one first"
+            )
 
     def unload(self, name: str, users: Iterable[Sequence]) -> None:
         """Stop serving an adapter. LoRANotFound; LoRABusy while requests (of `users`, the
@@ -178,7 +186,7 @@ class LoRAManager:
             return tuple(sorted({names[i] for i in lora_ids if i in names}))
 
         on_device = set(self.slots.slot_of)
-        in_host_memory = () if self.config.max_cpu_loras is None else self.cache.lora_ids()
+        in_host_memory = self.cache.lora_ids()
         return LoRAStats(
             named(s.lora_id for s in running),
             named(s.lora_id for s in waiting),

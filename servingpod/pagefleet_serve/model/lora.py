@@ -69,6 +69,12 @@ class LoRAFileError(LoRAError):
         )
 
 
+class LoRAFull(LoRAError):
+    """As many adapters served as the server allows (--max-lora-adapters)."""
+
+    status = 429
+
+
 class LoRANotFound(LoRAError):
     status = 404
 

@@ -20,7 +20,11 @@ from pagefleet_serve.server.errors import APIError, bad_request, unavailable
 from pagefleet_serve.server.protocol import _CONFIG, parse
 from pagefleet_serve.server.state import ServerState
 
-_CODES = {404: "lora_adapter_not_found", 409: "lora_adapter_in_use"}
+_CODES = {
+    404: "lora_adapter_not_found",
+    409: "lora_adapter_in_use",
+    429: "too_many_lora_adapters",
+}
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -335,10 +335,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     flag(
         "--max-cpu-loras",
-        "LoRA adapters kept in host memory at once, at least --max-loras (default: every "
-        "adapter served); a request for another reads it again from its path",
+        "LoRA adapters kept in host memory at once, at least --max-loras (default: "
+        "--max-loras); a request for another reads it again from its path",
         type=int,
         default=engine("max_cpu_loras"),
+    )
+    flag(
+        "--max-lora-adapters",
+        "LoRA adapters served by name at once; a load past it is refused (429) until one is "
+        "unloaded",
+        type=int,
+        default=engine("max_lora_adapters"),
     )
     flag(
         "--lora-read-timeout",
@@ -461,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
             lora_read_timeout=args.lora_read_timeout,
+            max_lora_adapters=args.max_lora_adapters,
             task=args.task,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
