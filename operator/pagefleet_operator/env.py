@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagefleet_serve.model.uri import PVC_MOUNT_DIR
+from pagefleet_serve.model_uri import PVC_MOUNT_DIR
 
 from .adapters import FILE_PATH as ADAPTERS_FILE_PATH
 from .adapters import uses_adapters_file

@@ -24,7 +24,7 @@ from pagefleet_serve.config import (
     TASKS,
     SpeculativeConfig,
 )
-from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURI, ModelURIError, parse_model_uri
+from pagefleet_serve.model_uri import PVC_MOUNT_DIR, ModelURI, ModelURIError, parse_model_uri
 
 from .config import DEFAULT_ROUTER_IMAGE
 from .kubefields import (

@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import dataclass, fields
 
-from pagefleet_serve.model.uri import ModelURIError, parse_model_uri
+from pagefleet_serve.model_uri import ModelURIError, parse_model_uri
 
 BUILTIN_MODEL = "builtin://smollm2-135m"
 # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32.

@@ -186,15 +186,15 @@ def test_operator_image_installs_what_the_operator_imports():
 def test_operator_imports_no_serving_stack():
     """The operator image has no torch: importing the whole operator must not need it. Of
     the serving package it may load only what the pod shares with it: the engine's
-    vocabulary and configuration, the model URI parser and the metric names (torch-free
-    modules)."""
+    vocabulary and configuration, the model URI parser, the metric names and the
+    tensor/pipeline shape rule (torch-free modules)."""
     code = (
         "import pkgutil, importlib, sys, pagefleet_operator\n"
         "for m in pkgutil.iter_modules(pagefleet_operator.__path__):\n"
         "    importlib.import_module('pagefleet_operator.' + m.name)\n"
         "serving = {m for m in sys.modules if m.startswith('pagefleet_serve')}\n"
-        "allowed = {'pagefleet_serve', 'pagefleet_serve.config', 'pagefleet_serve.model',\n"
-        "           'pagefleet_serve.model.uri', 'pagefleet_serve.metric_names'}\n"
+        "allowed = {'pagefleet_serve', 'pagefleet_serve.config', 'pagefleet_serve.model_uri',\n"
+        "           'pagefleet_serve.metric_names', 'pagefleet_serve.parallel_shape'}\n"
         "heavy = {'torch', 'transformers', 'numpy'} & set(sys.modules) | serving - allowed\n"
         "sys.exit(f'imported {sorted(heavy)}' if heavy else 0)\n"
     )

@@ -19,7 +19,7 @@ import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.model.loader.model_loader import load_model
-from pagefleet_serve.model.uri import UnsupportedModelError
+from pagefleet_serve.model_uri import UnsupportedModelError
 
 MAX_NEW_TOKENS = 48
 WINDOW = 12

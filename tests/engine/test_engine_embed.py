@@ -152,7 +152,7 @@ def test_each_task_refuses_the_other(tmp_path):
 def test_an_unserved_pooling_mode_is_refused_naming_its_file(tmp_path):
     import json
 
-    from pagefleet_serve.model.uri import UnsupportedModelError
+    from pagefleet_serve.model_uri import UnsupportedModelError
 
     path = build_embedding_model(tmp_path, pooling="mean")
     pooling_file = path / "1_Pooling" / "config.json"
@@ -167,7 +167,7 @@ def test_modules_that_would_change_the_vectors_are_refused_by_name(tmp_path):
     tokens, would give other vectors than the checkpoint's: refused, not ignored."""
     import json
 
-    from pagefleet_serve.model.uri import UnsupportedModelError
+    from pagefleet_serve.model_uri import UnsupportedModelError
 
     path = build_embedding_model(tmp_path, pooling="mean")
     modules = json.loads((path / "modules.json").read_text())

@@ -21,7 +21,7 @@ from pagefleet_serve import SamplingParams
 from pagefleet_serve.model import mxfp4
 from pagefleet_serve.model.layers.rotary import RotaryEmbedding
 from pagefleet_serve.model.loader.model_loader import load_model
-from pagefleet_serve.model.uri import UnsupportedModelError
+from pagefleet_serve.model_uri import UnsupportedModelError
 from safetensors.torch import load_file, save_file
 
 from tests.engine.test_engine_architectures import (

@@ -362,7 +362,7 @@ def test_full_disk_names_the_cache_volume(tmp_path, monkeypatch):
 
     from huggingface_hub import constants
     from pagefleet_serve.model.loader.hub import _explain
-    from pagefleet_serve.model.uri import parse_model_uri
+    from pagefleet_serve.model_uri import parse_model_uri
 
     monkeypatch.setattr(constants, "HF_HOME", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))

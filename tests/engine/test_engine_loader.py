@@ -8,7 +8,7 @@ import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.model.loader.model_loader import TINY_CONFIG, load_model, random_weights
-from pagefleet_serve.model.uri import UnsupportedModelError
+from pagefleet_serve.model_uri import UnsupportedModelError
 from safetensors.torch import save_file
 
 HF_CONFIG = {

@@ -18,7 +18,7 @@ except SystemExit as exit:
 heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'numpy'})
 print('HEAVY', ' '.join(heavy))
 # The operator validates specs with the pod's own torch-free vocabulary and parsers
-# (pagefleet_serve.config, pagefleet_serve.model.uri); the server, the engine and the bench
+# (pagefleet_serve.config, pagefleet_serve.model_uri); the server, the engine and the bench
 # client are the subcommands' own modules.
 stack = ('pagefleet_serve.server', 'pagefleet_serve.engine', 'pagefleet_bench')
 print('STACK', ' '.join(sorted(m for m in sys.modules if m.startswith(stack))))

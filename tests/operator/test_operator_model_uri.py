@@ -14,8 +14,8 @@ import pytest
 from pagefleet_operator.deployment import get_deployment
 from pagefleet_operator.env import get_pod_model_uri
 from pagefleet_operator.spec import SpecError, parse_spec
-from pagefleet_serve.model import uri as uri_module
-from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURIError, parse_model_uri
+from pagefleet_serve import model_uri as uri_module
+from pagefleet_serve.model_uri import PVC_MOUNT_DIR, ModelURIError, parse_model_uri
 
 from tests.operator.operator_samples import (
     CRD_PATH,
@@ -205,7 +205,7 @@ def test_the_uri_parser_and_the_vocabulary_import_nothing_else():
     imports it), and the config and metric names add only it, never torch."""
     code = (
         "import sys\n"
-        "import pagefleet_serve.model.uri\n"
+        "import pagefleet_serve.model_uri\n"
         "alone = sorted(m for m in sys.modules if m.startswith('pagefleet_serve'))\n"
         "import pagefleet_serve.config, pagefleet_serve.metric_names\n"
         "shared = sorted(m for m in sys.modules if m.startswith('pagefleet_serve'))\n"
@@ -214,7 +214,7 @@ def test_the_uri_parser_and_the_vocabulary_import_nothing_else():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout
-    package = ["pagefleet_serve", "pagefleet_serve.model", "pagefleet_serve.model.uri"]
+    package = ["pagefleet_serve", "pagefleet_serve.model_uri"]
     shared = sorted([*package, "pagefleet_serve.config", "pagefleet_serve.metric_names"])
     assert out.strip() == f"{package} {shared} False"
     # Not even inside a function (where the Hub downloader's import used to be).

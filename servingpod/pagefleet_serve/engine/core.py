@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pagefleet_serve.engine.compile_requests import CompileRequests
 from pagefleet_serve.engine.executor.distributed import WorkerLost
 from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
 from pagefleet_serve.messages import (
@@ -36,7 +37,6 @@ from pagefleet_serve.messages import (
 )
 from pagefleet_serve.model.lora import LoRAAdapter, LoRAError, LoRAFileError
 from pagefleet_serve.outputs import RequestOutput
-from pagefleet_serve.structured.compile_requests import CompileRequests
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pagefleet_serve.engine.pooler import Pooler
 from pagefleet_serve.engine.sampler import SampledToken, SampleRow, SamplingError, sample
 from pagefleet_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
-from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, rewind
+from pagefleet_serve.engine.spec_verify import accepted_run, draft_rows, rewind
 from pagefleet_serve.engine.step_buffers import StepBuffers, StepInputs
 from pagefleet_serve.model.layers.linear_methods import can_prepack
 from pagefleet_serve.model.layers.lora import LoRABatch, LoRAWeights, add_adapters

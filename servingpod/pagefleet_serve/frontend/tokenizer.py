@@ -64,7 +64,7 @@ def load_engine_tokenizer(config):
         if (draft is None) != (tokenizer is None) or (
             draft is not None and draft.get_vocab() != tokenizer.get_vocab()
         ):
-            from pagefleet_serve.model.uri import parse_model_uri
+            from pagefleet_serve.model_uri import parse_model_uri
 
             raise ValueError(
                 f"speculative_config.model: the draft {parse_model_uri(spec.model).name}'s "

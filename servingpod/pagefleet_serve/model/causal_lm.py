@@ -23,8 +23,8 @@ from pagefleet_serve.model.layers.linear_methods import use_int8_activations
 from pagefleet_serve.model.layers.moe import FusedMoE, expert_param
 from pagefleet_serve.model.layers.norm import RMSNorm
 from pagefleet_serve.model.layers.rotary import RotaryEmbedding
-from pagefleet_serve.model.uri import UnsupportedModelError
 from pagefleet_serve.model.weights import Weight, is_kept_quantized
+from pagefleet_serve.model_uri import UnsupportedModelError
 from pagefleet_serve.parallel_shape import ModelShape, check_shape
 
 # What a pipeline stage may leave out (the first stage holds the embedding, the last the

@@ -8,7 +8,8 @@ the registry's entry the model is built from.
 
 from dataclasses import dataclass
 
-from pagefleet_serve.model.layers.activation import HIDDEN_ACTS
+# The gated MLP activations `layers.activation` computes, by config.json's `hidden_act`.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)

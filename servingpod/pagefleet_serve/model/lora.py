@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pagefleet_serve.model.config import ModelConfig
-from pagefleet_serve.model.uri import ModelURIError, parse_model_uri
+from pagefleet_serve.model_uri import ModelURIError, parse_model_uri
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from pagefleet_serve.config import PoolingConfig
-from pagefleet_serve.model.uri import UnsupportedModelError
+from pagefleet_serve.model_uri import UnsupportedModelError
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"

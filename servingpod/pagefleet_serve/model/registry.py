@@ -13,7 +13,7 @@ from torch import nn
 
 from pagefleet_serve.model.config import ModelConfig
 from pagefleet_serve.model.context import ModelContext, building
-from pagefleet_serve.model.uri import UnsupportedModelError
+from pagefleet_serve.model_uri import UnsupportedModelError
 
 
 @dataclass(frozen=True)

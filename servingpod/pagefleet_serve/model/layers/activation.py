@@ -2,8 +2,6 @@
 (silu) or GeGLU (gelu, tanh approximation), computed by the kernel backend's
 `act_and_mul`."""
 
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
-
 
 def is_gelu(hidden_act: str) -> bool:
     """Whether `act_and_mul` takes the GeGLU path for this config.json `hidden_act`."""

@@ -10,7 +10,7 @@ import torch
 from pagefleet_kernels.metadata import AttentionMetadata
 from torch import nn
 
-from pagefleet_serve.model.uri import UnsupportedModelError
+from pagefleet_serve.model_uri import UnsupportedModelError
 
 RopeScaling = tuple[tuple[str, object], ...] | None
 

@@ -25,8 +25,8 @@ from pagefleet_serve.model.quant import (
     from_gguf,
 )
 from pagefleet_serve.model.registry import gguf_architecture, gguf_architectures, model_class
-from pagefleet_serve.model.uri import UnsupportedModelError
 from pagefleet_serve.model.weights import Ranges, take
+from pagefleet_serve.model_uri import UnsupportedModelError
 
 # GGUF block types kept quantized with quantization="auto".
 GGUF_KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")

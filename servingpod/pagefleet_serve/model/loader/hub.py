@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pagefleet_serve.model.uri import ModelURI, UnsupportedModelError
+from pagefleet_serve.model_uri import ModelURI, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from pagefleet_serve.model.loader.resolve import LocalModel, resolve_model_uri
 from pagefleet_serve.model.loader.safetensors import open_hf_dir
 from pagefleet_serve.model.registry import build_model
 from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, TensorParallel
-from pagefleet_serve.model.uri import UnsupportedModelError
 from pagefleet_serve.model.weights import Weight
+from pagefleet_serve.model_uri import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

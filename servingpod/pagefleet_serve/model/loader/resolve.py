@@ -1,7 +1,7 @@
 """Model URIs -> a model on local disk: a GGUF file, a Hugging Face directory, or none for
 builtin://tiny-random (generated, not stored). hf:// models are downloaded on the way
 (`pagefleet_serve.model.loader.hub`: `weights` says whether their weights are downloaded before
-the call returns, left to download in the background, or not needed); the URI grammar itself is `pagefleet_serve.model.uri`,
+the call returns, left to download in the background, or not needed); the URI grammar itself is `pagefleet_serve.model_uri`,
 which imports neither of these.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagefleet_serve.model.loader.hub import ArrivingShards, download_model
-from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURIError, parse_model_uri
+from pagefleet_serve.model_uri import PVC_MOUNT_DIR, ModelURIError, parse_model_uri
 
 _BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -24,8 +24,8 @@ from pagefleet_serve.model.loader.hub import ArrivingShards
 from pagefleet_serve.model.quant import QuantizedWeight
 from pagefleet_serve.model.registry import hf_architecture, model_class
 from pagefleet_serve.model.tensor_parallel import TensorParallel
-from pagefleet_serve.model.uri import UnsupportedModelError
 from pagefleet_serve.model.weights import Ranges, Weight, take
+from pagefleet_serve.model_uri import UnsupportedModelError
 
 
 @dataclass
