@@ -77,9 +77,10 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         flags["allow-runtime-lora-updating"] = True
     if spec.router.enabled:
         # Every request comes from a router pod, whose addresses are not known here: the
-        # pods take the client from the X-Forwarded-For the router appends, so that their
-        # scheduler shares the batch between the router's clients. A caller reaching a pod
-        # directly could name any client there: that moves its fairness share, nothing else.
+        # pods take the client from the X-Forwarded-For entry the router appends (the last;
+        # the entries a client writes before it are never read), so that their scheduler
+        # shares the batch between the router's clients. A caller reaching a pod directly
+        # could name any client there: that moves its fairness share, nothing else.
         flags["forwarded-allow-ips"] = "*"
     env = [
         {"name": get_flag_env_name(flag), "value": _format(value)} for flag, value in flags.items()

@@ -253,7 +253,18 @@ class KVEventsConfig:
 
 
 # --lora-modules: vLLM's `name=path` pairs (or its JSON objects {"name", "path"}).
-LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+# An adapter's name is a Prometheus label value and a /v1/models id: bounded as a DNS label
+# is (the CRD's adapter names are too).
+MAX_LORA_NAME_CHARS = 63
+LORA_NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_LORA_NAME_CHARS - 1}}}$"
+LORA_NAME_RULE = (
+    f"must be at most {MAX_LORA_NAME_CHARS} letters, digits, '.', '_' or '-', starting with "
+    "a letter or digit"
+)
+
+
+def is_lora_name(name: object) -> bool:
+    return isinstance(name, str) and re.fullmatch(LORA_NAME_PATTERN, name) is not None
 
 
 @dataclass(frozen=True)
@@ -266,11 +277,9 @@ class LoRAModule:
     path: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not re.match(LORA_NAME_PATTERN, self.name):
-            raise ValueError(
-                f"lora_modules: adapter name {self.name!r} must be letters, digits, '.', '_' "
-                "or '-', starting with a letter or digit"
-            )
+        if not is_lora_name(self.name):
+            shown = self.name if len(str(self.name)) <= 80 else f"{str(self.name)[:80]}..."
+            raise ValueError(f"lora_modules: adapter name {shown!r} {LORA_NAME_RULE}")
         try:
             parse_model_uri(self.path)
         except ModelURIError as exc:
@@ -373,8 +382,14 @@ class EngineConfig:
     max_lora_rank: int = 16
     # vLLM's --max-cpu-loras: adapters kept in host memory at once (at least max_loras: the
     # device's are among them); the others are read again from their path when a request
-    # names one. None: every adapter served stays in host memory.
+    # names one. None: max_loras (vLLM's default).
     max_cpu_loras: int | None = None
+    # Adapters served by name at once (each a /v1/models entry and a metric label); a load
+    # past it is refused until one is unloaded.
+    max_lora_adapters: int = 1024
+    # Seconds an adapter's files may take to be read (a load, or a read back into host
+    # memory) before the read fails: storage that hangs fails its adapter, not the pod.
+    lora_read_timeout: float = 60.0
     # vLLM's --task: one of TASKS (auto: detected from the model's files).
     task: str = "auto"
     # vLLM's --tensor-parallel-size: ranks the model is split over (engine/executor/), one
@@ -416,8 +431,11 @@ class EngineConfig:
             "max_loras",
             "max_lora_rank",
             "max_cpu_loras",
+            "max_lora_adapters",
         ):
             positive(name)
+        if not self.lora_read_timeout > 0:
+            raise ValueError(f"lora_read_timeout must be > 0 seconds, got {self.lora_read_timeout}")
         self._check_lora()
         self._check_parallel()
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -520,6 +538,11 @@ class EngineConfig:
             raise ValueError(f"lora_modules: adapter names must be unique, got {names}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules names adapters, which need enable_lora")
+        if len(names) > self.max_lora_adapters:
+            raise ValueError(
+                f"lora_modules names {len(names)} adapters, more than max_lora_adapters "
+                f"({self.max_lora_adapters})"
+            )
         if self.enable_lora and not self.enforce_eager:
             raise ValueError(
                 "enable_lora runs the layers op by op, which torch.compile does not cover: "

@@ -80,8 +80,7 @@ class StateStats:
 class LoRAStats:
     """The adapters of the running and the waiting requests (names, sorted), and how many
     the device holds at once; the adapters resident now, in use or idle: in the device's
-    slots, and in host memory only (empty without max_cpu_loras: then host memory holds
-    every served adapter, so it tells no pod from another)."""
+    slots, and in host memory only (at most max_cpu_loras, max_loras by default)."""
 
     running: tuple[str, ...]
     waiting: tuple[str, ...]
@@ -133,6 +132,10 @@ class LoadLoRAAdapter:
     op_id: str
     lora_name: str
     lora_path: str
+    # A client's load (POST /v1/load_lora_adapter): a local path must lie under
+    # `allowed_root`, and a file that cannot be read is answered without the server's paths.
+    from_client: bool = False
+    allowed_root: str | None = None
 
 
 @dataclass(frozen=True)

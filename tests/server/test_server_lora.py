@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -70,6 +71,8 @@ def server(adapters):
         f"adapter={adapters['adapter']}",
         "--max-loras",
         "2",
+        "--allowed-lora-root",
+        str(Path(adapters["adapter"]).parent),
         env={
             "PAGEFLEET_SERVED_MODEL_NAME": "smol",
             "PAGEFLEET_MAX_MODEL_LEN": "512",

@@ -185,6 +185,10 @@ class Admission:
         ]
 
     @property
+    def num_awaiting_lora(self) -> int:
+        return len(self._awaiting_lora)
+
+    @property
     def holds_any(self) -> bool:
         return bool(self._awaiting_grammar) or bool(self._awaiting_lora)
 

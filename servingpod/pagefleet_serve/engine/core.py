@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pagefleet_serve.engine.compile_requests import CompileRequests
@@ -38,7 +38,7 @@ from pagefleet_serve.messages import (
     StepOutputs,
     UnloadLoRAAdapter,
 )
-from pagefleet_serve.model.lora import LoRAAdapter, LoRAError
+from pagefleet_serve.model.lora import LoRAAdapter, LoRAError, LoRAFileError
 from pagefleet_serve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -86,8 +86,6 @@ class EngineCore:
         self.failed: str | None = None
         self.step_started: float | None = None  # time.monotonic() of the running step
         self._failures = 0  # steps failed in a row
-        # Reads adapters' files off the loop, one at a time (started with the first).
-        self._adapter_reader: ThreadPoolExecutor | None = None
         self._compiles = CompileRequests(lambda: self.engine.grammar_compiler, emit)
 
     def submit(self, message: object) -> None:
@@ -184,7 +182,10 @@ class EngineCore:
         elif isinstance(message, LoadLoRAAdapter):
             self._read_adapter(message)
         elif isinstance(message, _AdapterRead):
-            self._answer_lora(message.request.op_id, lambda: self._add_adapter(message))
+            load = message.request
+            self._answer_lora(
+                load.op_id, lambda: self._add_adapter(message), load.lora_path, load.from_client
+            )
         elif isinstance(message, UnloadLoRAAdapter):
             self._answer_lora(message.op_id, lambda: self.engine.unload_lora(message.lora_name))
         else:
@@ -201,22 +202,38 @@ class EngineCore:
             self.emit(RequestRejected(request.request_id, str(exc), invalid))
 
     def _read_adapter(self, message: LoadLoRAAdapter) -> None:
-        """Read the adapter's files in the reader thread; the loop registers it when done."""
-        if self._adapter_reader is None:
-            self._adapter_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
-        future = self._adapter_reader.submit(
-            self.engine.loras.read, message.lora_name, message.lora_path
-        )
+        """Read the adapter's files in a reader thread of its own, within the time limit;
+        the loop registers it when done."""
+        try:
+            future = self.engine.loras.start_read(
+                message.lora_name, message.lora_path, message.allowed_root
+            )
+        except LoRAError as exc:
+            failed: Future[LoRAAdapter] = Future()
+            failed.set_exception(exc)
+            future = failed
         future.add_done_callback(lambda done: self.submit(_AdapterRead(message, done)))
 
     def _add_adapter(self, read: _AdapterRead) -> None:
         self.engine.add_lora(read.future.result())
 
-    def _answer_lora(self, op_id: str, change: Callable[[], None]) -> None:
-        """Make an adapter change and tell the frontend how it went."""
+    def _answer_lora(
+        self,
+        op_id: str,
+        change: Callable[[], None],
+        lora_path: str = "",
+        from_client: bool = False,
+    ) -> None:
+        """Make an adapter change and tell the frontend how it went (a client whose path
+        cannot be read learns nothing of the server's files: the log does)."""
         error, status = None, 200
         try:
             change()
+        except LoRAFileError as exc:
+            error, status = str(exc), exc.status
+            if from_client:
+                logger.warning("LoRA adapter load refused: %s", exc)
+                error = exc.public_message(lora_path)
         except LoRAError as exc:
             error, status = str(exc), exc.status
         except Exception as exc:  # the frontend hears of it, the loop goes on

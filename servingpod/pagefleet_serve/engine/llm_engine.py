@@ -128,7 +128,6 @@ class LLMEngine:
             self.kv_events.close()
         if self.grammar_compiler is not None:
             self._close_compiler()
-        self.loras.close()
 
     # -- LoRA adapters (`self.loras`; these add what the requests use) ------------------
     def load_lora(self, name: str, path: str) -> LoRAAdapter:
@@ -267,7 +266,8 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            # Those held while their adapter is read back wait too (the autoscaler reads it).
+            num_waiting=len(self.scheduler.waiting) + self.admission.num_awaiting_lora,
             num_blocks=bm.num_blocks,
             num_used_blocks=bm.num_used_blocks,
             kv_cache_usage=bm.usage,

@@ -2,16 +2,17 @@
 id, so that a reloaded name shares no prefix-cache blocks; a read back keeps its id),
 which are in host memory (`LoRAHostCache`, --max-cpu-loras; the scheduler's slots say
 which are on the device), and the reads of those host memory dropped, made again off the
-step loop in a reader thread of their own. The requests that wait for such a read are the
+step loop, each in a thread of its own with a time limit (`lora_reader.py`). The requests that wait for such a read are the
 `Admission`'s; what the requests use is told to each call that needs it."""
 
 import itertools
 import logging
 from collections.abc import Iterable, Set
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.lora_cache import LoRAHostCache
+from pagefleet_serve.engine.lora_reader import AdapterReader
 from pagefleet_serve.engine.lora_slots import LoRASlots
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.messages import LoRAAdapterInfo, LoRAStats
@@ -20,6 +21,7 @@ from pagefleet_serve.model.lora import (
     LoRAAdapter,
     LoRABusy,
     LoRAError,
+    LoRAFull,
     LoRANotFound,
     ServedLoRA,
     read_adapter,
@@ -37,24 +39,38 @@ class LoRAManager:
         self.model_config = model_config
         self.adapters: dict[str, ServedLoRA] = {}
         self._ids = itertools.count(1)
-        self.cache = LoRAHostCache(config.max_cpu_loras, slots) if slots is not None else None
+        host_capacity = config.max_cpu_loras or config.max_loras
+        self.cache = LoRAHostCache(host_capacity, slots) if slots is not None else None
         self.slots = slots
-        # The reads back in flight by lora_id, in the reader thread (started with the first).
+        # Every read of adapter files, each in a thread of its own with a time limit.
+        self.reader = AdapterReader(config.lora_read_timeout)
+        # The reads back in flight by lora_id.
         self._reads: dict[int, Future[LoRAAdapter]] = {}
-        self._reader: ThreadPoolExecutor | None = None
 
     def infos(self) -> tuple[LoRAAdapterInfo, ...]:
         return tuple(LoRAAdapterInfo(a.name, a.path) for a in self.adapters.values())
 
-    def read(self, name: str, path: str) -> LoRAAdapter:
-        """Read and check an adapter to serve as `name`, changing nothing here (any thread:
-        a core reads adapters off its step loop). LoRAError: not enabled, the name taken,
-        or the adapter unreadable or unfit for this model (naming the file)."""
+    def read(self, name: str, path: str, allowed_root: str | None = None) -> LoRAAdapter:
+        """Read and check an adapter to serve as `name`, changing nothing here; the same
+        as `start_read(...).result()`."""
+        return self.start_read(name, path, allowed_root).result()
+
+    def start_read(
+        self, name: str, path: str, allowed_root: str | None = None
+    ) -> Future[LoRAAdapter]:
+        """Start reading and checking an adapter to serve as `name`, changing nothing here
+        (a core reads adapters off its step loop); a local path only under `allowed_root`
+        when one is given. LoRAError (at once, or from the future): not enabled, the name
+        taken, too many reads in progress, the read past its time, or the adapter
+        unreadable or unfit for this model."""
         if not self.config.enable_lora:
             raise LoRAError("this server does not serve LoRA adapters: start it with --enable-lora")
         self._check_name_free(name)
-        return read_adapter(
-            name, next(self._ids), path, self.model_config, self.config.max_lora_rank
+        lora_id = next(self._ids)
+        config, max_rank = self.model_config, self.config.max_lora_rank
+        return self.reader.start(
+            lambda: read_adapter(name, lora_id, path, config, max_rank, allowed_root),
+            f"adapter {name!r}",
         )
 
     def add(self, adapter: LoRAAdapter, in_use: Set[int | None]) -> None:
@@ -62,7 +78,9 @@ class LoRAManager:
         adapters requests use (`in_use`: their lora_ids), it is read again for its first
         request."""
         self._check_name_free(adapter.name)
-        self.adapters[adapter.name] = ServedLoRA(adapter.name, adapter.lora_id, adapter.path)
+        self.adapters[adapter.name] = ServedLoRA(
+            adapter.name, adapter.lora_id, adapter.path, adapter.allowed_root
+        )
         if self.cache.reserve(adapter.lora_id, in_use):
             self.cache.put(adapter)
         logger.info(
@@ -70,8 +88,14 @@ class LoRAManager:
         )
 
     def _check_name_free(self, name: str) -> None:
+        """LoRAError for a name served already, LoRAFull when no other may be served."""
         if name in self.adapters:
             raise LoRAError(f"the LoRA adapter {name!r} has already been loaded")
+        if len(self.adapters) >= self.config.max_lora_adapters:
+            raise LoRAFull(
+                f"this server serves {len(self.adapters)} LoRA adapters, the most it may "
+                f"(--max-lora-adapters {self.config.max_lora_adapters}); unload one first"
+            )
 
     def unload(self, name: str, users: Iterable[Sequence]) -> None:
         """Stop serving an adapter. LoRANotFound; LoRABusy while requests (of `users`, the
@@ -118,17 +142,18 @@ class LoRAManager:
         if self.cache.is_reserved(lora_id) or not self.cache.reserve(lora_id, in_use):
             return
         served = self.served(lora_id)
+        config, max_rank = self.model_config, self.config.max_lora_rank
+        try:
+            self._reads[lora_id] = self.reader.start(
+                lambda: read_adapter(
+                    served.name, lora_id, served.path, config, max_rank, served.allowed_root
+                ),
+                f"adapter {served.name!r}",
+            )
+        except LoRAError:  # every reader busy: its requests wait, a later step tries again
+            self.cache.drop(lora_id)
+            return
         logger.info("LoRA adapter %s: read back from %s", served.name, served.path)
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
-        self._reads[lora_id] = self._reader.submit(
-            read_adapter,
-            served.name,
-            lora_id,
-            served.path,
-            self.model_config,
-            self.config.max_lora_rank,
-        )
 
     def finish_reads(self) -> dict[int, Exception]:
         """Put the adapters read back since the last call into host memory; why each that
@@ -161,7 +186,7 @@ class LoRAManager:
             return tuple(sorted({names[i] for i in lora_ids if i in names}))
 
         on_device = set(self.slots.slot_of)
-        in_host_memory = () if self.config.max_cpu_loras is None else self.cache.lora_ids()
+        in_host_memory = self.cache.lora_ids()
         return LoRAStats(
             named(s.lora_id for s in running),
             named(s.lora_id for s in waiting),
@@ -169,8 +194,3 @@ class LoRAManager:
             on_device=named(on_device),
             in_host_memory=named(i for i in in_host_memory if i not in on_device),
         )
-
-    def close(self) -> None:
-        """Stop the reader thread, if any."""
-        if self._reader is not None:
-            self._reader.shutdown(wait=False, cancel_futures=True)

@@ -229,10 +229,19 @@ class EngineCoreClient:
             if processed.op_id is not None and self._compiles.pop(processed.op_id, None):
                 self._link.send(CancelCompile(processed.op_id))
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str,
+        from_client: bool = False,
+        allowed_root: str | None = None,
+    ) -> None:
         """Have the core read and serve an adapter (its files are read off the core's
-        step loop). LoRAAdapterError."""
-        await self._change_lora(LoadLoRAAdapter(uuid.uuid4().hex, lora_name, lora_path))
+        step loop); `from_client`: a client's path, read only under `allowed_root`.
+        LoRAAdapterError."""
+        await self._change_lora(
+            LoadLoRAAdapter(uuid.uuid4().hex, lora_name, lora_path, from_client, allowed_root)
+        )
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         """Stop serving an adapter (refused, 409, while requests use it).

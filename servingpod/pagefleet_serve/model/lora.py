@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,8 @@ TARGETS: dict[str, tuple[str, int | None]] = {
     "gate_up_proj": ("gate_up_proj", None),
     "down_proj": ("down_proj", 0),
 }
+# A PEFT config is about a kilobyte.
+MAX_CONFIG_BYTES = 1 << 20
 _TENSOR = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
@@ -49,6 +53,26 @@ class LoRAError(ValueError):
     HTTP status the API answers with (400: the adapter or the request is at fault)."""
 
     status = 400
+
+
+class LoRAFileError(LoRAError):
+    """An adapter's files that cannot be read as one: missing, not regular files, too
+    large, or outside the allowed root. The message names the server's paths (for its
+    log); a client that chose the path is told only `public_message`."""
+
+    def public_message(self, uri: str) -> str:
+        shown = uri if len(uri) <= 200 else f"{uri[:200]}..."
+        return (
+            f"adapter {shown!r}: is not an adapter directory this server may read "
+            f"({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, regular files of bounded size, "
+            "under --allowed-lora-root)"
+        )
+
+
+class LoRAFull(LoRAError):
+    """As many adapters served as the server allows (--max-lora-adapters)."""
+
+    status = 429
 
 
 class LoRANotFound(LoRAError):
@@ -79,6 +103,7 @@ class ServedLoRA:
     name: str
     lora_id: int
     path: str
+    allowed_root: str | None = None  # a read back stays under it, as the first read did
 
 
 @dataclass(frozen=True)
@@ -91,11 +116,13 @@ class LoRAAdapter:
     rank: int
     # (layer, module, part) -> (A (r, in), scale * B (out of the part, r)), float32
     weights: dict[tuple[int, str, int | None], tuple[torch.Tensor, torch.Tensor]]
+    allowed_root: str | None = None  # where it was read from must lie under this
 
 
-def resolve_adapter(uri: str) -> Path:
+def resolve_adapter(uri: str, allowed_root: str | None = None) -> Path:
     """The local directory of an adapter: a path, file://, pvc:// (mounted) or hf://
-    (downloaded into the Hugging Face cache, its adapter files only). LoRAError."""
+    (downloaded into the Hugging Face cache, its adapter files only). A local one must lie
+    under `allowed_root` when one is given, symlinks followed. LoRAError."""
     try:
         parsed = parse_model_uri(uri)
         if parsed.scheme == "builtin":
@@ -106,10 +133,18 @@ def resolve_adapter(uri: str) -> Path:
 
         path = resolve_model_uri(uri).path
     except ModelURIError as exc:
-        raise LoRAError(f"adapter {uri!r}: {exc}") from None
+        raise LoRAFileError(f"adapter {uri!r}: {exc}") from None
     if path is None or not path.is_dir():
-        raise LoRAError(f"adapter {uri!r}: {path} is not a directory holding {ADAPTER_CONFIG}")
+        raise LoRAFileError(f"adapter {uri!r}: {path} is not a directory holding {ADAPTER_CONFIG}")
+    if allowed_root is not None:
+        _check_under(path, allowed_root)
     return path
+
+
+def _check_under(path: Path, allowed_root: str) -> None:
+    root = Path(allowed_root).resolve()
+    if not path.resolve().is_relative_to(root):
+        raise LoRAFileError(f"{path} is not under the allowed root {root} (symlinks followed)")
 
 
 def _download(repo_id: str | None, revision: str | None, uri: str) -> Path:
@@ -126,33 +161,89 @@ def _download(repo_id: str | None, revision: str | None, uri: str) -> Path:
 
 
 def read_adapter(
-    name: str, lora_id: int, uri: str, config: ModelConfig, max_rank: int
+    name: str,
+    lora_id: int,
+    uri: str,
+    config: ModelConfig,
+    max_rank: int,
+    allowed_root: str | None = None,
 ) -> LoRAAdapter:
-    """Read and check a PEFT adapter for a model of `config`; LoRAError naming the file
-    and what is wrong (a rank over `max_rank` included)."""
-    path = resolve_adapter(uri)
-    settings = _read_config(path / ADAPTER_CONFIG)
+    """Read and check a PEFT adapter for a model of `config`; LoRAError saying what is
+    wrong (a rank over `max_rank` included), LoRAFileError for files it may not read."""
+    path = resolve_adapter(uri, allowed_root)
+    where = f"adapter {name!r}: {ADAPTER_CONFIG}"
+    settings = _read_config(path / ADAPTER_CONFIG, where, allowed_root)
     rank = settings.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise LoRAError(f"{path / ADAPTER_CONFIG}: r must be a positive integer, got {rank!r}")
+    if type(rank) is not int or rank < 1:
+        raise LoRAError(f"{where}: r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise LoRAError(
             f"adapter {name!r} has rank {rank}, more than the server's max_lora_rank "
             f"{max_rank} (--max-lora-rank)"
         )
     alpha = settings.get("lora_alpha", 8)
-    scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    tensors = _read_tensors(path / ADAPTER_WEIGHTS)
-    return LoRAAdapter(name, lora_id, uri, rank, _pair(tensors, config, rank, scale, path))
+    if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
+        raise LoRAError(f"{where}: lora_alpha must be a positive finite number, got {alpha!r}")
+    rslora = settings.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise LoRAError(f"{where}: use_rslora must be true or false, got {rslora!r}")
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    limit = _max_weights_bytes(config, max_rank)
+    tensors = _read_tensors(path / ADAPTER_WEIGHTS, limit, allowed_root)
+    weights = _pair(tensors, config, rank, scale, f"adapter {name!r}: {ADAPTER_WEIGHTS}")
+    return LoRAAdapter(name, lora_id, uri, rank, weights, allowed_root)
 
 
-def _read_config(file: Path) -> dict:
+def _read_file(file: Path, limit: int, allowed_root: str | None) -> bytes:
+    """A regular file's bytes, at most `limit` of them. Opened without blocking and checked
+    before a byte is read: a FIFO or a device (a symlink to /dev/zero) is refused, never
+    read. LoRAFileError."""
+    if allowed_root is not None:
+        _check_under(file, allowed_root)
     try:
-        settings = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise LoRAError(f"cannot read {file}: {exc}") from None
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        other = (
+            " (adapter_model.bin, PyTorch's pickle, is not read)"
+            if file.name == ADAPTER_WEIGHTS and file.with_suffix(".bin").exists()
+            else ""
+        )
+        raise LoRAFileError(f"{file} does not exist{other}") from None
+    except OSError as exc:
+        raise LoRAFileError(f"cannot read {file}: {exc}") from None
+    with os.fdopen(fd, "rb") as opened:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LoRAFileError(f"{file} is not a regular file")
+        if info.st_size > limit:
+            raise LoRAFileError(f"{file} has {info.st_size} bytes, more than {limit}")
+        try:
+            data = opened.read(limit + 1)
+        except OSError as exc:
+            raise LoRAFileError(f"cannot read {file}: {exc}") from None
+    if len(data) > limit:
+        raise LoRAFileError(f"{file} grew past {limit} bytes while read")
+    return data
+
+
+def _max_weights_bytes(config: ModelConfig, max_rank: int) -> int:
+    """The largest adapter file this model can have: every module of every layer adapted
+    at `max_rank` in float64, and a header's worth more."""
+    per_layer = sum(
+        fan_in * len(outs) + sum(outs) for fan_in, outs in fused_layout(config).values()
+    )
+    return config.num_layers * max_rank * per_layer * 8 + (1 << 20)
+
+
+def _read_config(file: Path, where: str, allowed_root: str | None) -> dict:
+    try:
+        settings = json.loads(_read_file(file, MAX_CONFIG_BYTES, allowed_root))
+    except ValueError as exc:
+        if isinstance(exc, LoRAError):
+            raise
+        raise LoRAError(f"{where}: not JSON: {exc}") from None
     if not isinstance(settings, dict):
-        raise LoRAError(f"{file}: expected a JSON object")
+        raise LoRAError(f"{where}: expected a JSON object")
     refused = {
         "use_dora": "DoRA adapters",
         "fan_in_fan_out": "transposed (fan_in_fan_out) weights",
@@ -162,33 +253,36 @@ def _read_config(file: Path) -> dict:
     }
     for key, what in refused.items():
         if settings.get(key):
-            raise LoRAError(f"{file}: {what} are not supported ({key}: {settings[key]!r})")
+            shown = repr(settings[key])[:200]
+            raise LoRAError(f"{where}: {what} are not supported ({key}: {shown})")
     if settings.get("bias", "none") != "none":
-        raise LoRAError(f"{file}: bias {settings['bias']!r} is not supported, only 'none'")
+        raise LoRAError(f"{where}: bias {settings['bias']!r:.200} is not supported, only 'none'")
     return settings
 
 
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _read_tensors(file: Path, limit: int, allowed_root: str | None) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
 
-    if not file.exists():
-        other = (
-            " (adapter_model.bin, PyTorch's pickle, is not read)"
-            if file.with_suffix(".bin").exists()
-            else ""
-        )
-        raise LoRAError(f"{file} does not exist{other}")
+    data = _read_file(file, limit, allowed_root)
     try:
-        return load_file(file)
+        tensors = load(data)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise LoRAError(f"cannot read {file}: {exc}") from None
+        raise LoRAError(f"{file.name}: not a safetensors file: {exc}") from None
+    for key, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            raise LoRAError(
+                f"{file.name}: tensor {key!r} is {str(tensor.dtype).removeprefix('torch.')}; "
+                "LoRA weights are floating point"
+            )
+    return tensors
 
 
 def _pair(
-    tensors: dict[str, torch.Tensor], config: ModelConfig, rank: int, scale: float, path: Path
+    tensors: dict[str, torch.Tensor], config: ModelConfig, rank: int, scale: float, file: str
 ) -> dict[tuple[int, str, int | None], tuple[torch.Tensor, torch.Tensor]]:
-    """The file's A and B tensors, paired per (layer, module, part) and checked."""
-    file = path / ADAPTER_WEIGHTS
+    """The file's A and B tensors, paired per (layer, module, part) and checked: shapes
+    that fit the model, weights finite once scaled (NaN, or an overflowing lora_alpha,
+    would fail every request of the adapter)."""
     layout = fused_layout(config)
     found: dict[tuple[int, str, int | None], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -221,7 +315,12 @@ def _pair(
                 f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
                 f"model (expected ({rank}, {fan_in}) and ({fan_out}, {rank}))"
             )
-        weights[(layer, module, part)] = (a.float(), b.float() * scale)
+        a, b = a.float(), b.float() * scale
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAError(
+                f"{where}: weights are not finite once scaled by lora_alpha / r ({scale:g})"
+            )
+        weights[(layer, module, part)] = (a, b)
     if not weights:
         raise LoRAError(f"{file}: holds no LoRA tensors")
     return weights

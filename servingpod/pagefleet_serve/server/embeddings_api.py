@@ -18,7 +18,7 @@ from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from pagefleet_serve.frontend.embeddings import shape_embedding
 from pagefleet_serve.frontend.input_processor import ContextLengthError, PromptTooLongError
@@ -28,7 +28,12 @@ from pagefleet_serve.server.errors import bad_request, server_error
 from pagefleet_serve.server.fair_queue import current_client
 from pagefleet_serve.server.generation import Generation
 from pagefleet_serve.server.openai_api import PromptBounds, read_json_body, run_to_end
-from pagefleet_serve.server.protocol import _BODY_CONFIG, MAX_PROMPTS_PER_REQUEST, parse
+from pagefleet_serve.server.protocol import (
+    _BODY_CONFIG,
+    MAX_PROMPTS_PER_REQUEST,
+    MAX_USER_CHARS,
+    parse,
+)
 
 # An embedding request samples nothing: these settings are carried, never read.
 _POOLING_PARAMS = SamplingParams(max_tokens=1)
@@ -40,7 +45,7 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
 
 
 class EmbeddingsEndpoint(PromptBounds):

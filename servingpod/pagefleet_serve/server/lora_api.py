@@ -3,23 +3,28 @@ and unloaded while the server runs, mounted only with `--allow-runtime-lora-upda
 (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
 
 A load answers once the core has read the adapter (off its step loop) and serves it as
-`lora_name`; errors are OpenAI's JSON: 400 an adapter that cannot be read or does not fit
-the model (the message names the file) or a rank over --max-lora-rank, 404 an unload of an
-adapter that is not loaded, 409 an unload while requests use it.
+`lora_name`; a local `lora_path` only under --allowed-lora-root (without it, only hf://
+adapters load at run time, as vLLM reads local media only under its allowed path). Errors
+are OpenAI's JSON: 400 an adapter that does not fit the model or a rank over
+--max-lora-rank (naming what is wrong), or whose files this server may not read (one text
+whatever the reason, so that a client learns nothing of the server's files), 404 an
+unload of an adapter that is not loaded, 409 an unload while requests use it.
 """
-
-import re
 
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 
-from pagefleet_serve.config import LORA_NAME_PATTERN
+from pagefleet_serve.config import LORA_NAME_RULE, is_lora_name
 from pagefleet_serve.frontend.core_client import EngineDeadError, LoRAAdapterError
 from pagefleet_serve.server.errors import APIError, bad_request, unavailable
 from pagefleet_serve.server.protocol import _CONFIG, parse
 from pagefleet_serve.server.state import ServerState
 
-_CODES = {404: "lora_adapter_not_found", 409: "lora_adapter_in_use"}
+_CODES = {
+    404: "lora_adapter_not_found",
+    409: "lora_adapter_in_use",
+    429: "too_many_lora_adapters",
+}
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -41,17 +46,24 @@ class LoRAEndpoints:
     async def load(self, body: bytes) -> Response:
         request = parse(LoadLoRAAdapterRequest, body)
         name = request.lora_name
-        if not re.match(LORA_NAME_PATTERN, name):
-            raise bad_request(
-                f"lora_name: {name!r} must be letters, digits, '.', '_' or '-', starting with "
-                "a letter or digit",
-                param="lora_name",
-            )
+        if not is_lora_name(name):
+            shown = name if len(name) <= 80 else f"{name[:80]}..."
+            raise bad_request(f"lora_name: {shown!r} {LORA_NAME_RULE}", param="lora_name")
         if name in self.state.settings.served_model_names:
             raise bad_request(f"lora_name: {name!r} is the base model's name", param="lora_name")
-        await self._change(
-            self.state.engine.load_lora_adapter(name, request.lora_path), "lora_path"
+        root = self.state.settings.allowed_lora_root
+        if root is None and not request.lora_path.startswith("hf://"):
+            raise APIError(
+                400,
+                "lora_path: this server loads adapters from local paths at run time only "
+                "under --allowed-lora-root, which is not set; hf:// adapters load",
+                param="lora_path",
+                code="invalid_lora_adapter",
+            )
+        load = self.state.engine.load_lora_adapter(
+            name, request.lora_path, from_client=True, allowed_root=root
         )
+        await self._change(load, "lora_path")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, body: bytes) -> Response:

@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.server.body_cost import check_body_cost
 from pagefleet_serve.server.errors import APIError, bad_request
 from pagefleet_serve.structured.constraint import StructuredOutputs, structural_tag_text
 
@@ -22,6 +23,14 @@ _CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _BODY_CONFIG = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 # A completions request runs one engine request per prompt.
 MAX_PROMPTS_PER_REQUEST = 64
+# OpenAI's bounds on `metadata`.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+# `user` names an end user (OpenAI documents no bound; an id needs far less than this).
+MAX_USER_CHARS = 256
+# A chat message's `name`, as a function's name.
+MAX_NAME_CHARS = 64
 
 
 def _absent(*neutral: object) -> Callable[[object], bool]:
@@ -138,7 +147,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -308,7 +317,7 @@ class ChatMessage(BaseModel):
     model_config = _CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool's result answers this call
 
@@ -353,12 +362,42 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None  # kept by OpenAI with a stored completion
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        check_metadata(self.metadata)
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """400 for `metadata` past OpenAI's bounds; the message quotes no more than a key."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise bad_request(
+            f"metadata: at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise bad_request(
+                f"metadata: keys are at most {MAX_METADATA_KEY_CHARS} characters, got one of "
+                f"{len(key)} ({key[:MAX_METADATA_KEY_CHARS]!r}...)",
+                param="metadata",
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise bad_request(
+                f"metadata: values are at most {MAX_METADATA_VALUE_CHARS} characters; the "
+                f"value of {key!r} has {len(value)}",
+                param="metadata",
+            )
 
 
 Model = TypeVar("Model", bound=BaseModel)
 
 
 def parse(model: type[Model], body: bytes) -> Model:
+    check_body_cost(body)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

@@ -36,6 +36,7 @@ from pagefleet_serve.server.errors import APIError, bad_request
 from pagefleet_serve.server.generation import RequestCancelled, RequestFailed
 from pagefleet_serve.server.openai_api import KEEPALIVE, ChatCompletionsEndpoint, _Input, _Run
 from pagefleet_serve.server.protocol import (
+    MAX_USER_CHARS,
     ChatCompletionRequest,
     ChatMessage,
     ContentPart,
@@ -48,6 +49,7 @@ from pagefleet_serve.server.protocol import (
     Tool,
     ToolCallMessage,
     _absent,
+    check_metadata,
     refuse_unsupported,
 )
 from pagefleet_serve.server.response_store import ResponseStore
@@ -175,13 +177,14 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     priority: int | None = None  # vLLM's extra field, as on chat
     # The conversation so far (the previous response's and this input, no instructions).
     _conversation: list[ChatMessage] = PrivateAttr(default_factory=list)
 
     def check_supported(self) -> None:
         refuse_unsupported(self, UNSUPPORTED_RESPONSES_FIELDS)
+        check_metadata(self.metadata)
 
 
 @dataclass(frozen=True)

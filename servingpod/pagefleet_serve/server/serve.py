@@ -335,10 +335,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     flag(
         "--max-cpu-loras",
-        "LoRA adapters kept in host memory at once, at least --max-loras (default: every "
-        "adapter served); a request for another reads it again from its path",
+        "LoRA adapters kept in host memory at once, at least --max-loras (default: "
+        "--max-loras); a request for another reads it again from its path",
         type=int,
         default=engine("max_cpu_loras"),
+    )
+    flag(
+        "--max-lora-adapters",
+        "LoRA adapters served by name at once; a load past it is refused (429) until one is "
+        "unloaded",
+        type=int,
+        default=engine("max_lora_adapters"),
+    )
+    flag(
+        "--lora-read-timeout",
+        "seconds an adapter's files may take to be read (a load or a read back into host "
+        "memory) before the read fails",
+        type=float,
+        default=engine("lora_read_timeout"),
     )
     flag(
         "--allow-runtime-lora-updating",
@@ -346,6 +360,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora)",
         action=argparse.BooleanOptionalAction,
         default=server("allow_runtime_lora_updating"),
+    )
+    flag(
+        "--allowed-lora-root",
+        "the directory under which POST /v1/load_lora_adapter may read local adapter paths "
+        "(symlinks followed; default: none, only hf:// adapters load at run time)",
+        default=server("allowed_lora_root"),
     )
     flag(
         "--responses-store-max-entries",
@@ -447,6 +467,8 @@ def run(args: argparse.Namespace) -> int:
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
+            lora_read_timeout=args.lora_read_timeout,
+            max_lora_adapters=args.max_lora_adapters,
             task=args.task,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
@@ -485,6 +507,7 @@ def run(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            allowed_lora_root=args.allowed_lora_root,
             responses_store_max_entries=args.responses_store_max_entries,
             responses_store_max_age=args.responses_store_max_age,
         )

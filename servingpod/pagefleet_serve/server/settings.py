@@ -62,6 +62,9 @@ class ServerSettings:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, the adapters are those of --lora-modules.
     allow_runtime_lora_updating: bool = False
+    # The directory under which POST /v1/load_lora_adapter reads local paths (symlinks
+    # followed); None: no local path loads at run time (hf:// does).
+    allowed_lora_root: str | None = None
     # /v1/responses keeps this many recent responses (least recently used out first) for
     # `previous_response_id`, each for at most this many seconds; 0 entries: none kept.
     responses_store_max_entries: int = 1024

@@ -85,8 +85,9 @@ class ServerState:
             return None
         if name in self.engine.lora_adapters:  # the one check: the core only looks it up
             return name
+        shown = name if len(name) <= 256 else f"{name[:256]}..."
         raise APIError(
-            404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            404, f"The model `{shown}` does not exist.", param="model", code="model_not_found"
         )
 
     def admit(self, wanted: int, on_cancel: Callable[[str], None]) -> Admission:

@@ -31,6 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagefleet_serve.frontend.core_client import EngineCoreClient
 from pagefleet_serve.server.app import build_app
 from pagefleet_serve.server.errors import APIError, unavailable
+from pagefleet_serve.server.forwarded import LastHopForwardedFor
 from pagefleet_serve.server.lora_file_watcher import LoRAFileWatcher
 from pagefleet_serve.server.settings import ServerSettings
 from pagefleet_serve.server.state import ServerState
@@ -244,14 +245,16 @@ def create_server(
     """A ready-to-run server for an engine (`.run()`; tests run it in a thread)."""
     state = ServerState(settings, engine)
     config = uvicorn.Config(
-        ConcurrencyGate(build_app(state), settings.limit_concurrency),
+        LastHopForwardedFor(
+            ConcurrencyGate(build_app(state), settings.limit_concurrency),
+            settings.forwarded_allow_ips,
+        ),
         host=settings.host,
         port=settings.port,
         log_config=None,
         log_level=log_level,
         timeout_graceful_shutdown=5,
-        proxy_headers=True,
-        forwarded_allow_ips=settings.forwarded_allow_ips,
+        proxy_headers=False,  # LastHopForwardedFor reads them
         http=functools.partial(
             GuardedH11Protocol,
             header_timeout=settings.header_read_timeout,
