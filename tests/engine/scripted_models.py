@@ -37,7 +37,8 @@ class Script:
     """`special`: special tokens (skipped in text); `added`: other single-token markers
     (`<think>`); `words`: the rest of the vocabulary (prompt text may fall outside it:
     `<unk>`); `steps`: a chain of tokens, each followed by the next; `alternatives`:
-    (token, second choice); `flags`: (flag token, favoured token, bonus)."""
+    (token, second choice); `edges`: (token, next, weight) for choices the flags decide;
+    `flags`: (flag token, favoured token, bonus); `stops`: more EOS tokens."""
 
     special: list[str]
     added: list[str]
@@ -46,7 +47,9 @@ class Script:
     eos: str
     steps: list[list[str]]
     alternatives: list[tuple[str, str]] = field(default_factory=list)
+    edges: list[tuple[str, str, float]] = field(default_factory=list)
     flags: list[tuple[str, str, float]] = field(default_factory=list)
+    stops: list[str] = field(default_factory=list)
 
     @property
     def vocab(self) -> list[str]:
@@ -136,10 +139,13 @@ def _write_model(path: Path, script: Script, ids: dict[str, int]) -> None:
                 head_weight[ids[following], ids[current]] = STEP
         for current, second in script.alternatives:
             head_weight[ids[second], ids[current]] = ALTERNATIVE
+        for current, following, weight in script.edges:
+            head_weight[ids[following], ids[current]] = weight
         for head, (_, favoured, bonus) in enumerate(script.flags):
             head_weight[ids[favoured], vocab_size + head] = bonus
     model.save_pretrained(path)
-    GenerationConfig(eos_token_id=[ids[script.eos]]).save_pretrained(path)
+    eos = [ids[script.eos], *(ids[t] for t in script.stops)]
+    GenerationConfig(eos_token_id=eos).save_pretrained(path)
 
 
 def reference_tokens(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:

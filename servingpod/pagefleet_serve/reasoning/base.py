@@ -13,7 +13,7 @@ deltas) or, for a family whose markers are phrases, text held back until it is s
 """
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 from pagefleet_serve.frontend.tokenizer import Tokenizer
@@ -22,6 +22,7 @@ from pagefleet_serve.structured.thinking import ThinkingSpec
 REASONING = "reasoning"
 CONTENT = "content"
 Piece = tuple[str, str]  # (REASONING or CONTENT, text)
+PromptRenderer = Callable[[list[dict], list[dict] | None, Mapping[str, object]], str]
 
 
 class ReasoningStream(abc.ABC):
@@ -46,6 +47,9 @@ class ReasoningParser(abc.ABC):
         """ValueError naming the parser when the tokenizer lacks what it needs."""
         self.tokenizer = tokenizer
         self.vocab = tokenizer.get_vocab()
+        # The family's own prompt format in place of the model's chat template (messages,
+        # tools, template kwargs -> text; ValueError naming a field); None: the template.
+        self.prompt_renderer: PromptRenderer | None = None
 
     @abc.abstractmethod
     def thinking(

@@ -6,8 +6,8 @@ a tool call, written into the content as `<|channel|>commentary to=functions.NAM
 {arguments}<|call|>` for the `openai` tool-call parser to read; a message to a built-in
 tool (python, browser) is part of the reasoning. Headers are parsed as the `openai-harmony`
 package parses them; several messages of one channel are joined with a line break, as
-vLLM joins them. The prompt is harmony's own (`harmony.render`), not the model's chat
-template: `render` here is what the chat path calls for this parser."""
+vLLM joins them. The prompt is harmony's own (`harmony.render`, the parser's
+`prompt_renderer`), not the model's chat template."""
 
 import re
 from collections.abc import Mapping
@@ -43,11 +43,7 @@ class GptOssReasoningParser(ReasoningParser):
                 harmony.CHANNEL,
             )
         }
-
-    def render(
-        self, messages: list[dict], tools: list[dict] | None, template_kwargs: Mapping[str, object]
-    ) -> str:
-        return harmony.render(messages, tools, template_kwargs)
+        self.prompt_renderer = harmony.render
 
     def thinking(
         self,

@@ -35,9 +35,9 @@ def render(
     effort = template_kwargs.get("reasoning_effort") or "medium"
     if effort not in EFFORTS:
         raise ValueError(f"reasoning_effort: must be one of {', '.join(EFFORTS)}, got {effort!r}")
-    date = template_kwargs.get("current_date") or datetime.datetime.now(datetime.UTC).strftime(
-        "%Y-%m-%d"
-    )
+    date = template_kwargs.get("current_date") or datetime.datetime.now(
+        datetime.timezone.utc
+    ).strftime("%Y-%m-%d")
     functions = [t["function"] for t in tools or []]
     turns = _turns(messages)
     instructions = [m["content"] for m in messages if m["role"] in ("system", "developer")]
