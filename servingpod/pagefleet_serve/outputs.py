@@ -20,9 +20,15 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # A reasoning model's thinking, split from `text` by the request's reasoning parser,
+    # and how many of `token_ids` it took (its markers included).
+    reasoning: str = ""
+    num_reasoning_tokens: int = 0
 
     def extend(self, delta: "CompletionOutput") -> None:
         self.text += delta.text
+        self.reasoning += delta.reasoning
+        self.num_reasoning_tokens += delta.num_reasoning_tokens
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs

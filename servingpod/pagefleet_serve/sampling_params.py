@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagefleet_serve.structured.constraint import StructuredOutputs
+from pagefleet_serve.structured.thinking import ThinkingSpec
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this, a temperature is greedy (as vLLM does): dividing logits by it would overflow.
@@ -44,6 +45,9 @@ class SamplingParams:
     priority: int = 0  # lower runs first; ties go by arrival
     # What the output must match (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputs | None = None
+    # A reasoning model's thinking: where it ends (the grammar starts after it) and its
+    # budget of tokens; None: the output does not think (or nobody splits it).
+    thinking: ThinkingSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +72,8 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputs
         ):
             raise ValueError("structured_outputs must be a StructuredOutputs")
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingSpec):
+            raise ValueError("thinking must be a ThinkingSpec")
         _capped(self, "stop", MAX_STOP_STRINGS)
         if any(
             not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop

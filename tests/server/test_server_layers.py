@@ -45,14 +45,20 @@ def layer(module: str) -> str:
     if parts[0] == "pagefleet_kernels":
         return "kernels"
     sub = parts[1] if len(parts) > 1 else ""
-    if module in ("pagefleet_serve.model.uri", "pagefleet_serve.structured.constraint"):
-        return "base"  # torch-free: the URI parser the operator uses, a constraint's data
+    if module in (
+        "pagefleet_serve.model.uri",
+        "pagefleet_serve.structured.constraint",
+        "pagefleet_serve.structured.thinking",
+    ):
+        # torch-free: the URI parser the operator uses, a constraint's and a thinking's data
+        return "base"
     return {
         "": "top",
         "cli": "top",
         "llm": "top",
         "server": "server",
         "frontend": "frontend",
+        "reasoning": "frontend",  # the output pipeline's split of a reasoning model's text
         "engine": "engine",
         "model": "model",
         "attention": "model",

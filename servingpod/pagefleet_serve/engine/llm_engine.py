@@ -58,6 +58,7 @@ from pagefleet_serve.model.resolve import resolve_model_uri
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams, generator_seed, sample_seed
 from pagefleet_serve.structured.grammar import GrammarCompiler, GrammarMatcher
+from pagefleet_serve.structured.thinking_gate import output_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -439,6 +440,7 @@ class LLMEngine:
             request.request_id, request.prompt_token_ids, params, request.arrival_time
         )
         if params.structured_outputs is None:
+            seq.grammar = output_constraint(params.thinking, None)  # a thinking budget
             self._to_scheduler(seq)
             return
         self._awaiting_grammar[seq] = self.grammar_compiler.compile_async(params.structured_outputs)
@@ -452,10 +454,12 @@ class LLMEngine:
                 continue
             del self._awaiting_grammar[seq]
             try:
-                seq.grammar = GrammarMatcher(future.result())
+                grammar = GrammarMatcher(future.result())
             except ValueError as exc:
                 self.abort_request(seq.request_id, reason="error", error=str(exc))
                 continue
+            # A thinking model's grammar starts where its thinking ends.
+            seq.grammar = output_constraint(seq.params.thinking, grammar)
             self._to_scheduler(seq)
 
     def _to_scheduler(self, seq: Sequence) -> None:

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from pagefleet_serve.engine.penalties import TokenCounts
 from pagefleet_serve.sampling_params import SamplingParams
-from pagefleet_serve.structured.grammar import GrammarMatcher, mask_logits
+from pagefleet_serve.structured.grammar import mask_logits
+from pagefleet_serve.structured.thinking_gate import OutputConstraint
 
 # Tokens per block of the two-level inverse CDF (see `_invert_cdf`).
 CDF_BLOCK = 256
@@ -41,7 +42,7 @@ class SampleRow:
     generator: torch.Generator | None  # on the logits' device
     output_token_ids: list[int]  # for the penalties
     prompt_token_ids: list[int]  # repetition penalty covers the prompt too; unread with counts
-    grammar: GrammarMatcher | None = None  # the sequence's structured-output constraint
+    grammar: OutputConstraint | None = None  # the sequence's structured-output constraint
     counts: TokenCounts | None = None
 
 
@@ -120,9 +121,7 @@ def _sample(
     # -inf back into a value (a penalty of 0 makes -inf * 0 = NaN, which argmax picks).
     # Only constrained rows are masked; a batch without any pays for this one scan.
     matchers = {
-        i: r.grammar
-        for i, r in enumerate(rows)
-        if r.grammar is not None and not r.grammar.is_terminated
+        i: r.grammar for i, r in enumerate(rows) if r.grammar is not None and r.grammar.masks_next
     }
     if matchers:
         if not penalized:

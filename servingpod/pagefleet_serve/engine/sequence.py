@@ -8,7 +8,7 @@ import torch
 
 from pagefleet_serve.engine.penalties import TokenCounts
 from pagefleet_serve.sampling_params import SamplingParams
-from pagefleet_serve.structured.grammar import GrammarMatcher
+from pagefleet_serve.structured.thinking_gate import OutputConstraint
 
 
 class SequenceStatus(enum.Enum):
@@ -54,7 +54,7 @@ class Sequence:
     # token_ids until the target model has accepted them.
     spec_token_ids: list[int] = field(default_factory=list)
     # Advances with output tokens only, so recompute, prefix hits and chunks leave it be.
-    grammar: GrammarMatcher | None = None
+    grammar: OutputConstraint | None = None
     # The penalties' counts on the device, from the first sampling on (`penalty_counts`).
     token_counts: TokenCounts | None = None
     # The LoRA adapter the sequence runs with (its id, unique in the process; None: the

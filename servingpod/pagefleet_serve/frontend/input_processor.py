@@ -14,6 +14,7 @@ unread, so that tokenizing what cannot be served costs nothing.
 """
 
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 
 from pagefleet_serve.frontend.tokenizer import Tokenizer
@@ -66,9 +67,11 @@ class InputProcessor:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, object] | None = None,
     ) -> str:
-        """Chat messages -> prompt text through the model's chat template. ValueError
-        naming `messages` when the model has none or the template rejects them."""
+        """Chat messages -> prompt text through the model's chat template (with the
+        request's `template_kwargs` as variables). ValueError naming `messages` when the
+        model has none or the template rejects them."""
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer or chat template")
         try:
@@ -78,6 +81,7 @@ class InputProcessor:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # noqa: BLE001 - a template raises whatever jinja raises
             raise ValueError(f"messages: the model's chat template rejected them: {exc}") from None
@@ -115,6 +119,8 @@ class InputProcessor:
         vocab = limits.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.thinking is not None and any(t >= vocab for t in params.thinking.token_ids):
+            raise ValueError(f"thinking: its token ids must be in [0, {vocab})")
         if params.n > limits.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
         return Request(

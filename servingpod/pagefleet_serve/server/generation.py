@@ -160,6 +160,8 @@ class Generation:
                     list(sample.token_ids),
                     sample.logprobs,
                     sample.finish_reason,
+                    sample.reasoning,
+                    sample.num_reasoning_tokens,
                 )
                 if index in merged:
                     merged[index].extend(delta)

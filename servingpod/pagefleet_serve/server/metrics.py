@@ -113,6 +113,9 @@ class ServerMetrics:
 
         self.prompt_tokens = counter(names.PROMPT_TOKENS, "Prefilled prompt tokens.")
         self.generation_tokens = counter(names.GENERATION_TOKENS, "Generated tokens.")
+        self.reasoning_tokens = counter(
+            names.REASONING_TOKENS, "Generated tokens a reasoning model spent thinking."
+        )
         self.request_success = counter(
             names.REQUEST_SUCCESS, "Finished requests by finish reason.", ("finished_reason",)
         )
@@ -209,6 +212,9 @@ class RequestTracker:
                 m.itl.labels(label).observe(timing.last_token_time - self.last_token_time)
             self.num_generated += num_new
             m.generation_tokens.labels(label).inc(num_new)
+            thought = sum(o.num_reasoning_tokens for o in output.outputs)
+            if thought:
+                m.reasoning_tokens.labels(label).inc(thought)
             if timing:
                 self.last_token_time = timing.last_token_time
         if output.finished:

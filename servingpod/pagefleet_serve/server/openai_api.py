@@ -31,7 +31,7 @@ from pagefleet_serve.frontend.input_processor import ContextLengthError
 from pagefleet_serve.messages import Request as EngineRequest
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
-from pagefleet_serve.server.chat_template import render_chat, template_messages
+from pagefleet_serve.server.chat_template import template_messages
 from pagefleet_serve.server.errors import APIError, bad_request, server_error, unavailable
 from pagefleet_serve.server.fair_queue import current_client
 from pagefleet_serve.server.generation import (
@@ -47,6 +47,12 @@ from pagefleet_serve.server.protocol import (
     parse,
     too_many_prompts,
     value_error,
+)
+from pagefleet_serve.server.reasoning_api import (
+    reasoning_fields,
+    render_prompt,
+    template_kwargs,
+    thinking,
 )
 from pagefleet_serve.server.refusals import mark_body_read
 from pagefleet_serve.server.state import ServerState
@@ -92,13 +98,26 @@ class _Run:
     text_offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs
     tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # by choice index
 
-    def usage(self, completion_tokens: int) -> dict:
+    def usage(self, completion_tokens: int, reasoning_tokens: int = 0) -> dict:
         prompt_tokens = self.generation.num_prompt_tokens
-        return {
+        usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+        if self.thinks:  # -- reasoning models (issue 72)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
+
+    @property
+    def thinks(self) -> bool:
+        """The request runs a reasoning model's thinking (its output is split)."""
+        return self.generation.params.thinking is not None
+
+    @property
+    def shows_reasoning(self) -> bool:
+        """The answer carries the thinking (`include_reasoning` is not false)."""
+        return self.thinks and self.request.include_reasoning is not False
 
 
 class PromptBounds:
@@ -284,7 +303,7 @@ class _Endpoint(PromptBounds, abc.ABC):
 
     async def _stream(self, run: _Run) -> AsyncIterator[str]:
         usage_field = {"usage": None} if run.request.include_usage else {}
-        completion_tokens = 0
+        completion_tokens = reasoning_tokens = 0
         try:
             for chunk in self.opening_chunks(run):
                 yield sse_event(self.envelope(run, chunk=True) | {"choices": [chunk]} | usage_field)
@@ -293,6 +312,7 @@ class _Endpoint(PromptBounds, abc.ABC):
                     yield KEEPALIVE
                     continue
                 completion_tokens += len(delta.token_ids)
+                reasoning_tokens += delta.num_reasoning_tokens
                 for choice in self.choice_chunks(run, delta):
                     yield sse_event(
                         self.envelope(run, chunk=True) | {"choices": [choice]} | usage_field
@@ -300,7 +320,7 @@ class _Endpoint(PromptBounds, abc.ABC):
             if run.request.include_usage:
                 yield sse_event(
                     self.envelope(run, chunk=True)
-                    | {"choices": [], "usage": run.usage(completion_tokens)}
+                    | {"choices": [], "usage": run.usage(completion_tokens, reasoning_tokens)}
                 )
         except RequestFailed as exc:
             yield sse_event(server_error(str(exc)).body())
@@ -334,9 +354,10 @@ class _Endpoint(PromptBounds, abc.ABC):
     def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
         """The whole (non-stream) response of a finished run."""
         completion_tokens = sum(len(c.token_ids) for c in choices)
+        reasoning_tokens = sum(c.num_reasoning_tokens for c in choices)
         return self.envelope(run, chunk=False) | {
             "choices": [self.final_choice(run, c) for c in choices],
-            "usage": run.usage(completion_tokens),
+            "usage": run.usage(completion_tokens, reasoning_tokens),
         }
 
     def _context_error(self, exc: ContextLengthError) -> APIError:
@@ -445,14 +466,19 @@ class ChatCompletionsEndpoint(_Endpoint):
         tools = plan_tools(request, self.state.settings)
         messages = template_messages(request.messages)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages))
-        prompt = self.encode(render_chat(self.inputs, messages, tools.template_tools))
+        # -- reasoning models (issue 72): template kwargs, the parser's prompt, the thinking
+        parser = self.state.reasoning_parser
+        kwargs = template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
+        text = render_prompt(parser, self.inputs, messages, tools.template_tools, kwargs)
+        prompt = self.encode(text)
+        spec = thinking(parser, prompt, kwargs, request.thinking_token_budget)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
         if max_tokens is None:  # OpenAI's default: whatever the context has left
             max_tokens = max(1, self.max_model_len - len(prompt))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = request.sampling_params(max_tokens, logprobs, tools.constraint)
+        params = request.sampling_params(max_tokens, logprobs, tools.constraint, spec)
         return [prompt], params, tools
 
     def opening_chunks(self, run: _Run) -> list[dict]:
@@ -475,6 +501,16 @@ class ChatCompletionsEndpoint(_Endpoint):
         }
 
     def choice_chunks(self, run: _Run, delta: CompletionOutput) -> list[dict]:
+        """A delta's thinking goes out first, in a chunk of its own, then its answer."""
+        reasoning = []
+        if delta.reasoning and run.shows_reasoning:
+            fields = reasoning_fields(delta.reasoning)
+            reasoning = [
+                {"index": delta.index, "delta": fields, "logprobs": None, "finish_reason": None}
+            ]
+        return reasoning + self._answer_chunks(run, delta)
+
+    def _answer_chunks(self, run: _Run, delta: CompletionOutput) -> list[dict]:
         if run.tools is None or run.tools.parser is None:
             return super().choice_chunks(run, delta)
         stream = run.tool_streams.setdefault(delta.index, ToolCallStream(run.tools))
@@ -498,6 +534,8 @@ class ChatCompletionsEndpoint(_Endpoint):
 
     def final_choice(self, run: _Run, choice: CompletionOutput) -> dict:
         message = {"role": "assistant", "content": choice.text}
+        if run.shows_reasoning:
+            message |= reasoning_fields(choice.reasoning or None)
         finish_reason = choice.finish_reason
         if run.tools is not None and run.tools.parser is not None:
             content, calls = split_output(run.tools, choice.text)

@@ -9,13 +9,14 @@ something (`tools`, `logit_bias`, ...), so that a client never takes a 200 for a
 
 import json
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import APIError, bad_request
 from pagefleet_serve.structured.constraint import StructuredOutputs, structural_tag_text
+from pagefleet_serve.structured.thinking import ThinkingSpec
 
 _CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 # Request bodies keep unknown fields, so that unimplemented ones can be refused by name.
@@ -155,6 +156,9 @@ class _GenerationRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # A reasoning model's answer carries its thinking unless this is false (completions
+    # never think: it changes nothing there).
+    include_reasoning: bool | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -218,8 +222,10 @@ class _GenerationRequest(BaseModel):
         max_tokens: int,
         logprobs: int | None,
         constraint: StructuredOutputs | None = None,
+        thinking: ThinkingSpec | None = None,
     ) -> SamplingParams:
-        """`constraint`: one the endpoint sets (tool calls), else the request's own."""
+        """`constraint`: one the endpoint sets (tool calls), else the request's own;
+        `thinking`: where a reasoning model's thinking ends (server/reasoning_api.py)."""
         if constraint is not None and self.constraint() is not None:
             raise bad_request(
                 f"{self.constraint().field}: cannot be combined with tool_choice "
@@ -249,7 +255,11 @@ class _GenerationRequest(BaseModel):
         }
         try:
             return SamplingParams(
-                max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint, **given
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                structured_outputs=constraint,
+                thinking=thinking,
+                **given,
             )
         except ValueError as exc:
             raise value_error(exc, type(self)) from None
@@ -311,6 +321,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool's result answers this call
+    # An assistant turn's thinking, for templates that keep it (vLLM's two names).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -353,6 +366,12 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models (server/reasoning_api.py): variables for the chat template, the
+    # effort the template is told, whether the answer carries the thinking, and how many
+    # tokens the thinking may take before its end is forced.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    thinking_token_budget: int | None = None
 
 
 Model = TypeVar("Model", bound=BaseModel)

@@ -29,6 +29,7 @@ from pagefleet_serve.cpu_placement import (
     place_frontend,
     plan_placement,
 )
+from pagefleet_serve.reasoning import REASONING_PARSERS
 from pagefleet_serve.server import lora_file_watcher
 from pagefleet_serve.server.settings import SCHEDULING_POLICIES, ServerSettings
 from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -358,6 +359,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         choices=tuple(TOOL_CALL_PARSERS),
     )
+    flag(
+        "--reasoning-parser",
+        "how the model's thinking is split from its answer (message.reasoning); default: "
+        "the model family's, chosen by its tokenizer and template; none: no split",
+        default=None,
+        choices=(*REASONING_PARSERS, "none"),
+    )
     _add_parallel_flags(flag, engine)
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     parser.set_defaults(handler=run)
@@ -475,6 +483,7 @@ def run(args: argparse.Namespace) -> int:
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             responses_store_max_entries=args.responses_store_max_entries,
             responses_store_max_age=args.responses_store_max_age,
@@ -519,7 +528,12 @@ def run(args: argparse.Namespace) -> int:
         watcher = lora_file_watcher.LoRAFileWatcher(
             args.lora_modules_file, engine, *lora_file, args.lora_modules_file_poll_interval
         )
-    server = create_server(settings, engine, args.log_level, watcher)
+    try:
+        server = create_server(settings, engine, args.log_level, watcher)
+    except ValueError as exc:  # a --reasoning-parser the model's tokenizer cannot serve
+        logger.error("invalid configuration: %s", exc)
+        engine.shutdown()
+        return 2
     try:
         server.run()
     finally:

@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from pagefleet_serve import metric_names as names
 from pagefleet_serve.frontend.core_client import EngineCoreClient
+from pagefleet_serve.reasoning import reasoning_parser
 from pagefleet_serve.server.errors import APIError, unavailable
 from pagefleet_serve.server.fair_queue import FairExecutor, current_client
 from pagefleet_serve.server.metrics import ServerMetrics
@@ -49,6 +50,9 @@ class ServerState:
     def __init__(self, settings: ServerSettings, engine: EngineCoreClient) -> None:
         self.settings = settings
         self.engine = engine
+        # A reasoning model's parser (server/reasoning_api.py); ValueError when the one
+        # --reasoning-parser names cannot read this model's tokenizer.
+        self.reasoning_parser = reasoning_parser(settings.reasoning_parser, engine.tokenizer)
         self.draining = False
         self.num_queued = 0
         self.admissions: set[Admission] = set()
