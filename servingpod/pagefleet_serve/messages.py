@@ -14,7 +14,7 @@ from pagefleet_serve.config import PoolingConfig
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 # -- the data both sides share ---------------------------------------------------------------

@@ -50,6 +50,9 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed this request
     # An embedding request's pooled vector (float32 values, normalised as the model says).
     embedding: list[float] | None = None
+    # With prompt_logprobs, in the request's first output: one entry per prompt token, the
+    # first None (nothing comes before it to score it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -146,10 +146,13 @@ class StopStringMatcher:
         self.text = ""
         self.sent = 0
 
-    def feed(self, new_text: str) -> bool:
-        """Add text; True when a stop string appeared (the text is cut before it)."""
+    def feed(self, new_text: str, search: bool = True) -> bool:
+        """Add text; True when a stop string appeared (the text is cut before it). Not
+        `search`: the text cannot stop the sample yet (min_tokens)."""
         search_from = max(0, len(self.text) - self.holdback)
         self.text += new_text
+        if not search:
+            return False
         hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
             self.text = self.text[: min(hits)]
@@ -174,11 +177,16 @@ class SampleText:
         )
         self.matcher = StopStringMatcher(params.stop)
         self.stopped = False
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
 
     def add(self, token_id: int) -> bool:
-        """Take a token; True once a stop string has appeared (later tokens are ignored)."""
+        """Take a token; True once a stop string has appeared (later tokens are ignored;
+        none before min_tokens)."""
         if not self.stopped:
-            self.stopped = self.matcher.feed(self.detokenizer.add(token_id))
+            self.num_tokens += 1
+            text = self.detokenizer.add(token_id)
+            self.stopped = self.matcher.feed(text, self.num_tokens > self.min_tokens)
         return self.stopped
 
     def release(self, finished: bool) -> str:
