@@ -7,6 +7,7 @@ by hand. /docs and /openapi.json are off when an API key is set, unless asked fo
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -171,6 +172,17 @@ def build_app(state: ServerState) -> FastAPI:
         ),
     )
 
+    _install_probes(app, state)
+    _install_error_handlers(
+        app, RefusalGuard(state.settings.refusals_per_second, state.settings.refusal_delay)
+    )
+    install_tracing(app, state.settings.otlp_traces_endpoint)
+    return app
+
+
+def _install_probes(app: FastAPI, state: ServerState) -> None:
+    """The routes outside the API key: liveness, readiness, version and metrics."""
+
     @app.get("/health")
     def health() -> Response:
         reason = state.engine.unhealthy_reason
@@ -190,15 +202,14 @@ def build_app(state: ServerState) -> FastAPI:
             return unavailable("the engine is not healthy", code="engine_unhealthy").response()
         return JSONResponse({"status": "ready"})
 
+    @app.get("/version")
+    def version() -> dict:
+        # vLLM's route (its clients read it to tell servers apart): the package's version.
+        return {"version": importlib.metadata.version("pagefleet")}
+
     @app.get("/metrics")
     def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    _install_error_handlers(
-        app, RefusalGuard(state.settings.refusals_per_second, state.settings.refusal_delay)
-    )
-    install_tracing(app, state.settings.otlp_traces_endpoint)
-    return app
 
 
 def _install_error_handlers(app: FastAPI, refusals: RefusalGuard) -> None:

@@ -50,13 +50,19 @@ from pagefleet_serve.server.protocol import (
 )
 from pagefleet_serve.server.refusals import mark_body_read
 from pagefleet_serve.server.state import ServerState
+from pagefleet_serve.server.token_details import (
+    MIN_LOGPROB,
+    TokenLabels,
+    completion_logprobs,
+    prompt_fields,
+    without_generation,
+)
 from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, plan_tools, split_output
 from pagefleet_serve.structured.grammar import CompileQueueFull
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"
-_MIN_LOGPROB = -9999.0  # -inf is not JSON
 # A batch of text prompts is read whole only if it holds no more characters than this many
 # full-length prompts (each is read with `max_prompt_chars` at most).
 MAX_BATCH_CONTEXTS = 4
@@ -91,6 +97,21 @@ class _Run:
     tools: ToolPlan | None = None  # chat requests with tools
     text_offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs
     tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # by choice index
+    # Choices whose first entry was written: it carries the prompt (echo, its token ids and
+    # logprobs).
+    opened: set[int] = field(default_factory=set)
+
+    def open_choice(self, index: int) -> bool:
+        """True the first time a choice is written."""
+        first = index not in self.opened
+        self.opened.add(index)
+        return first
+
+    def prompt_of(self, index: int) -> tuple[list[int], list | None]:
+        """A choice's prompt token ids and their logprobs (None unless asked for)."""
+        prompt_index = index // self.generation.params.n
+        request = self.generation.requests[prompt_index].request
+        return request.prompt_token_ids, self.generation.prompt_logprobs.get(prompt_index)
 
     def usage(self, completion_tokens: int) -> dict:
         prompt_tokens = self.generation.num_prompt_tokens
@@ -274,6 +295,12 @@ class _Endpoint(PromptBounds, abc.ABC):
         """One choice's entry in a whole response."""
 
     # -- shared ---------------------------------------------------------------------------
+    def _labels(self, run: _Run) -> TokenLabels:
+        return TokenLabels(self.token_text, bool(run.request.return_tokens_as_token_ids))
+
+    def _token_ids(self, run: _Run, choice: CompletionOutput) -> dict:
+        return {"token_ids": choice.token_ids} if run.request.return_token_ids else {}
+
     def envelope(self, run: _Run, chunk: bool) -> dict:
         return {
             "id": run.id,
@@ -293,6 +320,8 @@ class _Endpoint(PromptBounds, abc.ABC):
                     yield KEEPALIVE
                     continue
                 completion_tokens += len(delta.token_ids)
+                if run.request.continuous_usage:  # vLLM's: the usage so far in every chunk
+                    usage_field = {"usage": run.usage(completion_tokens)}
                 for choice in self.choice_chunks(run, delta):
                     yield sse_event(
                         self.envelope(run, chunk=True) | {"choices": [choice]} | usage_field
@@ -363,55 +392,78 @@ class CompletionsEndpoint(_Endpoint):
     ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
         prompt = request.prompt
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        if request.echo and max_tokens == 0:
+            max_tokens = 1  # vLLM's echo of the prompt alone: one token, dropped (`settled`)
+        if request.echo:
+            self.check_tokenizer()  # the echo is the prompt's text
+
+        def read(token_ids: list[int]) -> list[int]:
+            return request.truncated(token_ids, self.max_model_len)
+
         if isinstance(prompt, str):
-            prompts = [self.encode(prompt)]
+            prompts = [read(self.encode(prompt))]
         elif not prompt:
             raise bad_request("prompt: must not be empty", param="prompt")
         elif isinstance(prompt[0], int):
-            prompts = [list(prompt)]
+            prompts = [read(list(prompt))]
         elif len(prompt) > MAX_PROMPTS_PER_REQUEST:
             raise too_many_prompts(len(prompt))
         elif isinstance(prompt[0], str):
             self.check_batch_chars(sum(map(len, prompt)))
             prompts = []
             for text in prompt:  # a batch stops at its first prompt over the context
-                prompts.append(self.encode(text))
+                prompts.append(read(self.encode(text)))
                 self.inputs.check_fits(len(prompts[-1]), max_tokens)
         else:
-            prompts = [list(p) for p in prompt]
-        return prompts, request.sampling_params(max_tokens, request.logprobs), None
+            prompts = [read(list(p)) for p in prompt]
+        # echo with logprobs: the prompt's tokens are scored too (as vLLM does).
+        echoed = request.logprobs if request.echo else None
+        params = request.sampling_params(max_tokens, request.logprobs, prompt_logprobs=echoed)
+        return prompts, params, None
+
+    async def stream_deltas(self, run: _Run) -> AsyncIterator[CompletionOutput | None]:
+        async for delta in super().stream_deltas(run):
+            yield delta if delta is None else self._settled(run, delta)
+
+    def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
+        return super().response_body(run, [self._settled(run, c) for c in choices])
+
+    def _settled(self, run: _Run, choice: CompletionOutput) -> CompletionOutput:
+        echo_only = run.request.echo and run.request.max_tokens == 0
+        return without_generation(choice) if echo_only else choice
 
     def choice_chunk(self, run: _Run, delta: CompletionOutput) -> dict:
         return self.final_choice(run, delta)
 
     def final_choice(self, run: _Run, choice: CompletionOutput) -> dict:
-        return {
+        request: CompletionRequest = run.request  # type: ignore[assignment]
+        first = run.open_choice(choice.index)
+        prompt_ids, prompt_logprobs = run.prompt_of(choice.index)
+        echo = request.echo and first
+        text = choice.text
+        if echo:
+            text = self.state.engine.outputs.decode(prompt_ids) + text
+        body = {
             "index": choice.index,
-            "text": choice.text,
-            "logprobs": self._logprobs(run, choice),
+            "text": text,
+            "logprobs": self._logprobs(run, choice, echo),
             "finish_reason": choice.finish_reason,
         }
+        if first:
+            body |= prompt_fields(request, prompt_ids, prompt_logprobs, self._labels(run))
+        return body | self._token_ids(run, choice)
 
-    def _logprobs(self, run: _Run, choice: CompletionOutput) -> dict | None:
-        if choice.logprobs is None:
+    def _logprobs(self, run: _Run, choice: CompletionOutput, echo: bool) -> dict | None:
+        if run.request.logprobs is None or (choice.logprobs is None and not echo):
             return None
-        offset = run.text_offsets.get(choice.index, 0)
-        out: dict[str, list] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
-        for entry in choice.logprobs:
-            text = self.token_text(entry.token_id)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(max(entry.logprob, _MIN_LOGPROB))
-            out["top_logprobs"].append(
-                {self.token_text(t): max(lp, _MIN_LOGPROB) for t, lp in entry.top_logprobs}
-            )
-            out["text_offset"].append(offset)
-            offset += len(text)
-        run.text_offsets[choice.index] = offset
+        tokens: list = []
+        if echo:
+            prompt_ids, prompt_logprobs = run.prompt_of(choice.index)
+            tokens = list(zip(prompt_ids, prompt_logprobs or [None] * len(prompt_ids), strict=True))
+        tokens += [(e.token_id, e) for e in choice.logprobs or []]
+        out, run.text_offsets[choice.index] = completion_logprobs(
+            tokens, self._labels(run), run.text_offsets.get(choice.index, 0)
+        )
         return out
 
 
@@ -446,6 +498,7 @@ class ChatCompletionsEndpoint(_Endpoint):
         messages = template_messages(request.messages)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages))
         prompt = self.encode(render_chat(self.inputs, messages, tools.template_tools))
+        prompt = request.truncated(prompt, self.max_model_len)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -470,9 +523,13 @@ class ChatCompletionsEndpoint(_Endpoint):
         return {
             "index": delta.index,
             "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": self._logprobs(delta),
+            "logprobs": self._logprobs(delta, self._labels(run)),
             "finish_reason": delta.finish_reason,
-        }
+        } | self._token_ids(run, delta)
+
+    def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
+        body = super().response_body(run, choices)
+        return body | prompt_fields(run.request, *run.prompt_of(0), self._labels(run))
 
     def choice_chunks(self, run: _Run, delta: CompletionOutput) -> list[dict]:
         if run.tools is None or run.tools.parser is None:
@@ -483,7 +540,7 @@ class ChatCompletionsEndpoint(_Endpoint):
             {"index": delta.index, "delta": d, "logprobs": None, "finish_reason": None}
             for d in stream.feed(delta.text, finished)
         ]
-        logprobs = self._logprobs(delta)
+        logprobs = self._logprobs(delta, self._labels(run))
         if (finished or logprobs) and not chunks:
             chunks.append(
                 {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": None}
@@ -508,19 +565,20 @@ class ChatCompletionsEndpoint(_Endpoint):
         return {
             "index": choice.index,
             "message": message,
-            "logprobs": self._logprobs(choice),
+            "logprobs": self._logprobs(choice, self._labels(run)),
             "finish_reason": finish_reason,
-        }
+        } | self._token_ids(run, choice)
 
-    def _logprobs(self, choice: CompletionOutput) -> dict | None:
+    def _logprobs(self, choice: CompletionOutput, label: TokenLabels | None = None) -> dict | None:
         if choice.logprobs is None:
             return None
+        label = label or TokenLabels(self.token_text)
 
         def item(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
+            text = label(token_id)
             return {
                 "token": text,
-                "logprob": max(logprob, _MIN_LOGPROB),
+                "logprob": max(logprob, MIN_LOGPROB),
                 "bytes": list(text.encode("utf-8")),
             }
 

@@ -15,7 +15,8 @@ error the chat path raises names the Responses field the client sent (`text.form
 
 What this server cannot do is refused by name (400): built-in tools, non-text input
 parts (images, files, audio), items other than messages, function calls and their
-outputs, and fields such as `background`, `reasoning`, `include` or `conversation`.
+outputs, and fields such as `background`, `reasoning` or `conversation`; of `include`,
+only "message.output_text.logprobs" (the output text's logprobs, `top_logprobs` of them).
 """
 
 import json
@@ -62,13 +63,11 @@ _OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 # for nothing; any other value is a 400 naming the field.
 UNSUPPORTED_RESPONSES_FIELDS = {
     "background": _absent(False),
-    "include": _absent([]),
     "reasoning": _absent(),
     "conversation": _absent(),
     "prompt": _absent(),
     "max_tool_calls": _absent(),
     "truncation": _absent("disabled"),
-    "top_logprobs": _absent(0),
     "context_management": _absent([]),
 }
 # The chat fields a request's own become (see `ResponsesEndpoint.prepare`): the chat path's
@@ -80,6 +79,7 @@ CHAT_FIELDS = {
     "messages": ("input", "input"),
 }
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` this server fills
 TEXT_PART_TYPES = ("input_text", "output_text")
 
 
@@ -178,11 +178,25 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     priority: int | None = None  # vLLM's extra field, as on chat
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     # The conversation so far (the previous response's and this input, no instructions).
     _conversation: list[ChatMessage] = PrivateAttr(default_factory=list)
 
     def check_supported(self) -> None:
         refuse_unsupported(self, UNSUPPORTED_RESPONSES_FIELDS)
+        for name in self.include or []:
+            if name != OUTPUT_LOGPROBS:
+                raise bad_request(
+                    f"include: {name!r} is not supported; this server includes "
+                    f"{OUTPUT_LOGPROBS!r} only",
+                    param="include",
+                    code="unsupported_field",
+                )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or [])
 
 
 @dataclass(frozen=True)
@@ -256,7 +270,11 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             parallel_tool_calls=request.parallel_tool_calls,
             response_format=_response_format(request.text),
             priority=request.priority,
+            logprobs=request.wants_logprobs,
+            top_logprobs=request.top_logprobs if request.wants_logprobs else None,
         )
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise bad_request("top_logprobs: must be in [0, 20]", param="top_logprobs")
         try:
             return super().prepare(chat)
         except APIError as exc:
@@ -286,7 +304,8 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
         content, calls = split_output(run.tools, choice.text) if run.tools else (choice.text, [])
         output = []
         if content or not calls:
-            output.append(_message_item(_new_id("msg"), content or "", status))
+            logprobs = (self._logprobs(choice) or {}).get("content", [])
+            output.append(_message_item(_new_id("msg"), content or "", status, logprobs))
         output += [
             _function_call_item(_new_id("fc"), c.id, c.name, c.arguments, "completed")
             for c in calls
@@ -313,6 +332,7 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
                     yield KEEPALIVE
                     continue
                 output_tokens += len(delta.token_ids)
+                writer.logprobs += (self._logprobs(delta) or {}).get("content", [])
                 for kind, fields in writer.feed(delta.text, delta.finish_reason):
                     yield event(kind, **fields)
             for kind, fields in writer.finish():
@@ -400,6 +420,7 @@ class _OutputWriter:
         self.message: int | None = None  # the index of the message being written
         self.by_call: dict[int, int] = {}  # tool call index -> output index
         self.status = "completed"
+        self.logprobs: list[dict] = []  # the tokens' logprobs not yet sent with text
 
     def items(self) -> list[dict]:
         return [dict(item) for item in self.output]
@@ -429,9 +450,11 @@ class _OutputWriter:
         assert self.message is not None
         item = self.output[self.message]
         item["content"][0]["text"] += text
+        logprobs, self.logprobs = self.logprobs, []
+        item["content"][0]["logprobs"] += logprobs
         yield (
             "response.output_text.delta",
-            self._where(self.message) | {"content_index": 0, "delta": text, "logprobs": []},
+            self._where(self.message) | {"content_index": 0, "delta": text, "logprobs": logprobs},
         )
 
     def _open_message(self) -> Iterator[tuple[str, dict]]:
@@ -475,10 +498,13 @@ class _OutputWriter:
         item = self.output[index]
         if item["type"] == "message":
             self.message = None
-            text = item["content"][0]["text"]
+            part = item["content"][0]
             where = self._where(index) | {"content_index": 0}
-            yield "response.output_text.done", where | {"text": text, "logprobs": []}
-            yield "response.content_part.done", where | {"part": _text_part(text)}
+            yield (
+                "response.output_text.done",
+                where | {"text": part["text"], "logprobs": part["logprobs"]},
+            )
+            yield "response.content_part.done", where | {"part": dict(part)}
             item["status"] = self.status
         else:
             done = self._where(index) | {"arguments": item["arguments"]}
@@ -624,17 +650,19 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(item_id: str, text: str, status: str, parts: bool = True) -> dict:
+def _message_item(
+    item_id: str, text: str, status: str, logprobs: list[dict] | None = None, parts: bool = True
+) -> dict:
     return {
         "id": item_id,
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [_text_part(text)] if parts else [],
+        "content": [_text_part(text, logprobs)] if parts else [],
     }
 
 
