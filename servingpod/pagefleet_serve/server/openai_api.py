@@ -418,7 +418,9 @@ class CompletionsEndpoint(_Endpoint):
             prompts = [read(list(p)) for p in prompt]
         # echo with logprobs: the prompt's tokens are scored too (as vLLM does).
         echoed = request.logprobs if request.echo else None
-        params = request.sampling_params(max_tokens, request.logprobs, prompt_logprobs=echoed)
+        params = request.sampling_params(
+            max_tokens, request.logprobs, None, echoed, self.state.sampling_defaults
+        )
         return prompts, params, None
 
     async def stream_deltas(self, run: _Run) -> AsyncIterator[CompletionOutput | None]:
@@ -505,7 +507,9 @@ class ChatCompletionsEndpoint(_Endpoint):
         if max_tokens is None:  # OpenAI's default: whatever the context has left
             max_tokens = max(1, self.max_model_len - len(prompt))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = request.sampling_params(max_tokens, logprobs, tools.constraint)
+        params = request.sampling_params(
+            max_tokens, logprobs, tools.constraint, defaults=self.state.sampling_defaults
+        )
         return [prompt], params, tools
 
     def opening_chunks(self, run: _Run) -> list[dict]:

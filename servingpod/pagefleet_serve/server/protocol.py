@@ -246,8 +246,10 @@ class _GenerationRequest(BaseModel):
         logprobs: int | None,
         constraint: StructuredOutputs | None = None,
         prompt_logprobs: int | None = None,
+        defaults: dict | None = None,
     ) -> SamplingParams:
-        """`constraint`: one the endpoint sets (tool calls), else the request's own."""
+        """`constraint`: one the endpoint sets (tool calls), else the request's own;
+        `defaults`: the model's sampling settings for the fields the request left out."""
         if constraint is not None and self.constraint() is not None:
             raise bad_request(
                 f"{self.constraint().field}: cannot be combined with tool_choice "
@@ -255,7 +257,7 @@ class _GenerationRequest(BaseModel):
                 param=self.constraint().field,
             )
         constraint = constraint or self.constraint()
-        given = {
+        given = (defaults or {}) | {
             name: getattr(self, name)
             for name in (
                 "n",
