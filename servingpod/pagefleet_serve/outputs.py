@@ -20,6 +20,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | None = None  # the stop string that ended it (vLLM's stop_reason)
 
     def extend(self, delta: "CompletionOutput") -> None:
         self.text += delta.text
@@ -27,6 +28,7 @@ class CompletionOutput:
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason or self.stop_reason
 
 
 @dataclass

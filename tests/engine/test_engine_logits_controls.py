@@ -135,6 +135,6 @@ def test_stop_strings_do_not_match_before_min_tokens():
     held = SampleText(tokenizer, [], SamplingParams(stop=["stop"], min_tokens=2))
     stopped_at = next(i for i, t in enumerate(ids) if held.add(t))
     assert held.release(True) == " stop here and "
-    assert stopped_at > 1
+    assert stopped_at > 1 and held.matcher.matched == "stop"
     at_once = SampleText(tokenizer, [], SamplingParams(stop=["stop"]))
     assert next(i for i, t in enumerate(ids) if at_once.add(t)) == 0

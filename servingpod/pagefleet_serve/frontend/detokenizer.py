@@ -145,6 +145,7 @@ class StopStringMatcher:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.sent = 0
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, new_text: str, search: bool = True) -> bool:
         """Add text; True when a stop string appeared (the text is cut before it). Not
@@ -153,9 +154,10 @@ class StopStringMatcher:
         self.text += new_text
         if not search:
             return False
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.matched = min(hits)
+            self.text = self.text[:at]
             return True
         return False
 

@@ -103,5 +103,7 @@ class OutputProcessor:
         if text.stopped and sample.finish_reason != "stop":
             still_running = sample.finish_reason is None
             sample.finish_reason = "stop"
+        if text.stopped:
+            sample.stop_reason = text.matcher.matched
         sample.text = text.release(sample.finish_reason is not None)
         return still_running

@@ -164,6 +164,7 @@ class Generation:
                     list(sample.token_ids),
                     sample.logprobs,
                     sample.finish_reason,
+                    sample.stop_reason,
                 )
                 if index in merged:
                     merged[index].extend(delta)
