@@ -48,7 +48,8 @@ class SamplingParams:
     priority: int = 0  # lower runs first; ties go by arrival
     # What the output must match (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputs | None = None
-    # (token id, bias) pairs added to the row's logits before anything else reads them.
+    # (token id, bias) pairs (or vLLM's {token id: bias}) added to the row's logits before
+    # anything else reads them.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Output tokens before which EOS and the stop token ids cannot be sampled (and stop
     # strings do not end the output).
@@ -61,7 +62,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "logit_bias", tuple(tuple(e) for e in self.logit_bias))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(e) for e in pairs))
         _int(self, "n", lo=1)
         _int(self, "max_tokens", lo=1)
         _number(self, "temperature", lambda v: v >= 0, "must be >= 0", tiny_ok=True)

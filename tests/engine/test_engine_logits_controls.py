@@ -84,7 +84,8 @@ def test_logit_bias_forces_and_bans_tokens(llm, reference):
     second = int(expected[-1].topk(2).indices[1])
     banned = SamplingParams(max_tokens=1, temperature=0, logit_bias=((greedy, -100),))
     assert llm.generate([PROMPT], banned)[0].outputs[0].token_ids == [second]
-    forced = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias=((77, 100),))
+    forced = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={77: 100})
+    assert forced.logit_bias == ((77, 100),)  # vLLM's dict form, as pairs
     assert llm.generate([PROMPT], forced)[0].outputs[0].token_ids == [77] * 4
     # The logprobs are the model's, before the bias (as vLLM returns them).
     biased = SamplingParams(max_tokens=1, temperature=0, logprobs=0, logit_bias=((77, 100),))
