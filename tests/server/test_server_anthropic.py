@@ -14,22 +14,16 @@ import openai
 import pytest
 
 from tests.server.server_harness import ServerProcess, read_metrics
+from tests.server.test_server_structured_tools import WEATHER as CHAT_WEATHER
 
 KEY = "sk-anthropic-test"
 MODEL_NAME = "smol"
 HELLO = [{"role": "user", "content": "Name three colours."}]
+# The chat tests' tool in the Messages API's shape.
 WEATHER = {
-    "name": "get_weather",
-    "description": "Current weather in a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 20},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
+    "name": CHAT_WEATHER["function"]["name"],
+    "description": CHAT_WEATHER["function"]["description"],
+    "input_schema": CHAT_WEATHER["function"]["parameters"],
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 # This SDK's methods no longer take sampling fields; the server still reads them.

@@ -35,6 +35,20 @@ def completion(server, **body) -> dict:
     return response.json()
 
 
+def chat(server, **body) -> dict:
+    messages = [{"role": "user", "content": "Hi"}]
+    response = post(server, "/v1/chat/completions", {"messages": messages} | body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed(server, **body) -> list[dict]:
+    """A streamed completion's chunks."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 0, "stream": True} | body
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
+        return [e for e in sse_events(r.iter_lines()) if isinstance(e, dict)]
+
+
 def tokenize(server, text: str) -> list[int]:
     response = httpx.post(
         f"{server.base_url}/tokenize", json={"prompt": text, "add_special_tokens": False}
@@ -56,14 +70,14 @@ def test_logit_bias_bans_and_forces_tokens_on_both_endpoints(server, client):
         logit_bias={str(forced_id): 100},
     )
     assert forced.choices[0].text == " banana" * 3
-    chat = client.chat.completions.create(
+    answer = client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "Say hello."}],
         max_tokens=2,
         temperature=0,
         logit_bias={str(forced_id): 100},
     )
-    assert chat.choices[0].message.content == " banana" * 2
+    assert answer.choices[0].message.content == " banana" * 2
 
 
 @pytest.mark.parametrize(
@@ -106,20 +120,7 @@ def test_echo_with_generation_whole_and_streamed(server):
     assert whole["text"] == PROMPT + generated
     assert len(whole["logprobs"]["tokens"]) == len(tokenize(server, PROMPT)) + 3
     assert "".join(whole["logprobs"]["tokens"]) == whole["text"]
-    with httpx.stream(
-        "POST",
-        f"{server.base_url}/v1/completions",
-        json={
-            "model": MODEL_NAME,
-            "prompt": PROMPT,
-            "max_tokens": 3,
-            "temperature": 0,
-            "echo": True,
-            "stream": True,
-        },
-        timeout=60,
-    ) as response:
-        events = [e for e in sse_events(response.iter_lines()) if isinstance(e, dict)]
+    events = streamed(server, max_tokens=3, echo=True)
     texts = [e["choices"][0]["text"] for e in events]
     assert texts[0].startswith(PROMPT) and "".join(texts) == whole["text"]
 
@@ -134,19 +135,15 @@ def test_prompt_logprobs_in_vllm_s_shape_on_both_endpoints(server):
         ranks = sorted(v["rank"] for v in entry.values() if v["rank"] is not None)
         assert ranks[:2] == [1, 2]
         assert all(v["logprob"] <= 0 and v["decoded_token"] for v in entry.values())
-    chat = post(
+    reply = chat(
         server,
-        "/v1/chat/completions",
-        {
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 1,
-            "prompt_logprobs": 0,
-            "return_token_ids": True,
-        },
-    ).json()
-    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"])
-    assert chat["prompt_logprobs"][0] is None
-    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+        max_tokens=1,
+        prompt_logprobs=0,
+        return_token_ids=True,
+    )
+    assert len(reply["prompt_logprobs"]) == len(reply["prompt_token_ids"])
+    assert reply["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in reply["prompt_logprobs"][1:])
 
 
 def test_min_tokens_holds_off_a_stop_token(server):
@@ -172,21 +169,17 @@ def test_return_token_ids_and_tokens_as_token_ids(server, client):
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
     detokenized = httpx.post(f"{server.base_url}/detokenize", json={"tokens": choice["token_ids"]})
     assert detokenized.json()["prompt"] == choice["text"]
-    chat = post(
+    reply = chat(
         server,
-        "/v1/chat/completions",
-        {
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 3,
-            "temperature": 0,
-            "return_token_ids": True,
-            "logprobs": True,
-            "return_tokens_as_token_ids": True,
-        },
-    ).json()
-    [choice] = chat["choices"]
-    assert len(choice["token_ids"]) == chat["usage"]["completion_tokens"]
-    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+        max_tokens=3,
+        temperature=0,
+        return_token_ids=True,
+        logprobs=True,
+        return_tokens_as_token_ids=True,
+    )
+    [choice] = reply["choices"]
+    assert len(choice["token_ids"]) == reply["usage"]["completion_tokens"]
+    assert len(reply["prompt_token_ids"]) == reply["usage"]["prompt_tokens"]
     assert [e["token"] for e in choice["logprobs"]["content"]] == [
         f"token_id:{t}" for t in choice["token_ids"]
     ]
@@ -197,16 +190,12 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(server):
     kept = completion(server, max_tokens=1, truncate_prompt_tokens=3, return_token_ids=True)
     assert kept["choices"][0]["prompt_token_ids"] == context[-3:]
     assert kept["usage"]["prompt_tokens"] == 3
-    chat = post(
+    reply = chat(
         server,
-        "/v1/chat/completions",
-        {
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 1,
-            "truncate_prompt_tokens": 2,
-        },
-    ).json()
-    assert chat["usage"]["prompt_tokens"] == 2
+        max_tokens=1,
+        truncate_prompt_tokens=2,
+    )
+    assert reply["usage"]["prompt_tokens"] == 2
     for bad in (0, -2, 10**6):
         response = post(
             server, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": bad}
@@ -215,16 +204,8 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(server):
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
-    body = {
-        "model": MODEL_NAME,
-        "prompt": PROMPT,
-        "max_tokens": 5,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
-        events = [e for e in sse_events(r.iter_lines()) if isinstance(e, dict)]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = streamed(server, max_tokens=5, stream_options=options)
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert counts == sorted(counts) and counts[-1] == 5
     assert all(e["usage"]["prompt_tokens"] == events[0]["usage"]["prompt_tokens"] for e in events)
