@@ -34,6 +34,8 @@ CROSSINGS = {
     ("pagefleet_serve.frontend.process_link", "pagefleet_serve.engine.core_process"),
     # The frontend's tokenizer, loaded (resolved like the model) while the core loads it.
     ("pagefleet_serve.frontend.core_client", "pagefleet_serve.model.loader"),
+    # The model's generation_config.json, found (resolved like the model) at start-up.
+    ("pagefleet_serve.frontend.generation_defaults", "pagefleet_serve.model.resolve"),
     # `serve --headless` (a node other than rank 0's) runs engine ranks and no server: the
     # import happens in that process only, after the flags are checked.
     ("pagefleet_serve.server.serve", "pagefleet_serve.engine.parallel"),

@@ -185,7 +185,9 @@ class Scheduler:
             if seq.lora_id is not None and not self.lora_slots.can_acquire(seq.lora_id):
                 passed_over.add(seq)
                 continue
-            prefix = self.block_manager.find_cached_prefix(seq)
+            # Prompt logprobs need every prompt position's logits: no cached prefix.
+            wants_prompt = seq.params.prompt_logprobs is not None
+            prefix = [] if wants_prompt else self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
             lookahead = self._lookahead(seq, len(prefix) * self.block_manager.block_size + num_new)
             copies = self.block_manager.allocate(seq, num_new + lookahead, prefix)

@@ -147,14 +147,19 @@ class StopStringMatcher:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.sent = 0
+        self.matched: str | None = None  # the stop string that ended the text
 
-    def feed(self, new_text: str) -> bool:
-        """Add text; True when a stop string appeared (the text is cut before it)."""
+    def feed(self, new_text: str, search: bool = True) -> bool:
+        """Add text; True when a stop string appeared (the text is cut before it). Not
+        `search`: the text cannot stop the sample yet (min_tokens)."""
         search_from = max(0, len(self.text) - self.holdback)
         self.text += new_text
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not search:
+            return False
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.matched = min(hits)
+            self.text = self.text[:at]
             return True
         return False
 
@@ -180,17 +185,21 @@ class SampleText:
         )
         self.matcher = StopStringMatcher(params.stop)
         self.stopped = False
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
         self.reasoning = reasoning
         self.thought = ""  # thinking not yet released
         self.num_reasoning_tokens = 0  # released
 
     def add(self, token_id: int) -> bool:
-        """Take a token; True once a stop string has appeared (later tokens are ignored)."""
+        """Take a token; True once a stop string has appeared (later tokens are ignored;
+        none before min_tokens)."""
         if self.stopped:
             return True
+        self.num_tokens += 1
         text = self.detokenizer.add(token_id)
         if self.reasoning is None:
-            self.stopped = self.matcher.feed(text)
+            self._answer(text)
         else:
             self._route(self.reasoning.feed(token_id, text))
         return self.stopped
@@ -216,4 +225,7 @@ class SampleText:
             if channel == REASONING:
                 self.thought += text
             elif not self.stopped:
-                self.stopped = self.matcher.feed(text)
+                self._answer(text)
+
+    def _answer(self, text: str) -> None:
+        self.stopped = self.matcher.feed(text, self.num_tokens > self.min_tokens)

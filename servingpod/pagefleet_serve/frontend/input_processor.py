@@ -121,6 +121,8 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if params.thinking is not None and any(t >= vocab for t in params.thinking.token_ids):
             raise ValueError(f"thinking: its token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if params.n > limits.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
         return Request(

@@ -107,6 +107,8 @@ class OutputProcessor:
         if text.stopped and sample.finish_reason != "stop":
             still_running = sample.finish_reason is None
             sample.finish_reason = "stop"
+        if text.stopped:
+            sample.stop_reason = text.matcher.matched
         sample.text = text.release(sample.finish_reason is not None)
         sample.reasoning, sample.num_reasoning_tokens = text.release_reasoning()
         return still_running

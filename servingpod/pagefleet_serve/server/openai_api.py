@@ -1,9 +1,11 @@
-"""The OpenAI endpoints: /v1/models, /v1/completions and /v1/chat/completions.
+"""The OpenAI endpoints' shared generation path and /v1/chat/completions, /v1/models.
 
-Both generation endpoints share one path (`_Endpoint`): read the body (JSON only, bounded
-in size), then in the frontend thread parse and validate it and tokenize (chat: through the
-model's chat template), admit, then either stream SSE chunks or collect a JSON response.
-They differ only in how a prompt is read and how a choice is written.
+Every generation endpoint (completions in `completions_api`, chat here, Responses and
+Anthropic's Messages on the chat path) shares one path (`GenerationEndpoint`): read the
+body (JSON only, bounded in size), then in the frontend thread parse and validate it and
+tokenize (chat: through the model's chat template, or a reasoning parser's renderer),
+admit, then either stream SSE chunks or collect a JSON response. They differ only in how
+a prompt is read and how a choice is written.
 
 Nothing that grows with a request's size runs on the event loop: the body is read in
 chunks against a byte limit, and the rest runs in the frontend thread, cheapest checks
@@ -40,12 +42,9 @@ from pagefleet_serve.server.generation import (
     RequestFailed,
 )
 from pagefleet_serve.server.protocol import (
-    MAX_PROMPTS_PER_REQUEST,
     ChatCompletionRequest,
-    CompletionRequest,
     _GenerationRequest,
     parse,
-    too_many_prompts,
     value_error,
 )
 from pagefleet_serve.server.reasoning_api import (
@@ -56,13 +55,17 @@ from pagefleet_serve.server.reasoning_api import (
 )
 from pagefleet_serve.server.refusals import mark_body_read
 from pagefleet_serve.server.state import ServerState
+from pagefleet_serve.server.token_details import (
+    MIN_LOGPROB,
+    TokenLabels,
+    prompt_fields,
+)
 from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, plan_tools, split_output
 from pagefleet_serve.structured.grammar import CompileQueueFull
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"
-_MIN_LOGPROB = -9999.0  # -inf is not JSON
 # A batch of text prompts is read whole only if it holds no more characters than this many
 # full-length prompts (each is read with `max_prompt_chars` at most).
 MAX_BATCH_CONTEXTS = 4
@@ -97,6 +100,21 @@ class _Run:
     tools: ToolPlan | None = None  # chat requests with tools
     text_offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs
     tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # by choice index
+    # Choices whose first entry was written: it carries the prompt (echo, its token ids and
+    # logprobs).
+    opened: set[int] = field(default_factory=set)
+
+    def open_choice(self, index: int) -> bool:
+        """True the first time a choice is written."""
+        first = index not in self.opened
+        self.opened.add(index)
+        return first
+
+    def prompt_of(self, index: int) -> tuple[list[int], list | None]:
+        """A choice's prompt token ids and their logprobs (None unless asked for)."""
+        prompt_index = index // self.generation.params.n
+        request = self.generation.requests[prompt_index].request
+        return request.prompt_token_ids, self.generation.prompt_logprobs.get(prompt_index)
 
     def usage(self, completion_tokens: int, reasoning_tokens: int = 0) -> dict:
         prompt_tokens = self.generation.num_prompt_tokens
@@ -173,7 +191,7 @@ class PromptBounds:
             )
 
 
-class _Endpoint(PromptBounds, abc.ABC):
+class GenerationEndpoint(PromptBounds, abc.ABC):
     request_model: type[_GenerationRequest]
     id_prefix: str  # with its separator, as OpenAI writes the endpoint's ids
     object_name: str
@@ -293,6 +311,12 @@ class _Endpoint(PromptBounds, abc.ABC):
         """One choice's entry in a whole response."""
 
     # -- shared ---------------------------------------------------------------------------
+    def _labels(self, run: _Run) -> TokenLabels:
+        return TokenLabels(self.token_text, bool(run.request.return_tokens_as_token_ids))
+
+    def _token_ids(self, run: _Run, choice: CompletionOutput) -> dict:
+        return {"token_ids": choice.token_ids} if run.request.return_token_ids else {}
+
     def envelope(self, run: _Run, chunk: bool) -> dict:
         return {
             "id": run.id,
@@ -313,6 +337,8 @@ class _Endpoint(PromptBounds, abc.ABC):
                     continue
                 completion_tokens += len(delta.token_ids)
                 reasoning_tokens += delta.num_reasoning_tokens
+                if run.request.continuous_usage:  # vLLM's: the usage so far in every chunk
+                    usage_field = {"usage": run.usage(completion_tokens, reasoning_tokens)}
                 for choice in self.choice_chunks(run, delta):
                     yield sse_event(
                         self.envelope(run, chunk=True) | {"choices": [choice]} | usage_field
@@ -372,71 +398,7 @@ class _Endpoint(PromptBounds, abc.ABC):
         )
 
 
-class CompletionsEndpoint(_Endpoint):
-    request_model = CompletionRequest
-    id_prefix = "cmpl-"
-    object_name = "text_completion"
-    chunk_object = "text_completion"
-    prompt_param = "prompt"
-
-    def prepare(
-        self, request: CompletionRequest
-    ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
-        prompt = request.prompt
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        if isinstance(prompt, str):
-            prompts = [self.encode(prompt)]
-        elif not prompt:
-            raise bad_request("prompt: must not be empty", param="prompt")
-        elif isinstance(prompt[0], int):
-            prompts = [list(prompt)]
-        elif len(prompt) > MAX_PROMPTS_PER_REQUEST:
-            raise too_many_prompts(len(prompt))
-        elif isinstance(prompt[0], str):
-            self.check_batch_chars(sum(map(len, prompt)))
-            prompts = []
-            for text in prompt:  # a batch stops at its first prompt over the context
-                prompts.append(self.encode(text))
-                self.inputs.check_fits(len(prompts[-1]), max_tokens)
-        else:
-            prompts = [list(p) for p in prompt]
-        return prompts, request.sampling_params(max_tokens, request.logprobs), None
-
-    def choice_chunk(self, run: _Run, delta: CompletionOutput) -> dict:
-        return self.final_choice(run, delta)
-
-    def final_choice(self, run: _Run, choice: CompletionOutput) -> dict:
-        return {
-            "index": choice.index,
-            "text": choice.text,
-            "logprobs": self._logprobs(run, choice),
-            "finish_reason": choice.finish_reason,
-        }
-
-    def _logprobs(self, run: _Run, choice: CompletionOutput) -> dict | None:
-        if choice.logprobs is None:
-            return None
-        offset = run.text_offsets.get(choice.index, 0)
-        out: dict[str, list] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
-        for entry in choice.logprobs:
-            text = self.token_text(entry.token_id)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(max(entry.logprob, _MIN_LOGPROB))
-            out["top_logprobs"].append(
-                {self.token_text(t): max(lp, _MIN_LOGPROB) for t, lp in entry.top_logprobs}
-            )
-            out["text_offset"].append(offset)
-            offset += len(text)
-        run.text_offsets[choice.index] = offset
-        return out
-
-
-class ChatCompletionsEndpoint(_Endpoint):
+class ChatCompletionsEndpoint(GenerationEndpoint):
     request_model = ChatCompletionRequest
     id_prefix = "chatcmpl-"
     object_name = "chat.completion"
@@ -470,7 +432,7 @@ class ChatCompletionsEndpoint(_Endpoint):
         parser = self.state.reasoning_parser
         kwargs = template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
         text = render_prompt(parser, self.inputs, messages, tools.template_tools, kwargs)
-        prompt = self.encode(text)
+        prompt = request.truncated(self.encode(text), self.max_model_len)
         spec = thinking(parser, prompt, kwargs, request.thinking_token_budget)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -478,7 +440,9 @@ class ChatCompletionsEndpoint(_Endpoint):
         if max_tokens is None:  # OpenAI's default: whatever the context has left
             max_tokens = max(1, self.max_model_len - len(prompt))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = request.sampling_params(max_tokens, logprobs, tools.constraint, spec)
+        params = request.sampling_params(
+            max_tokens, logprobs, tools.constraint, spec, defaults=self.state.sampling_defaults
+        )
         return [prompt], params, tools
 
     def opening_chunks(self, run: _Run) -> list[dict]:
@@ -496,9 +460,13 @@ class ChatCompletionsEndpoint(_Endpoint):
         return {
             "index": delta.index,
             "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": self._logprobs(delta),
+            "logprobs": self._logprobs(delta, self._labels(run)),
             "finish_reason": delta.finish_reason,
-        }
+        } | self._token_ids(run, delta)
+
+    def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
+        body = super().response_body(run, choices)
+        return body | prompt_fields(run.request, *run.prompt_of(0), self._labels(run))
 
     def choice_chunks(self, run: _Run, delta: CompletionOutput) -> list[dict]:
         """A delta's thinking goes out first, in a chunk of its own, then its answer."""
@@ -519,7 +487,7 @@ class ChatCompletionsEndpoint(_Endpoint):
             {"index": delta.index, "delta": d, "logprobs": None, "finish_reason": None}
             for d in stream.feed(delta.text, finished)
         ]
-        logprobs = self._logprobs(delta)
+        logprobs = self._logprobs(delta, self._labels(run))
         if (finished or logprobs) and not chunks:
             chunks.append(
                 {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": None}
@@ -546,19 +514,20 @@ class ChatCompletionsEndpoint(_Endpoint):
         return {
             "index": choice.index,
             "message": message,
-            "logprobs": self._logprobs(choice),
+            "logprobs": self._logprobs(choice, self._labels(run)),
             "finish_reason": finish_reason,
-        }
+        } | self._token_ids(run, choice)
 
-    def _logprobs(self, choice: CompletionOutput) -> dict | None:
+    def _logprobs(self, choice: CompletionOutput, label: TokenLabels | None = None) -> dict | None:
         if choice.logprobs is None:
             return None
+        label = label or TokenLabels(self.token_text)
 
         def item(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
+            text = label(token_id)
             return {
                 "token": text,
-                "logprob": max(logprob, _MIN_LOGPROB),
+                "logprob": max(logprob, MIN_LOGPROB),
                 "bytes": list(text.encode("utf-8")),
             }
 

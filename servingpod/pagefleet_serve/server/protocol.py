@@ -42,14 +42,11 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[object], bool]] = {
     "functions": _absent([]),
     "function_call": _absent("none"),
     "best_of": _absent(1),
-    "logit_bias": _absent({}),
-    "echo": _absent(False),
+    "echo": _absent(False),  # declared on completions only
     "suffix": _absent(""),
     "audio": _absent(),
     "modalities": _absent(["text"]),
     "prediction": _absent(),
-    "prompt_logprobs": _absent(),
-    "min_tokens": _absent(0),
     "use_beam_search": _absent(False),
     "include_stop_str_in_output": _absent(False),
 }
@@ -71,6 +68,7 @@ def refuse_unsupported(body: BaseModel, fields: dict[str, Callable[[object], boo
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk
 
 
 class JSONSchemaFormat(BaseModel):
@@ -148,6 +146,12 @@ class _GenerationRequest(BaseModel):
     priority: int | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as text) -> bias
+    min_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
     # What the output must match: OpenAI's response_format, vLLM's structured_outputs, or
     # vLLM's older guided_* fields (one of them per request).
     response_format: ResponseFormat | None = None
@@ -164,10 +168,33 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k == -1:
+            k = max_model_len
+        if not 1 <= k <= max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens: must be -1 or in [1, {max_model_len}] (the maximum "
+                f"context length), got {self.truncate_prompt_tokens}",
+                param="truncate_prompt_tokens",
+            )
+        return prompt[-k:]
+
     def check_supported(self) -> None:
         """400 for a field this server would otherwise ignore although it asks for
         something."""
         refuse_unsupported(self, UNSUPPORTED_FIELDS)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options: only allowed when stream is true", param="stream_options"
+            )
 
     def constraint(self) -> StructuredOutputs | None:
         """The structured-output constraint the request asks for; 400 for more than one."""
@@ -223,9 +250,12 @@ class _GenerationRequest(BaseModel):
         logprobs: int | None,
         constraint: StructuredOutputs | None = None,
         thinking: ThinkingSpec | None = None,
+        prompt_logprobs: int | None = None,
+        defaults: dict | None = None,
     ) -> SamplingParams:
         """`constraint`: one the endpoint sets (tool calls), else the request's own;
-        `thinking`: where a reasoning model's thinking ends (server/reasoning_api.py)."""
+        `thinking`: where a reasoning model's thinking ends (server/reasoning_api.py);
+        `defaults`: the model's sampling settings for the fields the request left out."""
         if constraint is not None and self.constraint() is not None:
             raise bad_request(
                 f"{self.constraint().field}: cannot be combined with tool_choice "
@@ -233,7 +263,7 @@ class _GenerationRequest(BaseModel):
                 param=self.constraint().field,
             )
         constraint = constraint or self.constraint()
-        given = {
+        given = (defaults or {}) | {
             name: getattr(self, name)
             for name in (
                 "n",
@@ -250,15 +280,19 @@ class _GenerationRequest(BaseModel):
                 "ignore_eos",
                 "priority",
                 "skip_special_tokens",
+                "min_tokens",
             )
             if getattr(self, name) is not None
         }
+        if self.prompt_logprobs is not None or prompt_logprobs is not None:
+            given["prompt_logprobs"] = max(self.prompt_logprobs or 0, prompt_logprobs or 0)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 logprobs=logprobs,
                 structured_outputs=constraint,
                 thinking=thinking,
+                logit_bias=_logit_bias(self.logit_bias),
                 **given,
             )
         except ValueError as exc:
@@ -268,6 +302,20 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as JSON keys) -> (token id, bias) pairs."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 19:
+            raise bad_request(
+                f"logit_bias: keys must be token ids (non-negative integers), got {key[:40]!r}",
+                param="logit_bias",
+            )
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _structural_tag_field(text: str | None) -> str | None:

@@ -21,7 +21,8 @@ reasoning_tokens`; `reasoning.effort` goes to the template, and reasoning items 
 What this server cannot do is refused by name (400): built-in tools, non-text input
 parts (images, files, audio), items other than messages, function calls and their
 outputs and reasoning, `reasoning` for a model whose thinking it does not read, and
-fields such as `background`, `include` or `conversation`.
+fields such as `background` or `conversation`; of `include`, only
+"message.output_text.logprobs" (the output text's logprobs, `top_logprobs` of them).
 """
 
 import json
@@ -75,12 +76,10 @@ _OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 # for nothing; any other value is a 400 naming the field.
 UNSUPPORTED_RESPONSES_FIELDS = {
     "background": _absent(False),
-    "include": _absent([]),
     "conversation": _absent(),
     "prompt": _absent(),
     "max_tool_calls": _absent(),
     "truncation": _absent("disabled"),
-    "top_logprobs": _absent(0),
     "context_management": _absent([]),
 }
 # The chat fields a request's own become (see `ResponsesEndpoint.prepare`): the chat path's
@@ -92,6 +91,7 @@ CHAT_FIELDS = {
     "messages": ("input", "input"),
 }
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` this server fills
 TEXT_PART_TYPES = ("input_text", "output_text")
 
 
@@ -219,11 +219,25 @@ class ResponsesRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool | None = None
     thinking_token_budget: int | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     # The conversation so far (the previous response's and this input, no instructions).
     _conversation: list[ChatMessage] = PrivateAttr(default_factory=list)
 
     def check_supported(self) -> None:
         refuse_unsupported(self, UNSUPPORTED_RESPONSES_FIELDS)
+        for name in self.include or []:
+            if name != OUTPUT_LOGPROBS:
+                raise bad_request(
+                    f"include: {name!r} is not supported; this server includes "
+                    f"{OUTPUT_LOGPROBS!r} only",
+                    param="include",
+                    code="unsupported_field",
+                )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or [])
 
 
 @dataclass(frozen=True)
@@ -314,7 +328,11 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             reasoning_effort=request.reasoning.effort if request.reasoning else None,
             include_reasoning=request.include_reasoning,
             thinking_token_budget=request.thinking_token_budget,
+            logprobs=request.wants_logprobs,
+            top_logprobs=request.top_logprobs if request.wants_logprobs else None,
         )
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise bad_request("top_logprobs: must be in [0, 20]", param="top_logprobs")
         try:
             return super().prepare(chat)
         except APIError as exc:
@@ -346,7 +364,8 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
         if choice.reasoning and run.shows_reasoning:
             output.append(reasoning_item(new_id("rs"), choice.reasoning, "completed"))
         if content or not calls:
-            output.append(message_item(new_id("msg"), content or "", status))
+            logprobs = (self._logprobs(choice) or {}).get("content", [])
+            output.append(message_item(new_id("msg"), content or "", status, logprobs))
         output += [
             function_call_item(new_id("fc"), c.id, c.name, c.arguments, "completed") for c in calls
         ]
@@ -374,6 +393,7 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
                     continue
                 output_tokens += len(delta.token_ids)
                 reasoning_tokens += delta.num_reasoning_tokens
+                writer.logprobs += (self._logprobs(delta) or {}).get("content", [])
                 for kind, fields in writer.feed(delta.text, delta.finish_reason, delta.reasoning):
                     yield event(kind, **fields)
             for kind, fields in writer.finish():

@@ -26,6 +26,7 @@ class OutputWriter:
         self.message: int | None = None  # the index of the message being written
         self.by_call: dict[int, int] = {}  # tool call index -> output index
         self.status = "completed"
+        self.logprobs: list[dict] = []  # the tokens' logprobs not yet sent with text
 
     def items(self) -> list[dict]:
         return [dict(item) for item in self.output]
@@ -59,9 +60,11 @@ class OutputWriter:
         assert self.message is not None
         item = self.output[self.message]
         item["content"][0]["text"] += text
+        logprobs, self.logprobs = self.logprobs, []
+        item["content"][0]["logprobs"] += logprobs
         yield (
             "response.output_text.delta",
-            self._where(self.message) | {"content_index": 0, "delta": text, "logprobs": []},
+            self._where(self.message) | {"content_index": 0, "delta": text, "logprobs": logprobs},
         )
 
     def _reasoning(self, text: str) -> Iterator[tuple[str, dict]]:
@@ -122,10 +125,13 @@ class OutputWriter:
         item = self.output[index]
         if item["type"] == "message":
             self.message = None
-            text = item["content"][0]["text"]
+            part = item["content"][0]
             where = self._where(index) | {"content_index": 0}
-            yield "response.output_text.done", where | {"text": text, "logprobs": []}
-            yield "response.content_part.done", where | {"part": text_part(text)}
+            yield (
+                "response.output_text.done",
+                where | {"text": part["text"], "logprobs": part["logprobs"]},
+            )
+            yield "response.content_part.done", where | {"part": dict(part)}
             item["status"] = self.status
         elif item["type"] == "reasoning":
             text = item["content"][0]["text"]
@@ -157,17 +163,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str, status: str, parts: bool = True) -> dict:
+def message_item(
+    item_id: str, text: str, status: str, logprobs: list[dict] | None = None, parts: bool = True
+) -> dict:
     return {
         "id": item_id,
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [text_part(text)] if parts else [],
+        "content": [text_part(text, logprobs)] if parts else [],
     }
 
 

@@ -366,6 +366,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         choices=(*REASONING_PARSERS, "none"),
     )
+    flag(
+        "--generation-config",
+        "where a request's left-out temperature, top_p, top_k, min_p and repetition_penalty "
+        "come from: auto (the model's generation_config.json), vllm (none: SamplingParams' "
+        "defaults) or a directory holding a generation_config.json",
+        default=server("generation_config"),
+    )
+    flag(
+        "--override-generation-config",
+        "JSON of those defaults, added to or replacing the generation config's, e.g. "
+        "'{\"temperature\": 0.5}'",
+        default=None,
+    )
     _add_parallel_flags(flag, engine)
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     parser.set_defaults(handler=run)
@@ -487,6 +500,8 @@ def run(args: argparse.Namespace) -> int:
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             responses_store_max_entries=args.responses_store_max_entries,
             responses_store_max_age=args.responses_store_max_age,
+            generation_config=args.generation_config,
+            override_generation_config=args.override_generation_config,
         )
         placement = plan_placement(
             args.cpu_threads_bind, available_cpus(), cpu_quota(), omp_num_threads()
@@ -530,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         server = create_server(settings, engine, args.log_level, watcher)
-    except ValueError as exc:  # a --reasoning-parser the model's tokenizer cannot serve
+    except ValueError as exc:  # a bad --reasoning-parser or generation config for the model
         logger.error("invalid configuration: %s", exc)
         engine.shutdown()
         return 2

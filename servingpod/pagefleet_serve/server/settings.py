@@ -71,6 +71,11 @@ class ServerSettings:
     # `previous_response_id`, each for at most this many seconds; 0 entries: none kept.
     responses_store_max_entries: int = 1024
     responses_store_max_age: float = 3600.0
+    # Where a request's left-out temperature, top_p, top_k, min_p and repetition_penalty
+    # come from (vLLM's --generation-config: auto, vllm or a directory), and JSON text
+    # that adds to or replaces them (frontend/generation_defaults.py).
+    generation_config: str = "auto"
+    override_generation_config: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):

@@ -1,0 +1,204 @@
+"""/v1/messages and /v1/messages/count_tokens, Anthropic's Messages API, on the chat path.
+
+A request's system prompt, messages, tools and tool_choice become their chat forms
+(`anthropic_protocol`), then `ChatCompletionsEndpoint` templates, bounds, constrains and
+runs it as it runs a chat completion (same limits, errors, metrics and traces); only the
+output is written Anthropic's way: content blocks (`text`, `tool_use`), `stop_reason`,
+usage, and in a stream Anthropic's events (`message_start`, `content_block_start` /
+`_delta` / `_stop`, `message_delta`, `message_stop`). count_tokens runs the same
+validation and template and answers the prompt's length. Errors are Anthropic's shape
+(`{"type": "error", "error": {"type", "message"}}`, app.py renders them for these paths).
+"""
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagefleet_serve.outputs import CompletionOutput
+from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.server.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    error_body,
+    messages_error,
+)
+from pagefleet_serve.server.errors import APIError, server_error, unavailable
+from pagefleet_serve.server.generation import RequestCancelled, RequestFailed
+from pagefleet_serve.server.openai_api import ChatCompletionsEndpoint, _Run, read_json_body
+from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, split_output
+
+# Anthropic's names for why a turn ended.
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
+# A stream's keep-alive is Anthropic's ping event.
+PING = 'event: ping\ndata: {"type": "ping"}\n\n'
+
+
+def _event(kind: str, **fields) -> str:
+    data = json.dumps({"type": kind, **fields}, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {kind}\ndata: {data}\n\n"
+
+
+class MessagesEndpoint(ChatCompletionsEndpoint):
+    request_model = MessagesRequest  # type: ignore[assignment]
+    id_prefix = "msg_"
+    object_name = "message"
+    prompt_param = "messages"
+
+    def prepare(  # type: ignore[override]
+        self, request: MessagesRequest
+    ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+        try:
+            return super().prepare(request.chat_request())
+        except APIError as exc:
+            raise messages_error(exc) from None
+
+    # -- output ------------------------------------------------------------------------------
+    def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
+        [choice] = choices
+        content, calls = split_output(run.tools, choice.text) if run.tools else (choice.text, [])
+        blocks = [{"type": "text", "text": content}] if content or not calls else []
+        blocks += [_tool_use(c.id, c.name, c.arguments) for c in calls]
+        stop_reason = _stop_reason(choice.finish_reason, choice.stop_reason, calls)
+        body = self._message(run, blocks, stop_reason, choice.stop_reason)
+        body["usage"]["output_tokens"] = len(choice.token_ids)
+        return body
+
+    async def _stream(self, run: _Run) -> AsyncIterator[str]:
+        writer = _BlockWriter(run.tools)
+        yield _event("message_start", message=self._message(run, [], None))
+        output_tokens = 0
+        try:
+            async for delta in self.stream_deltas(run):
+                if delta is None:
+                    yield PING
+                    continue
+                output_tokens += len(delta.token_ids)
+                writer.stop_sequence = delta.stop_reason or writer.stop_sequence
+                for kind, fields in writer.feed(delta.text, delta.finish_reason):
+                    yield _event(kind, **fields)
+            for kind, fields in writer.finish():
+                yield _event(kind, **fields)
+        except RequestFailed as exc:
+            yield _event("error", error=error_body(server_error(str(exc)))["error"])
+            return
+        except RequestCancelled as exc:
+            cancelled = unavailable(str(exc), code="server_shutting_down")
+            yield _event("error", error=error_body(cancelled)["error"])
+            return
+        stop = {"stop_reason": writer.stop_reason, "stop_sequence": writer.stop_sequence}
+        yield _event("message_delta", delta=stop, usage={"output_tokens": output_tokens})
+        yield _event("message_stop")
+
+    def _message(
+        self,
+        run: _Run,
+        content: list[dict],
+        stop_reason: str | None,
+        stop_sequence: str | None = None,
+    ) -> dict:
+        return {
+            "id": run.id,
+            "type": "message",
+            "role": "assistant",
+            "model": run.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {
+                "input_tokens": run.generation.num_prompt_tokens,
+                "output_tokens": 0,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": run.generation.num_cached_tokens,
+            },
+        }
+
+
+class CountTokensEndpoint(MessagesEndpoint):
+    """POST /v1/messages/count_tokens: the prompt's length in tokens, as /v1/messages would
+    template it (its tools included), validated as a request is; nothing is generated."""
+
+    request_model = CountTokensRequest  # type: ignore[assignment]
+
+    async def __call__(self, raw: Request) -> Response:
+        body = await read_json_body(raw, self.state.settings.max_request_body_bytes)
+        _, [engine_request], _ = await self.state.off_loop(
+            lambda: self._validate(body, f"{self.id_prefix}{uuid.uuid4().hex}")
+        )
+        return JSONResponse({"input_tokens": len(engine_request.prompt_token_ids)})
+
+
+class _BlockWriter:
+    """One streamed message's content blocks as Anthropic's events: text goes into a text
+    block, each tool call (as `ToolCallStream` finds them) into a tool_use block whose
+    input comes as JSON fragments; a block ends where the next begins, the last at the
+    end."""
+
+    def __init__(self, tools: ToolPlan | None) -> None:
+        parser = tools is not None and tools.parser is not None
+        self.calls = ToolCallStream(tools) if parser else None  # type: ignore[arg-type]
+        self.open: tuple[int, str] | None = None  # (block index, "text" | tool call index)
+        self.count = 0  # blocks begun
+        self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None  # the stop sequence that ended the text
+
+    @property
+    def stop_reason(self) -> str:
+        calls = self.calls.sent_calls if self.calls is not None else []
+        return _stop_reason(self.finish_reason, self.stop_sequence, calls)
+
+    def feed(self, text: str, finish_reason: str | None) -> Iterator[tuple[str, dict]]:
+        self.finish_reason = finish_reason or self.finish_reason
+        if self.calls is None:
+            deltas = [{"content": text}] if text else []
+        else:
+            deltas = self.calls.feed(text, finish_reason is not None)
+        for delta in deltas:
+            if delta.get("content"):
+                yield from self._begin("text", {"type": "text", "text": ""})
+                piece = {"type": "text_delta", "text": delta["content"]}
+                yield "content_block_delta", {"index": self.open[0], "delta": piece}
+            for call in delta.get("tool_calls", ()):
+                function = call.get("function", {})
+                if "id" in call:  # a call begins: its name is whole
+                    block = _tool_use(call["id"], function["name"], None)
+                    yield from self._begin(f"call {call['index']}", block)
+                if function.get("arguments"):
+                    piece = {"type": "input_json_delta", "partial_json": function["arguments"]}
+                    yield "content_block_delta", {"index": self.open[0], "delta": piece}
+
+    def finish(self) -> Iterator[tuple[str, dict]]:
+        if self.count == 0:  # no text, no calls: an empty text block, as the whole response
+            yield from self._begin("text", {"type": "text", "text": ""})
+        if self.open is not None:
+            yield "content_block_stop", {"index": self.open[0]}
+            self.open = None
+
+    def _begin(self, what: str, block: dict) -> Iterator[tuple[str, dict]]:
+        if self.open is not None and self.open[1] == what:
+            return
+        if self.open is not None:
+            yield "content_block_stop", {"index": self.open[0]}
+        self.open = (self.count, what)
+        self.count += 1
+        yield "content_block_start", {"index": self.open[0], "content_block": block}
+
+
+def _tool_use(call_id: str, name: str, arguments: str | None) -> dict:
+    """A tool_use block; `arguments` None: one being streamed (its input comes in deltas).
+    A call cut short by max_tokens has arguments that do not parse: its input is {}."""
+    try:
+        tool_input = json.loads(arguments) if arguments is not None else {}
+    except ValueError:
+        tool_input = {}
+    return {"type": "tool_use", "id": call_id, "name": name, "input": tool_input}
+
+
+def _stop_reason(finish_reason: str | None, stop_sequence: str | None, calls: list) -> str:
+    if calls and finish_reason == "stop":
+        return "tool_use"
+    if stop_sequence is not None:
+        return "stop_sequence"
+    return STOP_REASONS.get(finish_reason or "stop", "end_turn")
