@@ -20,7 +20,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.server.server_harness import assert_error
-from tests.server.test_server_structured_tools import ASK, TIME, WEATHER
+from tests.server.test_server_structured_tools import forced_call
 
 MODEL_NAME = "smol"
 
@@ -45,23 +45,13 @@ class Parcel(BaseModel):
     weight_kg: int = Field(ge=1, le=99)
 
 
-@pytest.fixture(scope="module")
-def server(tools_pod):
-    return tools_pod
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-
-
-def test_required_tool_choice_with_a_nested_pydantic_model_gives_a_valid_call(client):
+def test_required_tool_choice_with_a_nested_pydantic_model_gives_a_valid_call(tools_client):
     tools = [
         openai.pydantic_function_tool(Trip, name="plan_trip"),
         openai.pydantic_function_tool(Parcel, name="send_parcel"),
     ]
     assert all("$defs" in t["function"]["parameters"] for t in tools)  # what failed
-    completion = client.chat.completions.parse(
+    completion = tools_client.chat.completions.parse(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "Plan a trip from Paris to Rome."}],
         tools=tools,
@@ -83,20 +73,13 @@ def test_required_tool_choice_with_a_nested_pydantic_model_gives_a_valid_call(cl
     ids=["required", "named"],
 )
 def test_a_forced_call_cut_by_max_tokens_is_the_same_partial_call_streamed_and_not(
-    client, tool_choice
+    tools_client, tool_choice
 ):
-    request = {
-        "model": MODEL_NAME,
-        "messages": ASK,
-        "tools": [WEATHER, TIME],
-        "tool_choice": tool_choice,
-        "max_tokens": 80,
-        "temperature": 0,
-    }
+    request = forced_call(tool_choice)
     # Cut three tokens before the call's end: inside its arguments.
-    uncut = client.chat.completions.create(**request)
+    uncut = tools_client.chat.completions.create(**request)
     request["max_tokens"] = uncut.usage.completion_tokens - 3
-    whole = client.chat.completions.create(**request).choices[0]
+    whole = tools_client.chat.completions.create(**request).choices[0]
     assert whole.finish_reason == "length"
     assert whole.message.content is None
     assert whole.message.tool_calls, whole.message
@@ -106,7 +89,7 @@ def test_a_forced_call_cut_by_max_tokens_is_the_same_partial_call_streamed_and_n
         json.loads(arguments)  # cut short: the partial arguments, as vLLM sends them
     streamed: dict[int, list[str]] = {}  # index -> [name, arguments]
     finish_reasons = []
-    for chunk in client.chat.completions.create(**request, stream=True):
+    for chunk in tools_client.chat.completions.create(**request, stream=True):
         choice = chunk.choices[0]
         assert not choice.delta.content
         finish_reasons.append(choice.finish_reason)
@@ -120,7 +103,7 @@ def test_a_forced_call_cut_by_max_tokens_is_the_same_partial_call_streamed_and_n
     ]
 
 
-def test_responses_with_top_logprobs_include_the_output_text_s_logprobs(client):
+def test_responses_with_top_logprobs_include_the_output_text_s_logprobs(tools_client):
     request = {
         "model": MODEL_NAME,
         "input": "Name a colour.",
@@ -129,13 +112,13 @@ def test_responses_with_top_logprobs_include_the_output_text_s_logprobs(client):
         "top_logprobs": 2,
         "include": ["message.output_text.logprobs"],
     }
-    whole = client.responses.create(**request)
+    whole = tools_client.responses.create(**request)
     [part] = whole.output[0].content
     assert "".join(entry.token for entry in part.logprobs) == part.text
     for entry in part.logprobs:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest
-    with client.responses.stream(**request) as stream:
+    with tools_client.responses.stream(**request) as stream:
         events = list(stream)
     streamed = [
         entry
@@ -153,9 +136,9 @@ def test_responses_with_top_logprobs_include_the_output_text_s_logprobs(client):
     assert [(e.token, e.logprob) for e in kept] == [(e.token, e.logprob) for e in streamed]
 
 
-def test_responses_refuse_other_includes_by_name(server):
+def test_responses_refuse_other_includes_by_name(tools_pod):
     response = httpx.post(
-        f"{server.base_url}/v1/responses",
+        f"{tools_pod.base_url}/v1/responses",
         json={"input": "hi", "include": ["reasoning.encrypted_content"]},
         timeout=30,
     )
@@ -172,17 +155,17 @@ def test_responses_refuse_other_includes_by_name(server):
     ids=["chat", "completions"],
 )
 @pytest.mark.parametrize("stream", [False, None], ids=["false", "absent"])
-def test_stream_options_without_stream_is_a_400(server, path, body, stream):
+def test_stream_options_without_stream_is_a_400(tools_pod, path, body, stream):
     body = body | {"max_tokens": 2, "stream_options": {"include_usage": True}}
     if stream is not None:
         body["stream"] = stream
-    response = httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
+    response = httpx.post(f"{tools_pod.base_url}{path}", json=body, timeout=30)
     error = assert_error(response, 400, param="stream_options")
     assert "stream" in error["message"]
 
 
-def test_completions_logprobs_0_give_the_sampled_token_s_entry(client):
-    completion = client.completions.create(
+def test_completions_logprobs_0_give_the_sampled_token_s_entry(tools_client):
+    completion = tools_client.completions.create(
         model=MODEL_NAME, prompt="The sky is", max_tokens=4, temperature=0, logprobs=0
     )
     logprobs = completion.choices[0].logprobs

@@ -6,7 +6,6 @@ lm-evaluation-harness scores loglikelihood), `prompt_logprobs`, `min_tokens`,
 `stream_options.continuous_usage_stats` and `GET /version`, each with its 400s."""
 
 import httpx
-import openai
 import pytest
 
 from tests.server.server_harness import assert_error, sse_events
@@ -18,11 +17,6 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def server(tools_pod):
     return tools_pod
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
@@ -56,13 +50,13 @@ def tokenize(server, text: str) -> list[int]:
     return response.json()["tokens"]
 
 
-def test_logit_bias_bans_and_forces_tokens_on_both_endpoints(server, client):
+def test_logit_bias_bans_and_forces_tokens_on_both_endpoints(server, tools_client):
     greedy = completion(server, max_tokens=1, return_token_ids=True)["choices"][0]
     [first] = greedy["token_ids"]
     banned = completion(server, max_tokens=1, return_token_ids=True, logit_bias={first: -100})
     assert banned["choices"][0]["token_ids"] != [first]
     forced_id = tokenize(server, " banana")[0]
-    forced = client.completions.create(
+    forced = tools_client.completions.create(
         model=MODEL_NAME,
         prompt=PROMPT,
         max_tokens=3,
@@ -70,7 +64,7 @@ def test_logit_bias_bans_and_forces_tokens_on_both_endpoints(server, client):
         logit_bias={str(forced_id): 100},
     )
     assert forced.choices[0].text == " banana" * 3
-    answer = client.chat.completions.create(
+    answer = tools_client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "Say hello."}],
         max_tokens=2,
@@ -159,7 +153,7 @@ def test_min_tokens_holds_off_a_stop_token(server):
     assert "min_tokens" in assert_error(response, 400, param="min_tokens")["message"]
 
 
-def test_return_token_ids_and_tokens_as_token_ids(server, client):
+def test_return_token_ids_and_tokens_as_token_ids(server, tools_client):
     body = completion(
         server, max_tokens=4, return_token_ids=True, logprobs=1, return_tokens_as_token_ids=True
     )
