@@ -5,7 +5,8 @@ pod (built-in model, an API key, auto tool choice with the hermes parser):
 `tool_use` and `tool_result` blocks (streamed tool input equal to the whole one),
 `count_tokens` equal to the usage a request reports, stop sequences, and the errors in
 Anthropic's shape (`x-api-key` and bearer auth, a bad block, an unknown model, the
-context)."""
+context); `thinking` on a model without a reasoning parser (thinking blocks of reasoning
+models: test_server_reasoning_anthropic.py)."""
 
 import anthropic
 import httpx
@@ -225,6 +226,20 @@ def test_auth_by_x_api_key_or_bearer_and_errors_in_anthropic_s_shape(server, cli
         timeout=30,
     )
     assert set(openai_shape.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_thinking_on_a_model_whose_thinking_the_server_does_not_read(client):
+    kwargs = {"model": MODEL_NAME, "max_tokens": 8, "messages": HELLO, **GREEDY}
+    plain = client.messages.create(**kwargs)
+    # disabled and adaptive switch nothing: no reasoning parser, no template variable
+    for thinking in ({"type": "disabled"}, {"type": "adaptive"}):
+        message = client.messages.create(**kwargs, thinking=thinking)
+        assert [b.type for b in message.content] == ["text"]
+        assert message.content[0].text == plain.content[0].text
+    with pytest.raises(anthropic.BadRequestError) as budget:
+        client.messages.create(**kwargs, thinking={"type": "enabled", "budget_tokens": 1024})
+    message = budget.value.body["error"]["message"]
+    assert message.startswith("thinking.budget_tokens") and "--reasoning-parser" in message
 
 
 def test_messages_count_in_the_request_metrics(server, client):

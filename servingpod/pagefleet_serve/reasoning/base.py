@@ -42,6 +42,9 @@ class ReasoningStream(abc.ABC):
 
 class ReasoningParser(abc.ABC):
     name: ClassVar[str]
+    # The chat template variable that switches the family's thinking on (True) and off
+    # (False): what a Messages request's `thinking.type` sets.
+    switch: ClassVar[str]
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         """ValueError naming the parser when the tokenizer lacks what it needs."""

@@ -7,4 +7,5 @@ from pagefleet_serve.reasoning.think_tags import ThinkTagParser
 
 class DeepSeekR1ReasoningParser(ThinkTagParser):
     name = "deepseek_r1"
+    switch = "thinking"  # DeepSeek-V3.1's template
     opens_unmarked = True

@@ -29,6 +29,7 @@ TOOL = "tool"  # a message to a function: content, as markup the tool-call parse
 
 class GptOssReasoningParser(ReasoningParser):
     name = "gpt_oss"
+    switch = "enable_thinking"  # read by `harmony.render`
 
     def __init__(self, tokenizer) -> None:
         super().__init__(tokenizer)

@@ -21,6 +21,7 @@ RESPONSE_STARTS = ("Here is my response:", "Here's my response:")
 
 class GraniteReasoningParser(ReasoningParser):
     name = "granite"
+    switch = "thinking"
 
     def thinking(
         self,

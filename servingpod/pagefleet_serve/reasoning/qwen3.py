@@ -9,4 +9,5 @@ from pagefleet_serve.reasoning.think_tags import ThinkTagParser
 
 class Qwen3ReasoningParser(ThinkTagParser):
     name = "qwen3"
+    switch = "enable_thinking"
     opens_unmarked = False

@@ -2,12 +2,14 @@
 
 A request's system prompt, messages, tools and tool_choice become their chat forms
 (`anthropic_protocol`), then `ChatCompletionsEndpoint` templates, bounds, constrains and
-runs it as it runs a chat completion (same limits, errors, metrics and traces); only the
-output is written Anthropic's way: content blocks (`text`, `tool_use`), `stop_reason`,
-usage, and in a stream Anthropic's events (`message_start`, `content_block_start` /
-`_delta` / `_stop`, `message_delta`, `message_stop`). count_tokens runs the same
-validation and template and answers the prompt's length. Errors are Anthropic's shape
-(`{"type": "error", "error": {"type", "message"}}`, app.py renders them for these paths).
+runs it as it runs a chat completion (same limits, errors, metrics and traces, and for a
+reasoning model the same parser, template switch and thinking budget); only the output
+is written Anthropic's way: content blocks (`thinking`, then `text` or `tool_use`),
+`stop_reason`, usage, and in a stream Anthropic's events (`message_start`,
+`content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`).
+count_tokens runs the same validation and template and answers the prompt's length.
+Errors are Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`, app.py
+renders them for these paths).
 """
 
 import json
@@ -28,12 +30,16 @@ from pagefleet_serve.server.anthropic_protocol import (
 from pagefleet_serve.server.errors import APIError, server_error, unavailable
 from pagefleet_serve.server.generation import RequestCancelled, RequestFailed
 from pagefleet_serve.server.openai_api import ChatCompletionsEndpoint, _Run, read_json_body
-from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, split_output
+from pagefleet_serve.server.tools import ToolPlan, answer_deltas, answer_stream, split_output
 
 # Anthropic's names for why a turn ended.
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 # A stream's keep-alive is Anthropic's ping event.
 PING = 'event: ping\ndata: {"type": "ping"}\n\n'
+# Anthropic signs a thinking block so that its API can tell its own model's thinking when
+# a client sends it back; this server signs nothing (the signature is empty) and reads the
+# thinking blocks it is sent as they are.
+SIGNATURE = ""
 
 
 def _event(kind: str, **fields) -> str:
@@ -50,8 +56,9 @@ class MessagesEndpoint(ChatCompletionsEndpoint):
     def prepare(  # type: ignore[override]
         self, request: MessagesRequest
     ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+        parser = self.state.reasoning_parser
         try:
-            return super().prepare(request.chat_request())
+            return super().prepare(request.chat_request(parser.switch if parser else None))
         except APIError as exc:
             raise messages_error(exc) from None
 
@@ -59,7 +66,11 @@ class MessagesEndpoint(ChatCompletionsEndpoint):
     def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
         [choice] = choices
         content, calls = split_output(run.tools, choice.text) if run.tools else (choice.text, [])
-        blocks = [{"type": "text", "text": content}] if content or not calls else []
+        blocks = []
+        if choice.reasoning and run.shows_reasoning:
+            blocks.append(_thinking(choice.reasoning))
+        if content or not calls:
+            blocks.append({"type": "text", "text": content})
         blocks += [_tool_use(c.id, c.name, c.arguments) for c in calls]
         stop_reason = _stop_reason(choice.finish_reason, choice.stop_reason, calls)
         body = self._message(run, blocks, stop_reason, choice.stop_reason)
@@ -67,7 +78,7 @@ class MessagesEndpoint(ChatCompletionsEndpoint):
         return body
 
     async def _stream(self, run: _Run) -> AsyncIterator[str]:
-        writer = _BlockWriter(run.tools)
+        writer = _BlockWriter(run.tools, run.shows_reasoning)
         yield _event("message_start", message=self._message(run, [], None))
         output_tokens = 0
         try:
@@ -77,7 +88,7 @@ class MessagesEndpoint(ChatCompletionsEndpoint):
                     continue
                 output_tokens += len(delta.token_ids)
                 writer.stop_sequence = delta.stop_reason or writer.stop_sequence
-                for kind, fields in writer.feed(delta.text, delta.finish_reason):
+                for kind, fields in writer.feed(delta.text, delta.finish_reason, delta.reasoning):
                     yield _event(kind, **fields)
             for kind, fields in writer.finish():
                 yield _event(kind, **fields)
@@ -131,16 +142,18 @@ class CountTokensEndpoint(MessagesEndpoint):
 
 
 class _BlockWriter:
-    """One streamed message's content blocks as Anthropic's events: text goes into a text
-    block, each tool call (as `ToolCallStream` finds them) into a tool_use block whose
-    input comes as JSON fragments; a block ends where the next begins, the last at the
-    end."""
+    """One streamed message's content blocks as Anthropic's events: a reasoning model's
+    thinking goes into a thinking block (`thinking_delta`s, then its `signature_delta`),
+    text into a text block, each tool call (as `ToolCallStream` finds them) into a
+    tool_use block whose input comes as JSON fragments; a block ends where the next
+    begins, the last at the end."""
 
-    def __init__(self, tools: ToolPlan | None) -> None:
-        parser = tools is not None and tools.parser is not None
-        self.calls = ToolCallStream(tools) if parser else None  # type: ignore[arg-type]
-        self.open: tuple[int, str] | None = None  # (block index, "text" | tool call index)
+    def __init__(self, tools: ToolPlan | None, shows_reasoning: bool) -> None:
+        self.calls = answer_stream(tools)
+        self.shows_reasoning = shows_reasoning
+        self.open: tuple[int, str] | None = None  # (block index, "thinking" | "text" | call)
         self.count = 0  # blocks begun
+        self.answered = False  # a text or tool_use block was begun
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None  # the stop sequence that ended the text
 
@@ -149,13 +162,15 @@ class _BlockWriter:
         calls = self.calls.sent_calls if self.calls is not None else []
         return _stop_reason(self.finish_reason, self.stop_sequence, calls)
 
-    def feed(self, text: str, finish_reason: str | None) -> Iterator[tuple[str, dict]]:
+    def feed(
+        self, text: str, finish_reason: str | None, reasoning: str = ""
+    ) -> Iterator[tuple[str, dict]]:
         self.finish_reason = finish_reason or self.finish_reason
-        if self.calls is None:
-            deltas = [{"content": text}] if text else []
-        else:
-            deltas = self.calls.feed(text, finish_reason is not None)
-        for delta in deltas:
+        if reasoning and self.shows_reasoning:
+            yield from self._begin("thinking", _thinking(""))
+            piece = {"type": "thinking_delta", "thinking": reasoning}
+            yield "content_block_delta", {"index": self.open[0], "delta": piece}
+        for delta in answer_deltas(self.calls, text, finish_reason is not None):
             if delta.get("content"):
                 yield from self._begin("text", {"type": "text", "text": ""})
                 piece = {"type": "text_delta", "text": delta["content"]}
@@ -170,20 +185,32 @@ class _BlockWriter:
                     yield "content_block_delta", {"index": self.open[0], "delta": piece}
 
     def finish(self) -> Iterator[tuple[str, dict]]:
-        if self.count == 0:  # no text, no calls: an empty text block, as the whole response
+        if not self.answered:  # no text, no calls: an empty text block, as the whole response
             yield from self._begin("text", {"type": "text", "text": ""})
-        if self.open is not None:
-            yield "content_block_stop", {"index": self.open[0]}
-            self.open = None
+        yield from self._stop()
 
     def _begin(self, what: str, block: dict) -> Iterator[tuple[str, dict]]:
         if self.open is not None and self.open[1] == what:
             return
-        if self.open is not None:
-            yield "content_block_stop", {"index": self.open[0]}
+        yield from self._stop()
+        self.answered = self.answered or what != "thinking"
         self.open = (self.count, what)
         self.count += 1
         yield "content_block_start", {"index": self.open[0], "content_block": block}
+
+    def _stop(self) -> Iterator[tuple[str, dict]]:
+        if self.open is None:
+            return
+        index, what = self.open
+        if what == "thinking":  # Anthropic's stream gives a thinking block's signature last
+            piece = {"type": "signature_delta", "signature": SIGNATURE}
+            yield "content_block_delta", {"index": index, "delta": piece}
+        yield "content_block_stop", {"index": index}
+        self.open = None
+
+
+def _thinking(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": SIGNATURE}
 
 
 def _tool_use(call_id: str, name: str, arguments: str | None) -> dict:

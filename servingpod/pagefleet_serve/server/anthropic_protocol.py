@@ -4,13 +4,16 @@ path's `ChatCompletionRequest`, and errors in Anthropic's shape.
 A Messages request is a chat request written another way: `system` is the first message,
 content blocks become messages (`tool_use` blocks an assistant turn's tool calls,
 `tool_result` blocks tool messages answering them), `tools` carry `input_schema` where chat
-has `parameters`, and `tool_choice` says `any` where chat says "required". What this
-server cannot do is refused by name (400): image and document blocks, server tools, and
-extended thinking (a model's reasoning blocks are another issue's work).
+has `parameters`, and `tool_choice` says `any` where chat says "required". For a
+reasoning model, `thinking` is chat's switch and budget: `enabled` (with `budget_tokens`,
+chat's `thinking_token_budget`) and `adaptive` switch the model's thinking on through its
+template variable, `disabled` off, as `chat_template_kwargs` would; an earlier turn's
+thinking blocks are that assistant message's `reasoning`. What this server cannot do is
+refused by name (400): image and document blocks, server tools, other thinking types.
 """
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Discriminator, Field, Tag
@@ -39,6 +42,10 @@ UNSUPPORTED_MESSAGES_FIELDS = {
     "context_management": _absent(),
 }
 BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+# Messages' thinking types (what each does: `MessagesRequest.chat_request`) and displays
+# ("summarized" is the thinking as written: this server writes no summaries).
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
+THINKING_DISPLAYS = ("summarized", "omitted")
 # Anthropic's error types by HTTP status (its SDK raises one exception class per status).
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -50,7 +57,11 @@ ERROR_TYPES = {
     503: "overloaded_error",
 }
 # The chat fields a request's own become: the chat path's errors name the Messages field.
-CHAT_FIELDS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+CHAT_FIELDS = {
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "thinking_token_budget": "thinking.budget_tokens",
+}
 
 
 def _block_kind(value: object) -> str:
@@ -81,11 +92,13 @@ class ToolResultBlock(BaseModel):
 
 
 class ThinkingBlock(BaseModel):
-    """A thinking block of an earlier assistant turn (a client sends them back): left out
-    of the prompt, as chat templates leave out earlier turns' reasoning."""
+    """A thinking block of an earlier assistant turn (a client sends them back): the
+    turn's reasoning for the template (which may leave it out, as Qwen3's does for turns
+    before the last); a redacted one carries none."""
 
     model_config = _BODY_CONFIG
     type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
 
 
 class _OtherBlock(BaseModel):
@@ -132,6 +145,8 @@ class ToolChoice(BaseModel):
 class ThinkingConfig(BaseModel):
     model_config = _BODY_CONFIG
     type: str
+    budget_tokens: int | None = None
+    display: str | None = None
 
 
 class MessagesRequest(BaseModel):
@@ -150,18 +165,48 @@ class MessagesRequest(BaseModel):
     metadata: dict | None = None
     thinking: ThinkingConfig | None = None
     priority: int | None = None  # vLLM's extra field, as on chat
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra field, as on chat
 
     def check_supported(self) -> None:
         refuse_unsupported(self, UNSUPPORTED_MESSAGES_FIELDS)
-        if self.thinking is not None and self.thinking.type != "disabled":
+        thinking = self.thinking
+        if thinking is None:
+            return
+        if thinking.type not in THINKING_TYPES:
             raise bad_request(
-                "thinking: extended thinking is not supported by this server; remove it or "
-                'set {"type": "disabled"}',
+                f"thinking.type: {thinking.type!r} is not supported; this server takes "
+                f"{', '.join(THINKING_TYPES)}",
+                param="thinking",
+            )
+        if (thinking.type == "enabled") != (thinking.budget_tokens is not None):
+            raise bad_request(
+                "thinking.budget_tokens: required with type enabled (the most tokens the "
+                'thinking may take), and only there; {"type": "adaptive"} thinks unbounded',
+                param="thinking",
+            )
+        if thinking.display is not None and thinking.display not in THINKING_DISPLAYS:
+            raise bad_request(
+                f"thinking.display: must be one of {', '.join(THINKING_DISPLAYS)}, got "
+                f"{thinking.display!r}",
                 param="thinking",
             )
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The same request on the chat path (400s naming the Messages field)."""
+    @property
+    def include_reasoning(self) -> bool | None:
+        """Chat's include_reasoning. Display "omitted": Anthropic's thinking blocks then
+        carry a signature alone, and this server has none to give: no blocks."""
+        omitted = self.thinking is not None and self.thinking.display == "omitted"
+        return False if omitted else None
+
+    def chat_request(self, thinking_switch: str | None) -> ChatCompletionRequest:
+        """The same request on the chat path (400s naming the Messages field).
+        `thinking_switch`: the template variable that turns the model's thinking on and
+        off (its reasoning parser's); None: the server reads no thinking, and `thinking`
+        switches nothing (a budget is then refused, as on chat)."""
+        thinking = self.thinking
+        kwargs = self.chat_template_kwargs
+        if thinking is not None and thinking_switch is not None:
+            kwargs = (kwargs or {}) | {thinking_switch: thinking.type != "disabled"}
         messages = []
         if self.system:
             system = self.system
@@ -182,6 +227,9 @@ class MessagesRequest(BaseModel):
             tool_choice=tool_choice,
             parallel_tool_calls=parallel,
             priority=self.priority,
+            chat_template_kwargs=kwargs,
+            thinking_token_budget=thinking.budget_tokens if thinking else None,
+            include_reasoning=self.include_reasoning,
         )
 
 
@@ -197,6 +245,7 @@ def _chat_messages(message: Message, where: str) -> list[ChatMessage]:
     if isinstance(message.content, str):
         return [ChatMessage(role=message.role, content=message.content)]
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[ToolCallMessage] = []
     results: list[ChatMessage] = []
     for position, block in enumerate(message.content):
@@ -209,6 +258,8 @@ def _chat_messages(message: Message, where: str) -> list[ChatMessage]:
             )
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            thoughts.append(block.thinking or "")
         elif isinstance(block, ToolUseBlock):
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(
@@ -221,7 +272,14 @@ def _chat_messages(message: Message, where: str) -> list[ChatMessage]:
             text = content if isinstance(content, str) else "\n".join(b.text for b in content)
             results.append(ChatMessage(role="tool", content=text, tool_call_id=block.tool_use_id))
     if message.role == "assistant":
-        return [ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls or None)]
+        return [
+            ChatMessage(
+                role="assistant",
+                content="\n".join(texts),
+                tool_calls=calls or None,
+                reasoning="".join(thoughts) or None,
+            )
+        ]
     return results + ([ChatMessage(role="user", content="\n".join(texts))] if texts else [])
 
 

@@ -5,7 +5,7 @@ them one after the other (`OutputWriter`), each item opened, filled and closed."
 import uuid
 from collections.abc import Iterator
 
-from pagefleet_serve.server.tools import ToolCallStream, ToolPlan
+from pagefleet_serve.server.tools import ToolPlan, answer_deltas, answer_stream
 
 
 class OutputWriter:
@@ -16,8 +16,7 @@ class OutputWriter:
     message where a call begins, everything at the end."""
 
     def __init__(self, tools: ToolPlan | None, shows_reasoning: bool = False) -> None:
-        parser = tools is not None and tools.parser is not None
-        self.calls = ToolCallStream(tools) if parser else None  # type: ignore[arg-type]
+        self.calls = answer_stream(tools)
         self.shows_reasoning = shows_reasoning
         self.thought: int | None = None  # the index of the reasoning item being written
         self.answered = False  # a message or call item was opened
@@ -38,11 +37,7 @@ class OutputWriter:
             self.status = status_of(finish_reason)
         if reasoning and self.shows_reasoning:
             yield from self._reasoning(reasoning)
-        if self.calls is None:
-            deltas = [{"content": text}] if text else []
-        else:
-            deltas = self.calls.feed(text, finish_reason is not None)
-        for delta in deltas:
+        for delta in answer_deltas(self.calls, text, finish_reason is not None):
             if delta.get("content"):
                 yield from self._text(delta["content"])
             for call in delta.get("tool_calls", ()):

@@ -280,3 +280,16 @@ class ToolCallStream:
                 deltas.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
                 call.arguments = prefix.arguments
         return deltas
+
+
+def answer_stream(plan: ToolPlan | None) -> ToolCallStream | None:
+    """A streamed choice's tool-call reader where its calls are parsed; None: its answer
+    is all content."""
+    return ToolCallStream(plan) if plan is not None and plan.parser is not None else None
+
+
+def answer_deltas(calls: ToolCallStream | None, text: str, finished: bool) -> list[dict]:
+    """New answer text -> its `delta` objects (content, tool-call fragments)."""
+    if calls is None:
+        return [{"content": text}] if text else []
+    return calls.feed(text, finished)
