@@ -26,10 +26,12 @@ import time
 from pathlib import Path
 
 import torch
+from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.engine.device import RunnerConfig, resolve_device
 from pagefleet_serve.engine.model_runner import ModelRunner
-from pagefleet_serve.model.llama import ModelConfig
-from pagefleet_serve.model.loader import TINY_CONFIG, LoadedModel, random_weights
+from pagefleet_serve.model.config import ModelConfig
+from pagefleet_serve.model.context import ModelContext
+from pagefleet_serve.model.loader.model_loader import TINY_CONFIG, from_weights, random_weights
 
 SHAPES = {
     "8b": ModelConfig(
@@ -137,7 +139,12 @@ def main() -> None:
         kv_cache_dtype="auto",
     )
     weights = random_weights(config, dtype, device)
-    runner = ModelRunner(LoadedModel(args.shape, config, weights, None), runner_config)
+    with torch.device(device):  # the parameters where the weights are made
+        backend = get_kernel_backend(args.attention_backend, device)
+        loaded = from_weights(
+            args.shape, config, weights.items(), ModelContext(backend, dtype=dtype)
+        )
+    runner = ModelRunner(loaded, runner_config)
     del weights
     backend = runner.model.backend.name
     measured = copy_bandwidth_gbps(device, (1 << 31) if device.type == "cuda" else (1 << 27))

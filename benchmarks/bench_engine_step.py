@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import LLMEngine
+from pagefleet_serve.frontend.tokenizer import load_engine_tokenizer
 
 try:
     from pagefleet_serve.messages import Request
@@ -111,7 +112,7 @@ def measure(args) -> dict:
         ),
         **({"enforce_eager": args.enforce_eager} if args.enforce_eager is not None else {}),
     )
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, tokenizer=load_engine_tokenizer(config))
     rows = []
     for batch in args.batches:
         rows.append(measure_batch(engine, batch, args.prompt_len, args.steps))

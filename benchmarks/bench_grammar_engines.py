@@ -17,7 +17,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 import xgrammar as xgr
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
 MODEL = "builtin://smollm2-135m"
 

@@ -14,12 +14,12 @@ import math
 import time
 
 import torch
+from pagefleet_kernels.metadata import AttentionMetadata
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import KV_CACHE_DTYPES
 from pagefleet_serve.engine.device import RunnerConfig
 from pagefleet_serve.engine.model_runner import ModelRunner
-from pagefleet_serve.model.llama import AttentionMetadata
-from pagefleet_serve.model.loader import load_model
+from pagefleet_serve.model.loader.model_loader import load_model
 
 MODEL = "builtin://smollm2-135m"
 TEXT = "/usr/share/common-licenses/GPL-3"

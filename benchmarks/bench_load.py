@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 import torch
-from pagefleet_serve.model.loader import load_model
-from pagefleet_serve.model.resolve import resolve_model_uri
+from pagefleet_serve.model.loader.model_loader import load_model
+from pagefleet_serve.model.loader.resolve import resolve_model_uri
 
 from benchmarks.side_by_side.common import cpu_info
 
@@ -114,8 +114,8 @@ def measure(uri: str, files: list[Path], dtype, quantization: str, repeats: int)
 HUB_LOAD = """
 import sys, time
 import torch
-from pagefleet_serve.model.loader import load_local
-from pagefleet_serve.model.resolve import resolve_model_uri
+from pagefleet_serve.model.loader.model_loader import load_local
+from pagefleet_serve.model.loader.resolve import resolve_model_uri
 started = time.perf_counter()
 load_local(resolve_model_uri(sys.argv[1], weights=sys.argv[2]), torch.float32)
 print(time.perf_counter() - started)

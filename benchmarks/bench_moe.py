@@ -29,7 +29,7 @@ from pagefleet_kernels.backend import cpu_backend
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import LLMEngine
 from pagefleet_serve.messages import Request
-from pagefleet_serve.model.llama import MoEBlock
+from pagefleet_serve.model.layers.moe import MoEBlock
 from pagefleet_serve.sampling_params import SamplingParams
 from safetensors.torch import save_file
 

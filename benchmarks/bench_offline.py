@@ -71,7 +71,7 @@ def run_pagefleet(llm: LLM, requests) -> dict:
 
 
 def run_transformers(requests, batch_size: int, dtype: str) -> dict:
-    from pagefleet_serve.model.loader import builtin_gguf_path
+    from pagefleet_serve.model.loader.resolve import builtin_gguf_path
     from transformers import AutoModelForCausalLM
 
     path = builtin_gguf_path()

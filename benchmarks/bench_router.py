@@ -8,6 +8,11 @@ Workload: P prefixes of about T tokens of real English text, many requests each 
 one prefix plus a short suffix, Poisson arrivals, streamed. Reports the prefix-cache hit
 rate from the pods' own counters (vllm:prefix_cache_hits / _queries, deltas) and TTFT
 mean/p99 as the client sees it. Prints a table and writes JSON.
+
+With --precise the pods publish their KV cache events and the ways are: a router routing
+by those events (precise), a router with its approximate prefix table only, and round
+robin; run it with more distinct prefixes than one pod's cache holds (--kv-cache-memory)
+so that evictions make the table's memory wrong.
 """
 
 from __future__ import annotations
@@ -211,6 +216,60 @@ def measure(name: str, targets: list[str], pods: list[str], workload, args) -> d
     return result
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_pods(args: argparse.Namespace, env: dict[str, str], sockets: Path) -> list[Process]:
+    """The pods; with --precise each publishes its KV events on ipc sockets named by its
+    port, which the precise router's templates find."""
+    pod_flags = ["--dtype", "float32", "--max-model-len", str(args.max_model_len)]
+    pod_flags += ["--kv-cache-memory", args.kv_cache_memory]
+    started = []
+    for _ in range(args.pods):
+        port = free_port() if args.precise else 0
+        flags = [*pod_flags, "--port", str(port)]
+        if args.precise:
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"ipc://{sockets}/events-{port}",
+                "replay_endpoint": f"ipc://{sockets}/replay-{port}",
+            }
+            flags += ["--kv-events-config", json.dumps(config)]
+        command = [sys.executable, "-m", "pagefleet_serve.cli", "serve", *flags]
+        started.append(Process(command, env))
+    return started
+
+
+def start_router(pods: list[str], env: dict[str, str], *flags: str) -> tuple[Process, str]:
+    router_command = [sys.executable, "-m", "pagefleet_router", "--port", "0"]
+    router = Process([*router_command, "--endpoints", *pods, *flags], env)
+    url = f"http://127.0.0.1:{router.wait_for(ROUTER_PORT_LINE).group(1)}"
+    wait_ready(url)
+    return router, url
+
+
+def precise_flags(sockets: Path) -> list[str]:
+    """The precise router's flags: the pods' sockets and the model's tokenizer.json."""
+    from pagefleet_serve.model.loader import load_tokenizer
+
+    tokenizer = sockets / "tokenizer.json"
+    load_tokenizer("builtin://smollm2-135m").backend_tokenizer.save(str(tokenizer))
+    return [
+        "--kv-events-endpoint",
+        f"ipc://{sockets}/events-{{port}}",
+        "--kv-replay-endpoint",
+        f"ipc://{sockets}/replay-{{port}}",
+        "--tokenizer",
+        str(tokenizer),
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", type=int, default=3)
@@ -222,35 +281,55 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads-per-pod", type=int, default=1)
     parser.add_argument("--kv-cache-memory", default="640MiB", help="per pod")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--precise",
+        action="store_true",
+        help="compare routing by the pods' KV events with the approximate table and round robin",
+    )
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/router.json"))
     args = parser.parse_args()
 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_pod)}
-    pod_flags = ["--port", "0", "--dtype", "float32", "--max-model-len", "2048"]
-    pod_flags += ["--kv-cache-memory", args.kv_cache_memory]
-    started: list[Process] = []
+    sockets = Path(tempfile.mkdtemp(prefix="bench-router-kv-"))
+    started: list[Process] = start_pods(args, env, sockets)
     try:
-        for _ in range(args.pods):
-            command = [sys.executable, "-m", "pagefleet_serve.cli", "serve", *pod_flags]
-            started.append(Process(command, env))
         pods = [f"http://127.0.0.1:{p.wait_for(SERVING_LINE).group(1)}" for p in started]
         for url in pods:
             wait_ready(url)
         warm_up(pods, args)
-        router_command = [sys.executable, "-m", "pagefleet_router", "--port", "0"]
-        router = Process([*router_command, "--endpoints", *pods], env)
+        router, router_url = start_router(pods, env)
         started.append(router)
-        router_url = f"http://127.0.0.1:{router.wait_for(ROUTER_PORT_LINE).group(1)}"
-        wait_ready(router_url)
-        results = [
-            measure("single_pod", pods[:1], pods, make_workload(args, 0), args),
-            measure("router", [router_url], pods, make_workload(args, 1), args),
-            measure("round_robin", pods, pods, make_workload(args, 2), args),
-        ]
+        if args.precise:
+            precise, precise_url = start_router(pods, env, *precise_flags(sockets))
+            started.append(precise)
+            results = [
+                measure("precise", [precise_url], pods, make_workload(args, 0), args),
+                measure("approximate", [router_url], pods, make_workload(args, 1), args),
+                measure("round_robin", pods, pods, make_workload(args, 2), args),
+            ]
+        else:
+            results = [
+                measure("single_pod", pods[:1], pods, make_workload(args, 0), args),
+                measure("router", [router_url], pods, make_workload(args, 1), args),
+                measure("round_robin", pods, pods, make_workload(args, 2), args),
+            ]
     finally:
         for process in started:
             process.stop()
     by_way = {r["way"]: r for r in results}
+    if args.precise:
+        summary = {
+            "approximate_ttft_p50_over_precise": by_way["approximate"]["ttft_p50_s"]
+            / by_way["precise"]["ttft_p50_s"],
+            "round_robin_ttft_p50_over_precise": by_way["round_robin"]["ttft_p50_s"]
+            / by_way["precise"]["ttft_p50_s"],
+        }
+        print(
+            f"TTFT p50: approximate / precise {summary['approximate_ttft_p50_over_precise']:.2f}x, "
+            f"round robin / precise {summary['round_robin_ttft_p50_over_precise']:.2f}x"
+        )
+        return write_report(args, results, summary)
     summary = {
         "router_hit_rate_vs_single_pod": by_way["router"]["prefix_cache_hit_rate"]
         / max(by_way["single_pod"]["prefix_cache_hit_rate"], 1e-9),
@@ -261,6 +340,10 @@ def main() -> int:
         f"router hit rate / single pod's: {summary['router_hit_rate_vs_single_pod']:.2f}; "
         f"round-robin mean TTFT / router's: {summary['round_robin_ttft_mean_over_router']:.2f}x"
     )
+    return write_report(args, results, summary)
+
+
+def write_report(args: argparse.Namespace, results: list[dict], summary: dict) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report = {"config": config, "cpus": os.cpu_count(), "results": results, "summary": summary}

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.llm_engine import LLMEngine
+from pagefleet_serve.frontend.tokenizer import load_engine_tokenizer
 from pagefleet_serve.messages import Request
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -33,7 +34,8 @@ SERVING_LINE = re.compile(r"serving .* on http://[^\s:]+:(\d+)")
 def engine_alone(args: argparse.Namespace, batch: int) -> dict:
     """`batch` requests added at once; the median decode step once all are decoding, and
     the output tok/s over the whole run (prefills included, as the server's is)."""
-    engine = LLMEngine(EngineConfig(model=MODEL, dtype=args.dtype, max_num_seqs=max(batch, 1)))
+    config = EngineConfig(model=MODEL, dtype=args.dtype, max_num_seqs=max(batch, 1))
+    engine = LLMEngine(config, tokenizer=load_engine_tokenizer(config))
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)

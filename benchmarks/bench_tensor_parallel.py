@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.cpu_placement import CpuPlacement, available_cpus
 from pagefleet_serve.engine.llm_engine import LLMEngine
+from pagefleet_serve.frontend.tokenizer import load_engine_tokenizer
 from pagefleet_serve.messages import Request
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -71,7 +72,7 @@ def measure(args, tensor_parallel_size: int, pipeline_parallel_size: int, cpus: 
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
     )
-    engine = LLMEngine(config, CpuPlacement(cpus, None, len(cpus)))
+    engine = LLMEngine(config, CpuPlacement(cpus, None, len(cpus)), load_engine_tokenizer(config))
     try:
         vocab = engine.model_config.vocab_size
         params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)

@@ -16,7 +16,7 @@ import time
 
 import torch
 from bench_kvquant import MODEL, TEXT, perplexity
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
 # name: (--quantization, --activation-quantization)
 SETTINGS = {

@@ -243,6 +243,8 @@ class KubeletSimulation:
             ("api/v1", "services"),
             ("apis/policy/v1", "poddisruptionbudgets"),
             ("apis/networking.k8s.io/v1", "ingresses"),
+            # Where the emulator serves it (a 404 lists nothing).
+            ("apis/inference.networking.k8s.io/v1", "inferencepools"),
         ):
             for item in await self._list(api, plural):
                 refs = item["metadata"].get("ownerReferences") or []

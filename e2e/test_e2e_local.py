@@ -187,3 +187,99 @@ async def test_the_local_walk(kmock, operator, tmp_path):  # noqa: F811 (the fix
             read, f"{api_url}/apis/apps/v1/namespaces/{NAMESPACE}/deployments"
         )
         assert deployments.get("items", []) == []
+
+
+IDLE_NAMESPACE = "e2e-idle"
+IDLE_MINUTE_S = 60
+# Ten services: two serving (a real pod each, scraped every 5 s) and eight waiting for
+# their model's claim (Degraded, no pod), all autoscaled. Ten real pods would need about
+# 18 GB here (1.8 GB each: the API process and the engine core's).
+SERVING, WAITING = 2, 8
+
+
+def idle_services() -> list[dict]:
+    services = []
+    for i in range(SERVING + WAITING):
+        resource = walk.load_cpu_example()
+        name = f"idle-{i}"
+        resource["metadata"] = {"name": name, "namespace": IDLE_NAMESPACE}
+        spec = resource["spec"]
+        spec["model"]["servedName"] = name
+        spec["engine"] |= {"kvCacheMemory": "64MiB", "maxModelLen": 512}
+        if i >= SERVING:
+            spec["model"] = {"uri": f"pvc://weights-{i}/smollm2", "servedName": name}
+        services.append(resource)
+    return services
+
+
+@pytest.mark.slow
+async def test_an_idle_minute_with_ten_services_writes_no_status(
+    kmock,
+    operator,  # noqa: F811 (the fixture)
+    tmp_path,
+):
+    """Issue 73: the autoscaler rewrote every service's status every intervalSeconds
+    (a new resourceVersion for every watcher), serving or not. With ten autoscaled
+    services left alone for a minute (their resyncs and twelve autoscaler rounds each
+    inside it), nothing changes, so no status is written."""
+    api_url = str(kmock.url).rstrip("/")
+    path = f"/apis/pagefleet.dev/v1alpha1/namespaces/{IDLE_NAMESPACE}/inferenceservices"
+
+    async def settled(api: aiohttp.ClientSession) -> bool:
+        """Two services Ready, eight Degraded for their claim. Read on the event loop the
+        emulator runs on (no thread, no client timeout: a busy machine only slows it)."""
+        async with api.get(path) as response:
+            items = (await response.json()).get("items", [])
+        found = {
+            item["metadata"]["name"]: (
+                condition(item, "Ready").get("status"),
+                condition(item, "Degraded").get("reason"),
+            )
+            for item in items
+        }
+        serving = [f"idle-{i}" for i in range(SERVING)]
+        return len(found) == SERVING + WAITING and all(
+            found[name] == (("True", "AsExpected") if name in serving else ("False", "PVCNotFound"))
+            for name in found
+        )
+
+    def writes(since: int) -> list:
+        return [
+            r
+            for r in list(kmock)[since:]
+            if r.method in ("POST", "PATCH", "PUT", "DELETE")
+            and r.resource is not None
+            and r.namespace == IDLE_NAMESPACE
+        ]
+
+    async with (
+        aiohttp.ClientSession(base_url=api_url) as api,
+        KubeletSimulation(api, IDLE_NAMESPACE, tmp_path, prestop_seconds=0) as simulation,
+    ):
+        for resource in idle_services():
+            await operator.call("POST", path, resource)
+        deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
+        while not await settled(api):
+            assert not simulation.failures, simulation.failures
+            assert asyncio.get_running_loop().time() < deadline, "two Ready, eight waiting"
+            await asyncio.sleep(1)
+        # The writes of the start (rollouts, the autoscalers' first rounds) end.
+        start = len(list(kmock))
+        while True:
+            await asyncio.sleep(10)
+            if not any(r.subresource == "status" for r in writes(start)):
+                break
+            start = len(list(kmock))
+        start = len(list(kmock))
+        await asyncio.sleep(IDLE_MINUTE_S)
+        minute = writes(start)
+        by_kind: dict[str, int] = {}
+        for request in minute:
+            key = f"{request.method} {request.resource.plural}" + (
+                f"/{request.subresource}" if request.subresource else ""
+            )
+            by_kind[key] = by_kind.get(key, 0) + 1
+        print(f"writes in the idle minute, {SERVING + WAITING} services: {by_kind}")
+        status = [r for r in minute if r.resource.plural == "inferenceservices"]
+        assert status == [], [(r.name, r.data) for r in status]
+        assert await settled(api)

@@ -15,7 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pagefleet_bench.datasets import PromptShaper, random_requests
-from pagefleet_serve.model.loader import builtin_gguf_path, load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
+from pagefleet_serve.model.loader.resolve import builtin_gguf_path
 
 from . import __doc__ as PACKAGE_DOC
 from .common import (

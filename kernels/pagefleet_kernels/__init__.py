@@ -13,7 +13,8 @@ shares one layout:
 - query_start_loc: (num_seqs + 1,) int64 offsets of each sequence's query tokens
 """
 
-from pagefleet_kernels.backend import AttentionMetadata, KernelBackend
+from pagefleet_kernels.backend import KernelBackend
+from pagefleet_kernels.metadata import AttentionMetadata
 from pagefleet_kernels.torch_attention import paged_attention, write_kv_cache
 
 __all__ = ["AttentionMetadata", "KernelBackend", "paged_attention", "write_kv_cache"]

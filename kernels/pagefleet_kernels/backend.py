@@ -1,12 +1,13 @@
 """The contract between the model and a kernel backend: one `KernelBackend` per backend.
 
-Per forward pass the model builds one `AttentionMetadata` (the batch layout), calls the
-backend's `prepare` once, then per layer `write_kv_cache` and `paged_attention`; the
-norms, rotary embedding and MLP activation around them are the backend's layer ops, and
-its optional matmuls (a few float32 rows, 4-bit and Q8_0 weights), fused decoder layer,
-batched LoRA operator and mixture-of-experts operator are declared next to them: `None` where a backend has no such
-kernel, so that a caller reads what a backend offers instead of probing for it. Tensor layouts are those of the
-package docstring.
+Per forward pass the model builds one `AttentionMetadata` (the batch layout; it and
+`LoRAMapping` live in `metadata`), calls the backend's `prepare` once, then per layer
+`write_kv_cache` and `paged_attention`; the norms, rotary embedding and MLP activation
+around them are the backend's layer ops, and its optional matmuls (a few float32 rows,
+4-bit and Q8_0 weights), fused decoder layer, batched LoRA operator and mixture-of-experts
+operator are declared next to them: `None` where a backend has no such kernel, so that a
+caller reads what a backend offers instead of probing for it. Tensor layouts are those of
+the package docstring.
 
 The backends: `torch_backend()` (PyTorch: every feature, the ground truth, the fallback),
 `cpu_backend()` (C++ decode attention, layer ops and matmuls on the CPU, built on first
@@ -15,42 +16,12 @@ use) and `triton_backend()` (Triton kernels on CUDA). Each is built once per pro
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) int64
-    block_tables: torch.Tensor  # (B, max_blocks) int64 (the kernels also take int32)
-    seq_lens: torch.Tensor  # (B,) int64, context length including this step's tokens
-    query_start_loc: torch.Tensor  # (B + 1,) int64
-    query_lens: list[int]  # host copy
-    # Shared by every layer's attention call of this forward pass: the backend keeps work
-    # that depends on the batch layout alone here (see KernelBackend.prepare).
-    plan_cache: dict = field(default_factory=dict)
-    # Host copies, when the caller has them: a backend that needs these values on the host
-    # reads them here, not from the device tensors (on CUDA a synchronisation each).
-    seq_lens_host: list[int] | None = None
-    query_start_loc_host: list[int] | None = None
-
-
-@dataclass
-class LoRAMapping:
-    """Which LoRA adapter slot each row of a step reads (see `KernelBackend.add_lora`)."""
-
-    token_slots: torch.Tensor  # (T,) int64: each row's slot, -1 for no adapter
-    # Each slot the step reads (host) with its rows, (n,) int64 on the device, in order.
-    slot_rows: list[tuple[int, torch.Tensor]]
-    # Optional (None: not built; the operators that read them then take `slot_rows`): the
-    # rows of `slot_rows` end to end (n,); the same as one (slots read, most rows of one)
-    # table padded with row 0 (what a padding place computes is never read), flattened;
-    # where in it each row lies.
-    rows: torch.Tensor | None = None
-    padded_rows: torch.Tensor | None = None
-    padded_positions: torch.Tensor | None = None
+from pagefleet_kernels.metadata import AttentionMetadata, LoRAMapping
 
 
 # -- the attention ------------------------------------------------------------------------

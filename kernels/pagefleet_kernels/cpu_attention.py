@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from pagefleet_kernels import torch_attention
-from pagefleet_kernels.backend import AttentionMetadata
 from pagefleet_kernels.cpu_build import load_extension
+from pagefleet_kernels.metadata import AttentionMetadata
 from pagefleet_kernels.torch_attention import _check_scales
 
 __all__ = ["available", "paged_attention", "prepare", "write_kv_cache"]

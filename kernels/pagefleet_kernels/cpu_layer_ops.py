@@ -10,8 +10,8 @@ the CPU, and inside torch.compile, which traces (and fuses) the eager ops instea
 import torch
 
 from pagefleet_kernels import layer_ops, lora_ops
-from pagefleet_kernels.backend import LoRAMapping
 from pagefleet_kernels.cpu_build import load_extension
+from pagefleet_kernels.metadata import LoRAMapping
 
 __all__ = [
     "act_and_mul",

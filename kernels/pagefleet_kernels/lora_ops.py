@@ -10,7 +10,7 @@ present, not per row.
 
 import torch
 
-from pagefleet_kernels.backend import LoRAMapping
+from pagefleet_kernels.metadata import LoRAMapping
 
 __all__ = ["add_lora", "add_lora_padded"]
 

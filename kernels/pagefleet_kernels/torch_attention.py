@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagefleet_kernels.backend import AttentionMetadata
 from pagefleet_kernels.kv_cache import QMAX, SCALE_DTYPE, is_quantized
+from pagefleet_kernels.metadata import AttentionMetadata
 
 # Decode rows are attended in at most this many length buckets of at least this many rows;
 # neighbouring buckets merge when the padding that adds costs less than one more call,

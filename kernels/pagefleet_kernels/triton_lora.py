@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from pagefleet_kernels import lora_ops
-from pagefleet_kernels.backend import LoRAMapping
+from pagefleet_kernels.metadata import LoRAMapping
 from pagefleet_kernels.triton_layer_ops import KERNEL_DEVICE
 
 __all__ = ["add_lora"]

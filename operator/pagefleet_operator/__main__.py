@@ -21,6 +21,7 @@ from .config import (
     ALLOWED_IMAGE_PREFIXES_ENV,
     DEFAULT_IMAGE_ENV,
     DEFAULT_PULL_POLICY_ENV,
+    INFERENCE_POOL_DEFAULT_ENV,
     PLATFORM_USER_IDS_ENV,
     POD_MONITOR_DEFAULT_ENV,
     ROUTER_IMAGE_ENV,
@@ -100,6 +101,14 @@ def get_parser() -> argparse.ArgumentParser:
             default=default(OperatorConfig.from_env().pod_monitor_default),
             help="create a PodMonitor for every InferenceService that leaves "
             f"spec.monitoring.podMonitor unset (env {POD_MONITOR_DEFAULT_ENV}=true)",
+        )
+        target.add_argument(
+            "--inference-pool-by-default",
+            action="store_true",
+            default=default(OperatorConfig.from_env().inference_pool_default),
+            help="create a Gateway API Inference Extension InferencePool (with the router as "
+            "its Endpoint Picker) for every InferenceService that leaves "
+            f"spec.gateway.inferencePool.enabled unset (env {INFERENCE_POOL_DEFAULT_ENV}=true)",
         )
         target.add_argument(
             "--default-image",
@@ -268,9 +277,11 @@ async def _kopf_operator(args: argparse.Namespace, metrics: OperatorMetrics) -> 
                 allowed_image_prefixes=tuple(args.allowed_image_prefix),
                 pod_monitor_default=args.pod_monitor_by_default,
                 router_image=args.router_image,
+                inference_pool_default=args.inference_pool_by_default,
             ),
             metrics=metrics,
             tracer=get_tracer(args.otlp_traces_endpoint, "pagefleet-operator"),
+            namespaces=tuple(args.namespace),
         ),
     )
 

@@ -14,6 +14,7 @@ DEFAULT_PULL_POLICY_ENV = "PAGEFLEET_OPERATOR_DEFAULT_IMAGE_PULL_POLICY"
 PLATFORM_USER_IDS_ENV = "PAGEFLEET_OPERATOR_PLATFORM_ASSIGNS_USER_IDS"
 ALLOWED_IMAGE_PREFIXES_ENV = "PAGEFLEET_OPERATOR_ALLOWED_IMAGE_PREFIXES"
 POD_MONITOR_DEFAULT_ENV = "PAGEFLEET_OPERATOR_POD_MONITOR_BY_DEFAULT"
+INFERENCE_POOL_DEFAULT_ENV = "PAGEFLEET_OPERATOR_INFERENCE_POOL_BY_DEFAULT"
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class OperatorConfig:
     pod_monitor_default: bool = False
     # The router's image for every InferenceService that does not name spec.router.image.
     router_image: str = DEFAULT_ROUTER_IMAGE
+    # spec.gateway.inferencePool.enabled of every InferenceService that leaves it unset.
+    inference_pool_default: bool = False
 
     def spec_options(self) -> dict[str, object]:
         """The keyword arguments of spec.parse_spec that come from the operator."""
@@ -43,6 +46,7 @@ class OperatorConfig:
             "allowed_image_prefixes": self.allowed_image_prefixes,
             "pod_monitor_default": self.pod_monitor_default,
             "router_image": self.router_image,
+            "inference_pool_default": self.inference_pool_default,
         }
 
     @classmethod
@@ -56,4 +60,5 @@ class OperatorConfig:
             ),
             pod_monitor_default=os.environ.get(POD_MONITOR_DEFAULT_ENV, "").lower() == "true",
             router_image=os.environ.get(ROUTER_IMAGE_ENV) or DEFAULT_ROUTER_IMAGE,
+            inference_pool_default=os.environ.get(INFERENCE_POOL_DEFAULT_ENV, "").lower() == "true",
         )

@@ -7,6 +7,7 @@ from typing import Any
 from .adapters import SUFFIX as ADAPTERS_SUFFIX
 from .adapters import get_adapters_config_map
 from .deployment import get_deployment
+from .inference_pool import EPP_SUFFIX, get_endpoint_picker_service, get_inference_pool
 from .ingress import get_ingress
 from .lws import get_leader_worker_set
 from .pdb import get_pdb
@@ -41,9 +42,12 @@ MANAGED_OBJECTS: dict[str, tuple[str, str]] = {
     "RouterRole": ("Role", ROUTER_SUFFIX),
     "RouterRoleBinding": ("RoleBinding", ROUTER_SUFFIX),
     "RouterDeployment": ("Deployment", ROUTER_SUFFIX),
+    # spec.gateway.inferencePool: the router's ext_proc port, and the pool naming it.
+    "EndpointPickerService": ("Service", EPP_SUFFIX),
+    "InferencePool": ("InferencePool", ""),
 }
 # Kinds of optional CRDs: planned only when the cluster serves them.
-OPTIONAL_KINDS = ("PodMonitor",)
+OPTIONAL_KINDS = ("PodMonitor", "InferencePool")
 
 
 def get_desired_objects(
@@ -62,4 +66,6 @@ def get_desired_objects(
         "RouterRole": get_router_role(body, spec),
         "RouterRoleBinding": get_router_role_binding(body, spec),
         "RouterDeployment": get_router_deployment(body, spec),
+        "EndpointPickerService": get_endpoint_picker_service(body, spec),
+        "InferencePool": get_inference_pool(body, spec),
     }

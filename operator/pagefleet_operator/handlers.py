@@ -15,11 +15,12 @@ import kopf
 from . import API_VERSION, FINALIZER, GROUP, KIND, PLURAL, VERSION
 from .apply import ApplyError
 from .autoscale import Decision
+from .cache import WATCHED_KINDS, WatchCache
 from .config import OperatorConfig
-from .kube import Kube, KubeError, load_api_client
+from .kube import RESOURCES, Kube, KubeError, load_api_client
 from .lws import API_VERSION as LWS_API_VERSION
 from .names import MANAGED_BY
-from .reconcile import Outcome, reconcile
+from .reconcile import OPTIONAL_APIS, Outcome, get_claims, reconcile
 from .scaler import autoscale_once, autoscaled_spec
 from .spec import AutoscalingSpec
 from .telemetry import OperatorMetrics
@@ -29,9 +30,18 @@ RETRY_DELAY_SECONDS = 10
 # Periodic re-reconcile: puts back manual drift and notices e.g. a PVC created later.
 RESYNC_SECONDS = 60
 CRD_POLL_SECONDS = 5
+# How soon a CRD installed later (LeaderWorkerSet, PodMonitor) has its objects made.
+OPTIONAL_API_POLL_SECONDS = 10
 DELETE_POLL_SECONDS = 1
 MANAGED_DEPLOYMENTS = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 LWS_GROUP, LWS_VERSION = LWS_API_VERSION.split("/")
+
+
+def _group_version_plural(kind: str) -> tuple[str, str, str]:
+    """kopf's (group, version, plural) of one of RESOURCES' kinds."""
+    api_version, plural = RESOURCES[kind]
+    group, _, version = api_version.rpartition("/")
+    return group, version, plural
 
 
 @kopf.on.startup()
@@ -48,14 +58,15 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.background.cancellation_polling = DELETE_POLL_SECONDS
     # Our own Events say what happened; kopf's per-handler "succeeded" Events are noise.
     settings.posting.level = logging.WARNING
-    # Only our known resources are watched: no CRD/Namespace access needed (see rbac.py).
-    settings.scanning.disabled = True
-    # Only our own Deployments, filtered by the API server: watching every Deployment of
-    # a large cluster would hold them all in the operator's memory.
-    settings.watching.label_selectors["apps", "v1", "deployments"] = MANAGED_DEPLOYMENTS
-    settings.watching.label_selectors[LWS_GROUP, LWS_VERSION, "leaderworkersets"] = (
-        MANAGED_DEPLOYMENTS
-    )
+    # Cluster-wide, kopf watches CRDs and starts the watch of a kind whose CRD appears
+    # later (LeaderWorkerSet, PodMonitor): without it a kind unserved at start was never
+    # watched until a restart. Watching namespaces only, the operator holds no cluster
+    # role (see rbac.py): kopf's lookups stay the one made at start.
+    settings.scanning.disabled = bool(memo.get("namespaces"))
+    # Only our own children, filtered by the API server: watching every Deployment or
+    # ConfigMap of a large cluster would hold them all in the operator's memory.
+    for kind in WATCHED_KINDS:
+        settings.watching.label_selectors[_group_version_plural(kind)] = MANAGED_DEPLOYMENTS
     if "config" not in memo:
         memo["config"] = OperatorConfig.from_env()
     if "kube" not in memo:
@@ -73,7 +84,7 @@ async def stop_late_timers(**_: Any) -> None:
     grace for left-over tasks, and a successor waited as long for the Lease. kopf names
     their tasks "runner of <handler>"."""
     for task in asyncio.all_tasks():
-        if task.get_name().startswith("runner of ") and not task.done():
+        if task.get_name().startswith(("runner of ", OPTIONAL_API_POLL)) and not task.done():
             task.cancel()
 
 
@@ -95,6 +106,82 @@ async def wait_for_crd(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
             CRD_POLL_SECONDS,
         )
         await asyncio.sleep(CRD_POLL_SECONDS)
+
+
+# The watch cache (cache.py): every object we made, by (kind, namespace, name), and every
+# claim. kopf fills an index before any handler runs, and keeps it as the watch goes.
+def owned_children(body: kopf.Body, resource: kopf.Resource, **_: Any) -> dict[Any, Any]:
+    meta = body["metadata"]
+    return {(resource.kind, meta["namespace"], meta["name"]): dict(body)}
+
+
+# One index over every kind we make: one handler per kind, all with the same id.
+for _kind in WATCHED_KINDS:
+    kopf.index(*_group_version_plural(_kind), id="owned_children")(owned_children)
+
+
+@kopf.index("", "v1", "persistentvolumeclaims")
+def volume_claims(meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+    return {(meta["namespace"], meta["name"]): True}
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def claimants(body: kopf.Body, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+    """The InferenceServices by the claims their pods mount."""
+    namespace, name = meta["namespace"], meta["name"]
+    return {(namespace, claim): name for claim in get_claims(body.get("spec") or {})}
+
+
+@kopf.on.startup()
+def use_watch_cache(memo: kopf.Memo, **kwargs: Any) -> None:
+    """The indexes above, which kopf hands every handler by name, as the watch cache."""
+    memo["kube"].cache = WatchCache(kwargs["owned_children"], kwargs["volume_claims"])
+
+
+OPTIONAL_API_POLL = "optional API poll"
+
+
+@kopf.on.startup()
+async def poll_optional_apis(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Start the poll of the optional APIs (its task lives until the cleanup)."""
+    memo["api_poll"] = asyncio.create_task(
+        watch_optional_apis(memo, logger), name=OPTIONAL_API_POLL
+    )
+
+
+async def watch_optional_apis(memo: kopf.Memo, logger: kopf.Logger) -> None:
+    """Discovery of the optional APIs every OPTIONAL_API_POLL_SECONDS, kept in the watch
+    cache (reconciles read it, not discovery). When one comes or goes (its CRD installed
+    or removed), every InferenceService is reconciled at once: a LeaderWorkerSet or
+    PodMonitor waiting for its CRD is made then, not at the next resync."""
+    kube, apis = memo["kube"], {kind: RESOURCES[kind] for kind in OPTIONAL_APIS}
+    cache = kube.cache
+    while True:
+        try:
+            changed = await asyncio.to_thread(cache.refresh_served, apis, kube.ask_discovery)
+            if changed:
+                words = _served_words(cache, changed)
+                logger.info("now %s: reconciling every InferenceService", words)
+                await asyncio.to_thread(_reconcile_everything, memo, logger)
+        except KubeError as exc:  # the next poll, or each service's resync, tries again
+            logger.warning("the poll of %s failed: %s", ", ".join(apis), exc)
+        await asyncio.sleep(OPTIONAL_API_POLL_SECONDS)
+
+
+def _served_words(cache: WatchCache, kinds: list[str]) -> str:
+    return ", ".join(
+        f"{kind} {'served' if cache.served[RESOURCES[kind]] else 'gone'}" for kind in kinds
+    )
+
+
+def _reconcile_everything(memo: kopf.Memo, logger: kopf.Logger) -> None:
+    for body in memo["kube"].list_everywhere(KIND, memo.get("namespaces") or ()):
+        if body["metadata"].get("deletionTimestamp"):
+            continue
+        try:
+            _reconcile(body, memo, logger)
+        except kopf.TemporaryError as exc:  # its resync tries again
+            logger.warning("%s", exc)
 
 
 def _resource_attributes(body: Any) -> dict[str, str]:
@@ -160,7 +247,8 @@ def forget_service(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 # A cluster without LeaderWorkerSet: kopf warns that it cannot watch them, nothing more;
-# one installed after the operator started is seen at the resync (and the next start).
+# one installed after the operator started is watched from then on (kopf's scanning of
+# CRDs, cluster-wide; watching namespaces, from the next start, the resync meanwhile).
 @kopf.on.event(LWS_GROUP, LWS_VERSION, "leaderworkersets")
 @kopf.on.event("apps", "v1", "deployments")
 def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
@@ -177,6 +265,21 @@ def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **
     if parent["metadata"].get("deletionTimestamp"):
         return
     _reconcile(parent, memo, logger)
+
+
+@kopf.on.event("", "v1", "persistentvolumeclaims")
+def claim_changed(
+    type: str, meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
+) -> None:
+    """A claim was created or deleted: reconcile the InferenceServices that mount it
+    (one created after its service is picked up now, not at the next resync)."""
+    if type not in ("ADDED", "DELETED"):
+        return
+    namespace, name = meta["namespace"], meta["name"]
+    for service in list(kwargs["claimants"].get((namespace, name), ())):
+        parent = memo["kube"].get(KIND, namespace, service)
+        if parent is not None and not parent["metadata"].get("deletionTimestamp"):
+            _reconcile(parent, memo, logger)
 
 
 def _autoscaling_enabled(body: kopf.Body, memo: kopf.Memo, **_: Any) -> bool:

@@ -8,12 +8,13 @@ a 5xx means.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kubernetes
 
 from . import API_VERSION, PLURAL
+from .cache import WatchCache
 
 FIELD_MANAGER = "pagefleet-operator"
 REQUEST_TIMEOUT_SECONDS = 30
@@ -38,6 +39,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices"),
     # Only when the Prometheus Operator's CRDs are installed (see desired.OPTIONAL_KINDS).
     "PodMonitor": ("monitoring.coreos.com/v1", "podmonitors"),
+    # Only when the Gateway API Inference Extension's CRDs are installed.
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
     # Only when LeaderWorkerSet is installed (spec.parallelism over several nodes): the
     # groups, and the leader StatefulSets whose pods the autoscaler scrapes.
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
@@ -85,6 +88,9 @@ def load_api_client() -> kubernetes.client.ApiClient:
 class Kube:
     def __init__(self, api_client: kubernetes.client.ApiClient):
         self.api_client = api_client
+        # What the operator's watches hold (handlers.py sets it at startup); None: every
+        # read goes to the API server.
+        self.cache: WatchCache | None = None
 
     def request(
         self,
@@ -152,6 +158,29 @@ class Kube:
                 return None
             raise
 
+    def observe(self, kind: str, namespace: str, name: str, wanted: bool) -> dict[str, Any] | None:
+        """An object as the watches last saw it, where they hold its kind; else, or when a
+        wanted object is not there, as the API server has it. A wanted object must be
+        looked up: one of that name that is not ours (not labelled, so never watched)
+        must be seen, and reported as a conflict, never applied over."""
+        if self.cache is not None and self.cache.holds(kind):
+            found = self.cache.get(kind, namespace, name)
+            if found is not None or not wanted:
+                return found
+        return self.get(kind, namespace, name)
+
+    def list_everywhere(self, kind: str, namespaces: Sequence[str]) -> list[dict[str, Any]]:
+        """Every object of the kind in these namespaces, or in all of them (none given)."""
+        if namespaces:
+            return [
+                item
+                for namespace in namespaces
+                for item in self.request("GET", get_path(kind, namespace)).get("items", [])
+            ]
+        api_version, plural = RESOURCES[kind]
+        prefix = "/api" if "/" not in api_version else "/apis"
+        return self.request("GET", f"{prefix}/{api_version}/{plural}").get("items", [])
+
     def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
         selector = ",".join(f"{key}={value}" for key, value in labels.items())
         result = self.request("GET", get_path(kind, namespace), query={"labelSelector": selector})
@@ -215,7 +244,14 @@ class Kube:
             raise
 
     def discovers(self, api_version: str, plural: str) -> bool:
-        """Like `serves`, but API trouble raises: for callers that act on a "no"."""
+        """Like `serves`, but API trouble raises: for callers that act on a "no". An API
+        the operator polls (handlers.watch_optional_apis) is answered from the poll."""
+        if self.cache is not None and (api_version, plural) in self.cache.served:
+            return self.cache.served[(api_version, plural)]
+        return self.ask_discovery(api_version, plural)
+
+    def ask_discovery(self, api_version: str, plural: str) -> bool:
+        """Whether discovery lists the resource now; API trouble raises."""
         try:
             found = self.request("GET", f"/apis/{api_version}")
         except KubeError as exc:

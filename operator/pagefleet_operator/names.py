@@ -13,6 +13,14 @@ MANAGED_BY = "pagefleet-operator"
 CONTAINER_NAME = "server"
 HTTP_PORT_NAME = "http"
 HTTP_PORT = 8000  # the serving pod's contract
+# The router's Endpoint Picker (ext_proc gRPC) port, the one GIE's own picker uses.
+EXT_PROC_PORT_NAME = "grpc-ext-proc"
+EXT_PROC_PORT = 9002
+# The serving pod's KV cache events (spec.engine.kvEvents): vLLM's usual ports.
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_EVENTS_PORT = 5557
+KV_REPLAY_PORT_NAME = "kv-replay"
+KV_REPLAY_PORT = 5558
 # Every child carries the resource's name: the Service needs a DNS-1035 label and label
 # values allow 63 characters. The CRD refuses other names; this repeats it for objects
 # that slipped past (see spec.py).

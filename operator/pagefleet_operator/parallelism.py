@@ -1,17 +1,17 @@
 """spec.parallelism against the model's shape, at reconcile.
 
-vLLM's rules: `tensor` divides the attention heads; the KV heads are split when there are
-at least `tensor` of them (so `tensor` divides them) and replicated otherwise (so they
-divide `tensor`); `pipeline` stages get at least one layer each. The operator knows the
-shape only of the model it ships (the built-in one); an hf://, pvc:// or file:// model's
-config lives where only the pod reads it, so the pod's engine checks those at load and
-the status says the operator could not (the ParallelismChecked condition, Unknown).
+The rule is the engine's own (`pagefleet_serve.parallel_shape`), so that the operator
+accepts exactly the shapes a pod serves. The operator knows the shape only of the model it
+ships (the built-in one); an hf://, pvc:// or file:// model's config lives where only the
+pod reads it, so the pod's engine checks those at load and the status says the operator
+could not (the ParallelismChecked condition, Unknown).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+from pagefleet_serve.parallel_shape import ModelShape, shape_problem
 
 from .spec import InferenceServiceSpec
 from .status import Problem
@@ -19,32 +19,10 @@ from .status import Problem
 CONDITION = "ParallelismChecked"
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_hidden_layers: int
-
-
 # The built-in model's GGUF header (tests/operator reads the file to keep this true).
-KNOWN_MODEL_SHAPES = {"builtin://smollm2-135m": ModelShape(9, 3, 30)}
-
-
-def shape_problem(tensor: int, pipeline: int, shape: ModelShape, uri: str) -> str | None:
-    heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
-    if heads % tensor:
-        return f"spec.parallelism.tensor: {tensor} does not divide the {heads} attention heads of {uri}"
-    if kv_heads % tensor if kv_heads >= tensor else tensor % kv_heads:
-        return (
-            f"spec.parallelism.tensor: {tensor} and the {kv_heads} KV heads of {uri} do not "
-            "split (one must divide the other)"
-        )
-    if pipeline > shape.num_hidden_layers:
-        return (
-            f"spec.parallelism.pipeline: {pipeline} stages exceed the "
-            f"{shape.num_hidden_layers} layers of {uri}"
-        )
-    return None
+KNOWN_MODEL_SHAPES = {
+    "builtin://smollm2-135m": ModelShape(num_heads=9, num_kv_heads=3, num_layers=30)
+}
 
 
 def check_parallelism(spec: InferenceServiceSpec) -> tuple[Problem | None, dict[str, Any] | None]:
@@ -65,8 +43,9 @@ def check_parallelism(spec: InferenceServiceSpec) -> tuple[Problem | None, dict[
                 "it loads the model"
             ),
         }
-    problem = shape_problem(parallelism.tensor, parallelism.pipeline, shape, uri)
-    if problem is not None:
+    found = shape_problem(parallelism.tensor, parallelism.pipeline, shape)
+    if found is not None:
+        problem = f"spec.parallelism.{found.axis}: {found.size} {found.reason} ({uri})"
         return Problem("InvalidParallelism", problem), {
             "type": CONDITION,
             "status": "False",
@@ -78,8 +57,8 @@ def check_parallelism(spec: InferenceServiceSpec) -> tuple[Problem | None, dict[
         "status": "True",
         "reason": "HeadsSplit",
         "message": (
-            f"tensor {parallelism.tensor} splits the {shape.num_attention_heads} attention "
-            f"and {shape.num_key_value_heads} KV heads; pipeline {parallelism.pipeline} the "
-            f"{shape.num_hidden_layers} layers"
+            f"tensor {parallelism.tensor} splits the {shape.num_heads} attention "
+            f"and {shape.num_kv_heads} KV heads; pipeline {parallelism.pipeline} the "
+            f"{shape.num_layers} layers"
         ),
     }

@@ -10,6 +10,10 @@ from .names import (
     CONTAINER_NAME,
     HTTP_PORT,
     HTTP_PORT_NAME,
+    KV_EVENTS_PORT,
+    KV_EVENTS_PORT_NAME,
+    KV_REPLAY_PORT,
+    KV_REPLAY_PORT_NAME,
     TEMPLATE_HASH_LABEL,
     get_labels,
     get_template_hash,
@@ -140,6 +144,11 @@ def get_container(name: str, spec: InferenceServiceSpec, role: str = "server") -
             ports.append(
                 {"name": MASTER_PORT_NAME, "containerPort": MASTER_PORT, "protocol": "TCP"}
             )
+        if "kv-events-config" in spec.engine.settings:
+            ports += [
+                {"name": KV_EVENTS_PORT_NAME, "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+                {"name": KV_REPLAY_PORT_NAME, "containerPort": KV_REPLAY_PORT, "protocol": "TCP"},
+            ]
         container |= {
             "ports": ports,
             "startupProbe": _http_probe(

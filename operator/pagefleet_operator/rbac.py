@@ -2,8 +2,11 @@
 
 `python -m pagefleet_operator rbac` prints it as a ClusterRole; the Helm chart keeps a
 copy and its test compares the two. kopf itself needs the InferenceService watch and
-patch (for its annotations) and Event creation; resource scanning is switched off in
-`handlers.configure`, so it needs no CRD or Namespace access.
+patch (for its annotations) and Event creation. Every kind it makes is listed and watched
+(the watch cache reconciles read, see cache.py), and CustomResourceDefinitions too: kopf
+starts the watch of a kind whose CRD appears after the operator (LeaderWorkerSet,
+PodMonitor). In a Role (operator.watchNamespaces) that rule grants nothing, and the
+operator does not scan: such a kind is watched from the next start.
 """
 
 from __future__ import annotations
@@ -31,23 +34,34 @@ RULES: list[dict[str, Any]] = [
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     # Services are deleted only when spec.router goes away (its headless pod Service).
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch", "delete"]},
+    {
+        "apiGroups": [""],
+        "resources": ["services"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     {
         "apiGroups": ["networking.k8s.io"],
         "resources": ["ingresses"],
-        "verbs": ["get", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {
         "apiGroups": ["policy"],
         "resources": ["poddisruptionbudgets"],
-        "verbs": ["get", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     # The serving pods' PodMonitor, with spec.monitoring.podMonitor (whether the cluster
     # serves the CRD is asked through discovery, which every account may read).
     {
         "apiGroups": ["monitoring.coreos.com"],
         "resources": ["podmonitors"],
-        "verbs": ["get", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    # spec.gateway.inferencePool: the Gateway API Inference Extension's InferencePool (an
+    # optional CRD, asked through discovery like PodMonitor's), watched like every child.
+    {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     # spec.parallelism over several nodes: a LeaderWorkerSet per resource (its CRD is an
     # optional install; discovery says whether it is served), scaled through its scale
@@ -69,12 +83,12 @@ RULES: list[dict[str, Any]] = [
     {
         "apiGroups": [""],
         "resources": ["serviceaccounts"],
-        "verbs": ["get", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {
         "apiGroups": ["rbac.authorization.k8s.io"],
         "resources": ["roles", "rolebindings"],
-        "verbs": ["get", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {
         "apiGroups": ["discovery.k8s.io"],
@@ -89,9 +103,16 @@ RULES: list[dict[str, Any]] = [
     {
         "apiGroups": [""],
         "resources": ["configmaps"],
-        "verbs": ["get", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
+    # A claim created after its service is noticed at once (handlers.claim_changed).
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "list", "watch"]},
+    # kopf's scanning (cluster-wide): a CRD installed later is watched from then on.
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["list", "watch"],
+    },
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # Leader election (leader.py): the Lease of each watched namespace, or the cluster's.
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},

@@ -15,6 +15,7 @@ from typing import Any
 
 from .apply import ApplyError, Change, apply_plan
 from .desired import MANAGED_OBJECTS, OPTIONAL_KINDS, get_desired_objects
+from .inference_pool import get_inference_pool_condition
 from .kube import RESOURCES, Kube
 from .names import check_name
 from .parallelism import check_parallelism
@@ -52,12 +53,31 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# APIs a cluster may lack, whose objects are made once their CRD is served (polled by
+# handlers.watch_optional_apis): PodMonitor is left out without it, a LeaderWorkerSet
+# is a problem.
+OPTIONAL_APIS = (*OPTIONAL_KINDS, "LeaderWorkerSet")
+
+
+def get_claims(raw_spec: Mapping[str, Any]) -> list[str]:
+    """The claims a spec's pods mount, as written (a pvc:// model's, the cache's), for
+    finding the services to reconcile when a claim appears; a malformed spec mounts none."""
+    model, cache = raw_spec.get("model"), raw_spec.get("modelCache")
+    uri = model.get("uri") if isinstance(model, Mapping) else None
+    claims = []
+    if isinstance(uri, str) and uri.startswith("pvc://"):
+        claims.append(uri.removeprefix("pvc://").split("/", 1)[0])
+    if isinstance(cache, Mapping) and isinstance(cache.get("pvcName"), str):
+        claims.append(cache["pvcName"])
+    return [claim for claim in claims if claim]
+
+
 def find_missing_claims(kube: Kube, namespace: str, spec: InferenceServiceSpec) -> Problem | None:
     for field_path, claim in (
         ("model.uri", spec.pvc_claim),
         ("modelCache.pvcName", spec.model_cache_pvc),
     ):
-        if claim and kube.get("PersistentVolumeClaim", namespace, claim) is None:
+        if claim and kube.observe("PersistentVolumeClaim", namespace, claim, False) is None:
             return Problem(
                 "PVCNotFound",
                 f"spec.{field_path}: PersistentVolumeClaim {claim!r} does not exist in {namespace!r}",
@@ -175,15 +195,19 @@ def reconcile(
         desired = None if problem is not None else desired
 
     workload_kind = get_workload_kind(spec)
-    observed_deployment = kube.get(workload_kind, namespace, name)
-    failed_kind, monitored = None, None
+    observed_deployment = kube.observe(workload_kind, namespace, name, desired is not None)
+    failed_kind, monitored, pooled = None, None, None
     if desired is not None:
         served = drop_unserved_kinds(kube, desired)
         monitored = get_monitored_condition(spec, "PodMonitor" in served)
         observed: dict[str, Any] = {workload_kind: observed_deployment}
         for slot, (kind, suffix) in MANAGED_OBJECTS.items():
             if slot in served and slot not in observed:
-                observed[slot] = kube.get(kind, namespace, name + suffix)
+                wanted = served[slot] is not None
+                observed[slot] = kube.observe(kind, namespace, name + suffix, wanted)
+        pooled = get_inference_pool_condition(
+            spec, "InferencePool" in served, observed.get("InferencePool")
+        )
         the_plan = plan(served, observed, meta["uid"])
         try:
             changes = apply_plan(kube, the_plan)
@@ -197,13 +221,15 @@ def reconcile(
         if changes:
             observed_deployment = kube.get(workload_kind, namespace, name)
 
-    status = get_status(body, spec, observed_deployment, problem, now(), monitored, parallelism)
+    status = get_status(
+        body, spec, observed_deployment, problem, now(), monitored, parallelism, pooled
+    )
     new_problem = problem is not None and problem.message != _current_degraded_message(body)
     written = False
     if not is_status_current(body, status):
         kube.patch_status(namespace, name, status)
         written = True
-    ready, desired_replicas = get_replica_counts(spec, observed_deployment)
+    ready, desired_replicas = get_replica_counts(body, spec, observed_deployment)
     return Outcome(
         the_plan,
         tuple(changes),

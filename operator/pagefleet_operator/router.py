@@ -17,6 +17,8 @@ from typing import Any
 from . import GROUP, PLURAL
 from .lws import get_serving_selector_labels
 from .names import (
+    EXT_PROC_PORT,
+    EXT_PROC_PORT_NAME,
     HTTP_PORT,
     HTTP_PORT_NAME,
     INSTANCE_LABEL,
@@ -140,6 +142,8 @@ def get_router_args(name: str, spec: InferenceServiceSpec) -> list[str]:
     ]
     if spec.autoscaling.enabled and spec.autoscaling.min_replicas == 0:
         args.append(f"--scale-from-zero={name}")
+    if spec.inference_pool.enabled:
+        args.append(f"--ext-proc-port={EXT_PROC_PORT}")
     return args
 
 
@@ -158,13 +162,18 @@ def get_router_deployment(
     if not spec.router.enabled:
         return None
     name = body["metadata"]["name"]
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    if spec.inference_pool.enabled:
+        ports.append(
+            {"name": EXT_PROC_PORT_NAME, "containerPort": EXT_PROC_PORT, "protocol": "TCP"}
+        )
     container = {
         "name": ROUTER_CONTAINER_NAME,
         "image": spec.router.image,
         # The operator image's entry point is the operator; the router is its sibling.
         "command": ["python", "-m", "pagefleet_router"],
         "args": get_router_args(name, spec),
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "readinessProbe": _probe("/ready"),
         "livenessProbe": _probe("/health"),
         "resources": dict(spec.router.resources),

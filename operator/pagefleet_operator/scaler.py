@@ -42,6 +42,23 @@ def read_history(status: Mapping[str, Any]) -> list[Recommendation]:
     return history
 
 
+def carry_on_in_force(
+    history: list[Recommendation], status: Mapping[str, Any], last_round: float
+) -> list[Recommendation]:
+    """The history with the recommendation in force brought up to the last round, at
+    `last_round` (one interval ago). The status is written only when something in it
+    changes, a new recommendation included, so the recommendation it holds was made by
+    every round since it was written (rounds that wrote nothing), up to the last one
+    before this (after a restart: before the stop, so this errs towards holding longer).
+    A stabilization window then counts from the last round that made it, as it would
+    had every round been written."""
+    in_force = (status.get("autoscaler") or {}).get("recommendedReplicas")
+    return [
+        Recommendation(max(h.time, last_round), h.replicas) if h.replicas == in_force else h
+        for h in history
+    ]
+
+
 def read_idle_since(status: Mapping[str, Any]) -> float | None:
     """When every pod last turned idle (minReplicas 0), as the previous round wrote it."""
     try:
@@ -72,6 +89,24 @@ def get_autoscaler_status(decision: Decision, now: float) -> dict[str, Any]:
         status["lastScaleTime"] = _iso(now)
         status["lastScaleReason"] = decision.reason
     return status
+
+
+def is_autoscaler_status_current(current: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
+    """Whether the merge patch `patch` of status.autoscaler would change nothing a reader
+    acts on: the same values, the same recommendations (their times aside, see
+    carry_on_in_force), only a newer observation time. An idle service then writes
+    nothing, round after round (every write is a new resourceVersion for every watcher),
+    as the HPA writes its status only when it changes."""
+    for key, value in patch.items():
+        have = current.get(key)
+        if key == "lastObservationTime":
+            continue
+        if key == "recentRecommendations":
+            have = [item.get("replicas") for item in have or [] if isinstance(item, dict)]
+            value = [item["replicas"] for item in value]
+        if have != value:
+            return False
+    return True
 
 
 def list_owned_pods(
@@ -118,7 +153,7 @@ def _list_owned_pods(
     `workload` (kind, name) this resource controls owns."""
     meta = body["metadata"]
     namespace = meta["namespace"]
-    owned = kube.get(workload[0], namespace, workload[1])
+    owned = kube.observe(workload[0], namespace, workload[1], False)
     if owned is None or not is_owned_by(owned, meta["uid"]):
         return []
     set_uids = {
@@ -175,7 +210,7 @@ def autoscale_once(
         spec.replicas,
         scrape(pods),
         spec.autoscaling,
-        read_history(status),
+        carry_on_in_force(read_history(status), status, now - spec.autoscaling.interval_seconds),
         now,
         read_idle_since(status),
         held,
@@ -187,6 +222,7 @@ def autoscale_once(
         kube.scale(namespace, name, decision.replicas)
         if spec.parallelism.multi_node:
             kube.scale(namespace, name, decision.replicas, kind="LeaderWorkerSet")
-    status_patch = {"autoscaler": get_autoscaler_status(decision, now)}
-    kube.patch_status(namespace, name, status_patch)
+    autoscaler_status = get_autoscaler_status(decision, now)
+    if not is_autoscaler_status_current(status.get("autoscaler") or {}, autoscaler_status):
+        kube.patch_status(namespace, name, {"autoscaler": autoscaler_status})
     return decision

@@ -8,6 +8,7 @@ turns into a Degraded condition instead of a crash loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -26,6 +27,18 @@ from pagefleet_serve.config import (
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURI, ModelURIError, parse_model_uri
 
 from .config import DEFAULT_ROUTER_IMAGE
+from .kubefields import (
+    check_annotation_keys,
+    check_dns_subdomain,
+    check_env,
+    check_host,
+    check_labels,
+    check_resources,
+    check_secret_key_ref,
+    check_tolerations,
+)
+from .names import KV_EVENTS_PORT, KV_REPLAY_PORT
+from .spec_errors import SpecError
 
 # What a resource serves: the engine's TASKS but auto (a resource says which it means).
 SPEC_TASKS = tuple(task for task in TASKS if task != "auto")
@@ -38,14 +51,6 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 _KV_CACHE_MEMORY = re.compile(BYTE_SIZE_PATTERN)
 # An adapter's name is what requests send as their model: a DNS-1123 label, as the CRD says.
 _ADAPTER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-class SpecError(ValueError):
-    """A spec the operator cannot satisfy; the message names the field and what is allowed."""
-
-    def __init__(self, field_path: str, problem: str):
-        super().__init__(f"spec.{field_path}: {problem}")
-        self.field_path = field_path
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,21 @@ class MonitoringSpec:
     pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
 
 
+FAILURE_MODES = ("FailClose", "FailOpen")
+
+
+@dataclass(frozen=True)
+class InferencePoolSpec:
+    """An inference.networking.k8s.io/v1 InferencePool of the serving pods whose Endpoint
+    Picker is the router (spec.gateway.inferencePool): a Gateway API gateway's HTTPRoute
+    can then send requests to the pods, the router choosing each one."""
+
+    enabled: bool = False
+    # What the gateway does when the router does not answer: FailClose refuses the
+    # request, FailOpen sends it to a pod of its own choosing.
+    failure_mode: str = "FailClose"
+
+
 # NCCL's intra-node transport and torch's worker processes share tensors through /dev/shm;
 # a container's default 64 MiB is too small for either (a memory-backed emptyDir, which
 # counts against the pod's memory).
@@ -172,6 +192,7 @@ class InferenceServiceSpec:
     adapters: tuple[AdapterSpec, ...] = ()
     parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
     task: str = "generate"  # one of SPEC_TASKS
+    inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
 
     @property
     def pvc_claim(self) -> str | None:
@@ -221,8 +242,8 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     if parsed.scheme == "builtin" and uri not in BUILTIN_MODELS:
         raise SpecError("model.uri", f"{uri!r} is not a built-in model; have {BUILTIN_MODELS}")
     token_ref = _get(model, "tokenSecretRef", "model", dict)
-    if token_ref is not None and not (token_ref.get("name") and token_ref.get("key")):
-        raise SpecError("model.tokenSecretRef", "needs both name and key")
+    if token_ref is not None:
+        check_secret_key_ref("model.tokenSecretRef", token_ref)
     # By default the model's own name without its org (a .gguf file: its stem; never the
     # @revision).
     served_name = _get(model, "servedName", "model", str) or parsed.name.rsplit("/", 1)[-1]
@@ -232,6 +253,8 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
 def _check_image(
     image: str | None, allowed_prefixes: tuple[str, ...], field_path: str = "engine.image"
 ) -> None:
+    if image is not None and (not image or image != "".join(image.split())):
+        raise SpecError(field_path, f"{image!r} must be an image reference, without spaces")
     if image and allowed_prefixes and not image.startswith(allowed_prefixes):
         raise SpecError(
             field_path,
@@ -277,6 +300,7 @@ def _parse_engine(
         "kv-cache-memory": kv_memory,
         "enable-prefix-caching": prefix_caching,
         "speculative-config": _speculative_config(engine),
+        "kv-events-config": _kv_events_config(engine),
         "max-loras": _get_int(engine, "maxLoras", path, minimum=1),
         "max-lora-rank": _get_int(engine, "maxLoraRank", path, minimum=1),
         "max-cpu-loras": _get_int(engine, "maxCpuLoras", path, minimum=1),
@@ -289,14 +313,13 @@ def _parse_engine(
             "kept in host memory too",
         )
     secret_ref = _get(engine, "apiKeySecretRef", path, dict)
-    if secret_ref is not None and not (secret_ref.get("name") and secret_ref.get("key")):
-        raise SpecError("engine.apiKeySecretRef", "needs both name and key")
+    if secret_ref is not None:
+        check_secret_key_ref("engine.apiKeySecretRef", secret_ref)
     extra_args = _get(engine, "extraArgs", path, list, [])
     if not all(isinstance(arg, str) for arg in extra_args):
         raise SpecError("engine.extraArgs", "must be a list of strings")
     env = _get(engine, "env", path, list, [])
-    if not all(isinstance(item, dict) and item.get("name") for item in env):
-        raise SpecError("engine.env", "every entry needs a name")
+    check_env("engine.env", env)
     return EngineSpec(
         image=_get(engine, "image", path, str) or default_image,
         image_pull_policy=pull_policy or default_pull_policy,
@@ -306,6 +329,24 @@ def _parse_engine(
         extra_args=tuple(extra_args),
         env=tuple(env),
         runtime_lora_updating=_get(engine, "runtimeLoraUpdating", path, bool, True),
+    )
+
+
+def _kv_events_config(engine: Mapping[str, Any]) -> str | None:
+    """spec.engine.kvEvents.enabled -> the pods' --kv-events-config: a PUB socket and a
+    replay socket bound on the pod's own ports, for a KV-aware router to subscribe to."""
+    section = _get(engine, "kvEvents", "engine", dict, {})
+    if not _get(section, "enabled", "engine.kvEvents", bool, False):
+        return None
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+            "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
+            "topic": "kv",
+        },
+        separators=(",", ":"),
     )
 
 
@@ -432,7 +473,7 @@ def _parse_router(
         hold_timeout_seconds=_get_int(
             section, "holdTimeoutSeconds", path, defaults.hold_timeout_seconds, 1
         ),
-        resources=_get(section, "resources", path, dict, {}),
+        resources=_get_resources(section, path),
     )
 
 
@@ -446,6 +487,34 @@ def _check_scale_to_zero(autoscaling: AutoscalingSpec, router: RouterSpec) -> No
         )
 
 
+def _parse_inference_pool(
+    spec: Mapping[str, Any], router: RouterSpec, default: bool
+) -> tuple[InferencePoolSpec, RouterSpec]:
+    """The pool, and the router it needs as its Endpoint Picker: a pool turns the router
+    on unless spec.router.enabled says false, which refuses an explicit pool and leaves
+    the operator's default one out."""
+    path = "gateway.inferencePool"
+    section = _get_section(_get_section(spec, "gateway"), "inferencePool")
+    enabled = _get(section, "enabled", path, bool)
+    failure_mode = _get(section, "failureMode", path, str, "FailClose")
+    if failure_mode not in FAILURE_MODES:
+        raise SpecError(
+            f"{path}.failureMode",
+            f"must be one of {', '.join(FAILURE_MODES)}, got {failure_mode!r}",
+        )
+    router_off = _get_section(spec, "router").get("enabled") is False
+    if enabled and router_off:
+        raise SpecError(
+            f"{path}.enabled",
+            "the pool's Endpoint Picker is the router: remove spec.router.enabled: false",
+        )
+    if enabled is None:
+        enabled = default and not router_off
+    if enabled and not router.enabled:
+        router = dataclasses.replace(router, enabled=True)
+    return InferencePoolSpec(enabled=enabled, failure_mode=failure_mode), router
+
+
 def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
     section = _get(spec, "ingress", "", dict)
     if section is None:
@@ -453,22 +522,24 @@ def _parse_ingress(spec: Mapping[str, Any]) -> IngressSpec | None:
     host = _get(section, "host", "ingress", str)
     if not host:
         raise SpecError("ingress.host", "is required when ingress is set")
+    check_host("ingress.host", host)
+    class_name = _get(section, "className", "ingress", str)
+    if class_name:
+        check_dns_subdomain("ingress.className", class_name, "an IngressClass name")
+    annotations = _get(section, "annotations", "ingress", dict, {})
+    check_annotation_keys("ingress.annotations", annotations)
     return IngressSpec(
         host=host,
-        class_name=_get(section, "className", "ingress", str),
+        class_name=class_name,
         tls_secret_name=_get(section, "tlsSecretName", "ingress", str),
-        annotations=_get(section, "annotations", "ingress", dict, {}),
+        annotations=annotations,
     )
 
 
 def _parse_monitoring(spec: Mapping[str, Any], pod_monitor_default: bool) -> MonitoringSpec:
     section = _get_section(spec, "monitoring")
     labels = _get(section, "podMonitorLabels", "monitoring", dict, {})
-    for key, value in labels.items():
-        if not isinstance(value, str):
-            raise SpecError(
-                f"monitoring.podMonitorLabels.{key}", f"must be a string, got {value!r}"
-            )
+    check_labels("monitoring.podMonitorLabels", labels)
     return MonitoringSpec(
         pod_monitor=_get(section, "podMonitor", "monitoring", bool, pod_monitor_default),
         pod_monitor_labels=labels,
@@ -542,10 +613,22 @@ def _parse_parallelism(spec: Mapping[str, Any], resources: Mapping[str, Any]) ->
 
 def _parse_tolerations(spec: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
     tolerations = _get(spec, "tolerations", "", list, [])
-    for i, item in enumerate(tolerations):
-        if not isinstance(item, dict):
-            raise SpecError(f"tolerations[{i}]", f"must be an object, got {item!r}")
+    check_tolerations("tolerations", tolerations)
     return tuple(tolerations)
+
+
+def _get_resources(section: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    """A container's resources (spec.resources, spec.router.resources), as the API server
+    would take them."""
+    resources = _get(section, "resources", path, dict, {})
+    check_resources(_join(path, "resources"), resources)
+    return resources
+
+
+def _parse_node_selector(spec: Mapping[str, Any]) -> Mapping[str, str]:
+    node_selector = _get(spec, "nodeSelector", "", dict, {})
+    check_labels("nodeSelector", node_selector)
+    return node_selector
 
 
 def parse_spec(
@@ -557,6 +640,7 @@ def parse_spec(
     allowed_image_prefixes: tuple[str, ...] = (),
     pod_monitor_default: bool = False,
     router_image: str = DEFAULT_ROUTER_IMAGE,
+    inference_pool_default: bool = False,
 ) -> InferenceServiceSpec:
     """Validate a raw spec and fill the defaults the CRD would have filled."""
     cache = _get_section(spec, "modelCache")
@@ -568,9 +652,12 @@ def parse_spec(
         _parse_autoscaling(spec),
         _parse_router(spec, router_image, allowed_image_prefixes),
     )
+    inference_pool, router = _parse_inference_pool(spec, router, inference_pool_default)
     _check_scale_to_zero(autoscaling, router)
     model = _parse_model(spec)
     resources = _get(spec, "resources", "", dict, {})
+    parallelism = _parse_parallelism(spec, resources)
+    check_resources("resources", resources)
     return InferenceServiceSpec(
         model=model,
         engine=_parse_engine(
@@ -578,7 +665,7 @@ def parse_spec(
         ),
         replicas=_get_int(spec, "replicas", "", 1),
         resources=resources,
-        node_selector=_get(spec, "nodeSelector", "", dict, {}),
+        node_selector=_parse_node_selector(spec),
         tolerations=_parse_tolerations(spec),
         model_cache_pvc=pvc_name,
         model_cache_size_limit=size_limit,
@@ -589,5 +676,6 @@ def parse_spec(
         fixed_user_ids=fixed_user_ids,
         adapters=_parse_adapters(spec, model),
         task=_parse_task(spec),
-        parallelism=_parse_parallelism(spec, resources),
+        parallelism=parallelism,
+        inference_pool=inference_pool,
     )

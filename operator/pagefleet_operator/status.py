@@ -53,10 +53,26 @@ def get_workload_kind(spec: InferenceServiceSpec | None) -> str:
     return "LeaderWorkerSet" if spec is not None and spec.parallelism.multi_node else "Deployment"
 
 
-def _rollout(spec: InferenceServiceSpec | None, deployment: Mapping[str, Any] | None):
-    """(ready, desired, progressing condition, deadline problem) of the serving workload."""
+def get_requested_replicas(body: Mapping[str, Any]) -> int:
+    """spec.replicas as written, for a spec the operator rejects as a whole: a rejected
+    spec is not a request for zero replicas. The CRD's default (1) where it is not a
+    count."""
+    replicas = (body.get("spec") or {}).get("replicas", 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        return 1
+    return replicas
+
+
+def _rollout(
+    spec: InferenceServiceSpec | None,
+    deployment: Mapping[str, Any] | None,
+    requested: int,
+):
+    """(ready, desired, progressing condition, deadline problem) of the serving workload.
+    `requested`: get_requested_replicas, the desired count while the spec is rejected and
+    no workload exists."""
     if deployment is None:
-        desired = spec.replicas if spec else 0
+        desired = spec.replicas if spec else requested
         return (
             0,
             desired,
@@ -87,10 +103,12 @@ def _rollout(spec: InferenceServiceSpec | None, deployment: Mapping[str, Any] | 
 
 
 def get_replica_counts(
-    spec: InferenceServiceSpec | None, deployment: Mapping[str, Any] | None
+    body: Mapping[str, Any],
+    spec: InferenceServiceSpec | None,
+    deployment: Mapping[str, Any] | None,
 ) -> tuple[int, int]:
     """(ready, desired) replicas, as the status reports them."""
-    ready, desired, _, _ = _rollout(spec, deployment)
+    ready, desired, _, _ = _rollout(spec, deployment, get_requested_replicas(body))
     return ready, desired
 
 
@@ -119,10 +137,13 @@ def get_status(
     now: str,
     monitored: dict[str, Any] | None = None,
     parallelism: dict[str, Any] | None = None,
+    inference_pool: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`deployment`: the serving workload (get_workload_kind), None while it is missing."""
     meta = body["metadata"]
-    ready, desired, progressing, deadline_problem = _rollout(spec, deployment)
+    ready, desired, progressing, deadline_problem = _rollout(
+        spec, deployment, get_requested_replicas(body)
+    )
     if deployment is None and problem is not None:
         # Nothing is being created while the spec has a problem (a missing PVC, say):
         # say what the Deployment waits for instead of "Creating".
@@ -137,6 +158,12 @@ def get_status(
     if ready:
         ready_condition = _condition(
             "Ready", True, "Serving", f"{ready}/{desired} replicas ready at {url}"
+        )
+    elif deployment is None and problem is not None:
+        # Nothing runs because of the problem: `kubectl get` shows why (its STATUS column
+        # is this reason), not ScaledToZero or a wait for replicas that never come.
+        ready_condition = _condition(
+            "Ready", False, problem.reason, f"0/{desired} replicas ready: {problem.message}"
         )
     elif desired == 0:
         ready_condition = _condition("Ready", False, "ScaledToZero", "spec.replicas is 0")
@@ -165,7 +192,7 @@ def get_status(
                 ready_condition,
                 progressing,
                 degraded,
-                *(item for item in (monitored, parallelism) if item),
+                *(item for item in (monitored, parallelism, inference_pool) if item),
             ],
             now,
         ),

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from pagefleet_flags import EnvFlags
@@ -17,6 +18,9 @@ from .discovery import Discovery, ScrapeSettings, StaticEndpoints
 from .policy import PolicyConfig
 from .proxy import Router, RouterSettings, Waker
 from .tracing import RequestTracing
+
+if TYPE_CHECKING:
+    from .kv_feed import PreciseRouting
 
 logger = logging.getLogger("pagefleet_router")
 
@@ -164,6 +168,44 @@ def get_parser() -> argparse.ArgumentParser:
         "http://collector:4318/v1/traces) and pass its context on in traceparent",
         default=None,
     )
+    flag(
+        "--ext-proc-port",
+        "also serve Envoy's ext_proc on this port (gRPC): the router as a Gateway API "
+        "Inference Extension InferencePool's Endpoint Picker, with gRPC health",
+        type=int,
+        default=None,
+    )
+    flag(
+        "--ext-proc-fallbacks",
+        "endpoints the Endpoint Picker names after its pick, for the gateway's retries",
+        type=int,
+        default=2,
+    )
+    flag(
+        "--kv-events-endpoint",
+        "precise prefix routing: subscribe to each pod's KV cache events (vLLM's format, "
+        "`pagefleet serve --kv-events-config`) at this ZMQ endpoint, {host} and {port} "
+        "taken from the pod's URL, e.g. tcp://{host}:5557; needs --tokenizer",
+        default=None,
+    )
+    flag(
+        "--kv-replay-endpoint",
+        "the pods' KV event replay sockets, a template as --kv-events-endpoint (e.g. "
+        "tcp://{host}:5558): a new pod's cache, lost batches and restarts are read again",
+        default=None,
+    )
+    flag("--kv-events-topic", "the pods' KV event topic", default="")
+    flag(
+        "--tokenizer",
+        "the model's tokenizer.json: the router names a prompt's blocks as the pods do",
+        default=None,
+    )
+    flag(
+        "--kv-block-size",
+        "the pods' KV block size in tokens (their --block-size)",
+        type=int,
+        default=16,
+    )
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     return parser
 
@@ -213,9 +255,26 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", exc)
         return 2
     tracing = None if tracer is None else RequestTracing(tracer)
-    router = Router(settings, *_discovery_and_waker(args, parser), tracing=tracing)
+    if args.ext_proc_fallbacks < 0:
+        parser.error(f"--ext-proc-fallbacks must be >= 0, got {args.ext_proc_fallbacks}")
+    if bool(args.kv_events_endpoint) != bool(args.tokenizer):
+        parser.error("--kv-events-endpoint and --tokenizer go together (precise prefix routing)")
+    router = Router(
+        settings,
+        *_discovery_and_waker(args, parser),
+        tracing=tracing,
+        precise=_precise_routing(args, settings) if args.kv_events_endpoint else None,
+    )
+    app = router.create_app()
+    if args.ext_proc_port is not None:
+        # Imported only here: the Envoy messages take most of a second to import.
+        from .ext_proc import ExtProcServer
+
+        ExtProcServer(router, settings.host, args.ext_proc_port, args.ext_proc_fallbacks).attach(
+            app
+        )
     web.run_app(
-        router.create_app(),
+        app,
         host=settings.host,
         port=settings.port,
         **router.server_options(),
@@ -223,6 +282,20 @@ def main(argv: list[str] | None = None) -> int:
         print=lambda banner: logger.info("%s", banner.splitlines()[0].strip("= ")),
     )
     return 0
+
+
+def _precise_routing(args: argparse.Namespace, settings: RouterSettings) -> PreciseRouting:
+    # Imported only here: zmq, msgspec and tokenizers serve precise routing alone.
+    from .kv_feed import FeedSettings, KVEventFeeds, PreciseRouting
+    from .kv_index import KVBlockIndex, PromptBlocks
+
+    index = KVBlockIndex()
+    feeds = KVEventFeeds(
+        FeedSettings(args.kv_events_endpoint, args.kv_replay_endpoint, args.kv_events_topic),
+        index,
+    )
+    blocks = PromptBlocks(Path(args.tokenizer), args.kv_block_size, settings.max_prefix_blocks)
+    return PreciseRouting(blocks, index, feeds)
 
 
 _POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

@@ -40,6 +40,24 @@ class RouterMetrics:
             "Requests answered 503 because no pod could take them.",
             registry=self.registry,
         )
+        self.shed = Counter(
+            "pagefleet:router_shed",
+            "Endpoint Picker requests answered 429 because every pod's queue was over the limit.",
+            registry=self.registry,
+        )
+        self.usage_tokens = Counter(
+            "pagefleet:router_usage_tokens",
+            "Tokens of the responses the Endpoint Picker saw pass (their `usage`), by pod "
+            "and kind (prompt, completion).",
+            ("pod", "kind"),
+            registry=self.registry,
+        )
+        self.kv_blocks = Gauge(
+            "pagefleet:router_kv_cached_blocks",
+            "Blocks each pod's KV cache holds, as its KV events told (precise routing).",
+            ("pod",),
+            registry=self.registry,
+        )
         self.pods = Gauge(
             "pagefleet:router_pods",
             "Pods discovered, and of those with fresh metrics.",

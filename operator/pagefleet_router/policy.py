@@ -7,6 +7,8 @@ DELETE of one) goes to the pod that answered it, whatever its load or errors: th
 is per pod, and any other pod answers 404 ("response"). Otherwise, in order of
 preference, among pods with fresh metrics whose queue is not over the limit and that are
 under the load bound:
+  0. "cached": with precise routing, the pod whose KV cache holds the most leading
+     blocks of the prompt (its events say so), the least loaded of those that tie;
   1. "prefix": the pod that most recently served the longest matching prefix;
   2. "hash" / "bounded": the prompt's first block's home by rendezvous (highest random
      weight) hashing, or, when the home is at its bound, the next pod in that order;
@@ -27,10 +29,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-REASONS = ("response", "prefix", "adapter", "hash", "bounded", "load", "all_busy")
+REASONS = ("response", "cached", "prefix", "adapter", "hash", "bounded", "load", "all_busy")
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,14 @@ def choose_pod(
     config: PolicyConfig,
     model: str | None = None,
     response_holder: str | None = None,
+    cached: Mapping[str, int] | None = None,
 ) -> Decision | None:
     """The pod for a request whose prompt has these leading block hashes; None if no pod.
     `last_served(block_hash)` names the pod that most recently served that block; `model`
     is the request's model (a LoRA adapter's name selects that adapter);
-    `response_holder` the pod that answered the stored response the request names."""
+    `response_holder` the pod that answered the stored response the request names;
+    `cached` each pod's leading blocks of the prompt in its KV cache, from its events
+    (precise routing), None without them."""
     if not pods:
         return None
     if response_holder is not None and any(p.url == response_holder for p in pods):
@@ -112,6 +117,11 @@ def choose_pod(
         }
     if holders:
         within, open_pods = holders, list(holders.values())
+    depth = {url: cached.get(url, 0) for url in within} if cached else {}
+    deepest = max(depth.values(), default=0)
+    if deepest:
+        pod = least_loaded([within[url] for url, n in depth.items() if n == deepest], use_metrics)
+        return Decision(pod.url, "cached")
     for block_hash in reversed(hashes):
         url = last_served(block_hash)
         if url in within:

@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +27,9 @@ from .pod_table import PodTable
 from .policy import Decision, PolicyConfig, choose_pod, is_fresh
 from .prefix import PrefixTable, block_hashes, prompt_text
 from .tracing import RequestTracing
+
+if TYPE_CHECKING:  # imported with precise routing only (cli)
+    from .kv_feed import PreciseRouting
 
 logger = logging.getLogger("pagefleet_router.proxy")
 
@@ -81,6 +84,8 @@ class RoutingKey:
     hashes: list[bytes]  # the prompt prefix's block hashes
     model: str | None  # the requested model (an adapter's name routes by adapter)
     response_id: str | None  # the stored response the request continues, reads or deletes
+    # The prompt's blocks as the pods name them (precise routing): [] when not known.
+    block_names: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,7 @@ class _Refused(Exception):
         self.response = response
 
 
-class _NotHeld(Exception):
+class NotHeld(Exception):
     """A request that waited for a pod and got none: the 503 to answer it with."""
 
     def __init__(self, response: web.Response) -> None:
@@ -164,8 +169,10 @@ class Router:
         discovery: Discovery,
         waker: Waker | None = None,
         tracing: RequestTracing | None = None,
+        precise: PreciseRouting | None = None,
     ) -> None:
         self.settings = settings
+        self.precise = precise
         self.discovery = discovery
         self.waker = waker
         self.tracing = tracing
@@ -221,6 +228,8 @@ class Router:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self.precise is not None:
+            await self.precise.feeds.close()
         await self.session.close()
 
     async def _watch(self) -> None:
@@ -240,10 +249,20 @@ class Router:
         for url in vanished:
             self.prefix_table.forget_pod(url)
             self.response_pods.forget_pod(url)
+        if self.precise is not None:
+            self.precise.feeds.follow([p.url for p in self.registry.states()])
         if self._has_fresh_pod():
             self._pod_ready.set()
         else:
             self._pod_ready.clear()
+
+    @property
+    def starting(self) -> bool:
+        """No pod is ready and a waker starts one: requests are held (`hold`)."""
+        return self.waker is not None and not self._pod_ready.is_set()
+
+    def is_ready(self) -> bool:
+        return self.waker is not None or self._has_fresh_pod()
 
     def _has_fresh_pod(self) -> bool:
         return any(is_fresh(p, self.settings.policy) for p in self.registry.states())
@@ -260,8 +279,17 @@ class Router:
     def choose(self, key: RoutingKey, exclude: set[str]) -> Decision | None:
         pods = [p for p in self.registry.states() if p.url not in exclude]
         holder = self.response_pods.get(key.response_id) if key.response_id else None
+        cached = None
+        if self.precise is not None and key.block_names:
+            cached = self.precise.index.cached_blocks(key.block_names)
         return choose_pod(
-            key.hashes, pods, self.prefix_table.get, self.settings.policy, key.model, holder
+            key.hashes,
+            pods,
+            self.prefix_table.get,
+            self.settings.policy,
+            key.model,
+            holder,
+            cached,
         )
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
@@ -278,10 +306,10 @@ class Router:
             body = await self._read_body(request)
         except _Refused as refused:
             return refused.response
-        if self.waker is not None and not self._pod_ready.is_set():
+        if self.starting:
             try:
-                await self._hold()
-            except _NotHeld as refused:
+                await self.hold()
+            except NotHeld as refused:
                 return refused.response
             finally:
                 if span is not None:
@@ -325,13 +353,13 @@ class Router:
         self.metrics.no_pod.inc()
         return _error(503, "no pod could take the request", "no_pod_available")
 
-    async def _hold(self) -> None:
+    async def hold(self) -> None:
         """Wait, in a bounded queue, for the first pod to become ready, waking the service.
         A client that leaves cancels this wait (handler cancellation) and so leaves the
         queue; the pods never see its request."""
         if self._held >= self.settings.max_held_requests:
             self.metrics.not_held.labels("queue_full").inc()
-            raise _NotHeld(
+            raise NotHeld(
                 _error(
                     503,
                     f"the model is starting and {self._held} requests already wait for it "
@@ -348,7 +376,7 @@ class Router:
             await asyncio.wait_for(self._pod_ready.wait(), self.settings.hold_timeout_s)
         except asyncio.TimeoutError:
             self.metrics.not_held.labels("timeout").inc()
-            raise _NotHeld(
+            raise NotHeld(
                 _error(
                     503,
                     f"the model is starting: no pod became ready within "
@@ -388,12 +416,16 @@ class Router:
         return bytes(body)
 
     def _routing_key(self, request: web.Request, body: bytes) -> RoutingKey:
-        """The prompt prefix's block hashes from the body's first prefix_scan_bytes, the
-        requested model, and the stored response the request names (in its path, or a
-        body's `previous_response_id`); a body that is not JSON, too deep or not an object
-        has no prefix or model (the pod answers it with its own error)."""
+        """The stored response the request's path names, else the body's key; a body that
+        is not a request has no prefix or model (the pod answers it with its own error)."""
         if "response_id" in request.match_info:  # GET or DELETE /v1/responses/{id}
             return RoutingKey([], None, request.match_info["response_id"])
+        return self.routing_key(request.path, body) or RoutingKey([], None, None)
+
+    def routing_key(self, path: str, body: bytes) -> RoutingKey | None:
+        """The prompt prefix's block hashes from the body's first prefix_scan_bytes, the
+        requested model, and the stored response a body's `previous_response_id` names;
+        None for a body that is not JSON, too deep or not an object."""
         scanned = body[: self.settings.prefix_scan_bytes]
         cut = len(scanned) < len(body)
         try:
@@ -403,16 +435,17 @@ class Router:
                 max_depth=_MAX_PREFIX_DEPTH,
             )
         except ValueError:  # UnicodeDecodeError included
-            return RoutingKey([], None, None)
+            return None
         if not isinstance(payload, dict):
-            return RoutingKey([], None, None)
+            return None
         model = payload.get("model")
-        text = prompt_text(request.path, payload)
+        text = prompt_text(path, payload)
         hashes = block_hashes(text, self.settings.block_chars, self.settings.max_prefix_blocks)
         return RoutingKey(
             hashes,
             model if isinstance(model, str) else None,
-            _previous_response_id(request.path, payload, body if cut else None),
+            _previous_response_id(path, payload, body if cut else None),
+            self.precise.blocks.names(path, payload) if self.precise is not None else [],
         )
 
     async def _open_upstream(
@@ -501,7 +534,7 @@ class Router:
         """Ready once some pod has fresh metrics: before that the router knows of no pod
         known to answer. A router that wakes the service is ready with no pod at all:
         it must take the request that starts the first one."""
-        if self.waker is not None or self._has_fresh_pod():
+        if self.is_ready():
             return web.json_response({"status": "ready"})
         return _error(503, "no pod with fresh metrics yet", "no_pod_available")
 
@@ -511,6 +544,11 @@ class Router:
         self.metrics.pods.labels("fresh").set(
             sum(is_fresh(p, self.settings.policy) for p in states)
         )
+        if self.precise is not None:
+            for state in states:
+                self.metrics.kv_blocks.labels(state.url).set(
+                    self.precise.index.num_blocks(state.url)
+                )
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
 
@@ -527,9 +565,13 @@ def _previous_response_id(path: str, payload: dict, cut_body: bytes | None) -> s
     return match.group(1).decode(errors="replace") if match else None
 
 
+def error_body(message: str, code: str, kind: str = "server_error") -> dict:
+    """An OpenAI-style error, as the pods answer one."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
 def _error(status: int, message: str, code: str, kind: str = "server_error") -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return web.json_response(body, status=status)
+    return web.json_response(error_body(message, code, kind), status=status)
 
 
 def _body_too_large(limit: int) -> _Refused:

@@ -144,7 +144,7 @@ def discover_model(base_url: str, api_key: str | None) -> tuple[str, str | None]
 
 def load_tokenizer_from(sources: list[str]):
     """The first source that loads; ValueError naming every attempt otherwise."""
-    from pagefleet_serve.model.loader import load_tokenizer
+    from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
     failures = []
     for source in dict.fromkeys(s for s in sources if s):

@@ -169,24 +169,85 @@ class SpeculativeConfig:
         """Parse the flag's JSON (a dict is taken as already parsed); None or {} is off."""
         if text is None or isinstance(text, cls):
             return text
-        if isinstance(text, str):
-            try:
-                text = json.loads(text) if text.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
-        if not isinstance(text, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
+        text = json_flag_object(text, "speculative_config")
         if not text:
             return None
         if "model" in text and "method" not in text:  # vLLM's short form of a draft model
             text = {"method": "draft_model", **text}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(text) - known)
-        if unknown:
-            raise ValueError(
-                f"speculative_config has unknown keys {unknown}; allowed: {sorted(known)}"
-            )
+        check_known_keys(cls, text, "speculative_config")
         return cls(**text)
+
+
+def json_flag_object(text: str | dict, name: str) -> dict:
+    """A flag's JSON object (a dict is taken as already parsed; empty text is {})."""
+    if isinstance(text, str):
+        try:
+            text = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from exc
+    if not isinstance(text, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+    return text
+
+
+def check_known_keys(cls: type, data: dict, name: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown}; allowed: {sorted(known)}")
+
+
+# --kv-events-config: vLLM's JSON keys. A ZMQ endpoint with a wildcard host (tcp://*:5557)
+# or an ipc:// path is bound; any other is connected to (an indexer that binds and
+# collects from many pods, as llm-d's does).
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # a ROUTER socket answering replay requests
+    buffer_steps: int = 10_000  # the batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark, in messages
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(
+                f"kv_events_config.publisher must be one of {KV_EVENT_PUBLISHERS}, "
+                f"got {self.publisher!r}"
+            )
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"kv_events_config.{name} must be a positive integer, got {value!r}"
+                )
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not re.match(r"^(tcp|ipc|inproc)://.+", str(value)):
+                raise ValueError(
+                    f"kv_events_config.{name} must be a ZMQ endpoint (tcp://host:port, "
+                    f"tcp://*:port, ipc://path), got {value!r}"
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: "str | dict | KVEventsConfig | None") -> "KVEventsConfig | None":
+        """Parse the flag's JSON (a dict is taken as already parsed); None, {} or events
+        not enabled is off."""
+        if text is None or isinstance(text, cls):
+            return text if text is None or text.enabled else None
+        text = json_flag_object(text, "kv_events_config")
+        check_known_keys(cls, text, "kv_events_config")
+        config = cls(**text)
+        return config if config.enabled else None
 
 
 # --lora-modules: vLLM's `name=path` pairs (or its JSON objects {"name", "path"}).
@@ -294,6 +355,8 @@ class EngineConfig:
     seed: int = 0
     # vLLM's --speculative-config: a SpeculativeConfig, its JSON text or dict; None: off.
     speculative_config: SpeculativeConfig | str | dict | None = None
+    # vLLM's --kv-events-config: KV cache events over ZMQ; None (or not enabled): none.
+    kv_events_config: KVEventsConfig | str | dict | None = None
     # Seconds a structured output's grammar may take to compile before its request fails.
     structured_outputs_compile_timeout: float = 30.0
     # vLLM's --enable-lora: requests may name a LoRA adapter as their model; each row of a
@@ -312,7 +375,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # vLLM's --task: one of TASKS (auto: detected from the model's files).
     task: str = "auto"
-    # vLLM's --tensor-parallel-size: ranks the model is split over (engine/parallel.py), one
+    # vLLM's --tensor-parallel-size: ranks the model is split over (engine/executor/), one
     # per GPU, on the CPU one per group of the core's CPUs; --pipeline-parallel-size: stages
     # of layers, one after the other, each of tensor_parallel_size ranks.
     tensor_parallel_size: int = 1
@@ -329,6 +392,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.from_json(self.speculative_config)
+        )
+        object.__setattr__(
+            self, "kv_events_config", KVEventsConfig.from_json(self.kv_events_config)
         )
         object.__setattr__(
             self, "lora_modules", tuple(LoRAModule.parse(m) for m in self.lora_modules or ())

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pagefleet_serve.config import PoolingConfig
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.constraint import StructuredOutputs
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 # -- the data both sides share ---------------------------------------------------------------
@@ -125,6 +126,26 @@ class UnloadLoRAAdapter:
     lora_name: str
 
 
+@dataclass(frozen=True)
+class CompileConstraint:
+    """Compile a structured output's constraint before the request that needs it is sent
+    (answered by `ConstraintCompiled` with the same `op_id`): a constraint that cannot be
+    compiled is then refused before the request starts. `client`: who waits for it (the
+    compile queue's budget is per client); None: a caller that is always served."""
+
+    op_id: str
+    constraint: StructuredOutputs
+    client: str | None
+
+
+@dataclass(frozen=True)
+class CancelCompile:
+    """The caller of a `CompileConstraint` stops waiting for it (its client left); a
+    compile nobody waits for any more is dropped."""
+
+    op_id: str
+
+
 # -- core -> frontend ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CoreReady:
@@ -135,8 +156,6 @@ class CoreReady:
     limits: RequestLimits
     num_blocks: int
     stats: EngineStats
-    # What ends a structured output: the frontend compiles constraints to validate them.
-    grammar_stop_token_ids: list[int]
     # The core's start-up phases in seconds (imports, download, kernel_load, weight_load,
     # kv_cache, warm_up), exported as pagefleet:startup_seconds{phase}.
     startup_seconds: dict[str, float] = field(default_factory=dict)
@@ -155,6 +174,18 @@ class LoRAAdaptersChanged:
 
     op_id: str
     adapters: tuple[LoRAAdapterInfo, ...]
+    error: str | None = None
+    status: int = 200
+
+
+@dataclass(frozen=True)
+class ConstraintCompiled:
+    """The answer to a `CompileConstraint`: `error` None when the grammar is compiled (and
+    cached for the request that follows), else why not, with the HTTP status that says
+    whose fault it is (400 the constraint's, 429 the compile queue or this client's share
+    of it is full, 500 the engine's)."""
+
+    op_id: str
     error: str | None = None
     status: int = 200
 

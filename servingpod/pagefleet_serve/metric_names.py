@@ -15,6 +15,9 @@ out, and tests/router checks they are these. A counter's samples carry prometheu
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
+# An info gauge (value 1) whose labels carry the cache's shape: `block_size` and
+# `num_gpu_blocks`, which a GIE/llm-d prefix scorer reads.
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
 # The engine's counters.
 PROMPT_TOKENS = "vllm:prompt_tokens"

@@ -5,9 +5,12 @@ import json
 
 import pytest
 import torch
+from pagefleet_kernels.backend import torch_backend
 from pagefleet_serve.engine.device import RunnerConfig
 from pagefleet_serve.engine.model_runner import ModelRunner
-from pagefleet_serve.model.loader import LoadedModel
+from pagefleet_serve.model.context import ModelContext
+from pagefleet_serve.model.loader.model_loader import from_weights
+from pagefleet_serve.model.registry import build_model
 
 from benchmarks import bench_decode_roofline as bench
 
@@ -16,9 +19,7 @@ from benchmarks import bench_decode_roofline as bench
 def test_a_steps_weight_bytes_are_the_models_parameters_less_the_unread_embedding(shape):
     config = bench.SHAPES[shape]
     with torch.device("meta"):  # the 8B shape's parameters, without their storage
-        from pagefleet_serve.model.llama import LlamaForCausalLM
-
-        model = LlamaForCausalLM(config)
+        model = build_model(config, ModelContext(torch_backend()))
     parameters = sum(p.numel() for p in model.parameters())
     embedding = config.vocab_size * config.hidden_size
     batch, context = 8, 1024
@@ -49,7 +50,7 @@ def test_the_random_weights_load_into_the_model_runner_and_give_finite_logits():
     config = bench.SHAPES["tiny"]
     weights = bench.random_weights(config, torch.float32, torch.device("cpu"))
     runner = ModelRunner(
-        LoadedModel("tiny", config, weights, None),
+        from_weights("tiny", config, weights.items(), ModelContext(torch_backend())),
         RunnerConfig(torch.device("cpu"), torch.float32, bench.BLOCK_SIZE, "torch", "auto"),
     )
     runner.allocate_kv_cache(4)

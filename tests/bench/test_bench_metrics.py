@@ -18,7 +18,7 @@ from pagefleet_bench.datasets import (
 )
 from pagefleet_bench.metrics import compute_metrics, format_result
 from pagefleet_bench.runner import send_times
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
 
 class FakeClock:

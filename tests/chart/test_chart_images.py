@@ -163,14 +163,21 @@ def test_operator_image_installs_what_the_operator_imports():
 
     distributions = packages_distributions()
     imported = set()
-    for path in (REPO / "operator" / "pagefleet_operator").glob("*.py"):
+    for path in (REPO / "operator").glob("pagefleet_*/*.py"):  # the operator and the router
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 imported |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 imported.add(node.module.split(".")[0])
-    # pagefleet_serve: the pod's vocabulary and URI parser, from `pip install --no-deps /src`.
-    first_party = {"__future__", "pagefleet_operator", "pagefleet_serve"}
+    # pagefleet_serve: the pod's vocabulary and URI parser, pagefleet_flags: the flags the
+    # router shares with the pod, both from `pip install --no-deps /src`.
+    first_party = {
+        "__future__",
+        "pagefleet_flags",
+        "pagefleet_operator",
+        "pagefleet_router",
+        "pagefleet_serve",
+    }
     third_party = imported - set(sys.stdlib_module_names) - first_party
     needed = {normalize(distributions[module][0]) for module in third_party}
     assert needed <= installed, f"operator/Dockerfile does not install {needed - installed}"

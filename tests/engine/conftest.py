@@ -6,7 +6,7 @@ import pytest
 from pagefleet_serve import LLM
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.frontend.detokenizer import _BYTE_LEVEL
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
 from tests.engine.engine_prompts import QUESTIONS, SYSTEM_PROMPT
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import torch
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
 SMALL = {
     "hidden_size": 64,

@@ -28,7 +28,7 @@ def save_tiny_llama(path: Path, **config_overrides) -> Path:
     index), with the built-in model's tokenizer and chat template; `config_overrides`
     change its LlamaConfig."""
     import torch
-    from pagefleet_serve.model.loader import load_tokenizer
+    from pagefleet_serve.frontend.tokenizer import load_tokenizer
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = load_tokenizer("builtin://smollm2-135m")

@@ -18,7 +18,8 @@ import math
 import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
-from pagefleet_serve.model.loader import UnsupportedModelError, load_model
+from pagefleet_serve.model.loader.model_loader import load_model
+from pagefleet_serve.model.uri import UnsupportedModelError
 
 MAX_NEW_TOKENS = 48
 WINDOW = 12
@@ -180,6 +181,7 @@ def test_greedy_parity_with_transformers(arch, tmp_path):
         enable_prefix_caching=False,
     )
     config = llm.engine.model_config
+    attention = llm.engine.runner.model.layers[0].self_attn
     if "sliding_window" in extra:
         assert config.sliding_window == WINDOW
         assert len(PROMPTS[0]) > WINDOW and len(PROMPTS[1]) > WINDOW
@@ -188,7 +190,9 @@ def test_greedy_parity_with_transformers(arch, tmp_path):
     if arch.startswith("gemma"):
         assert config.sliding_layers == (True, False, True)
     if arch == "gemma3":
-        assert config.qk_norm and config.local_rope_theta == 10000.0
+        # q/k normed per head (over head_dim)
+        assert attention.q_norm.weight.shape == (config.head_dim,)
+        assert config.local_rope_theta == 10000.0
         assert dict(config.rope_scaling)["rope_type"] == "linear"
     if arch == "gemma2":
         assert config.attn_logit_softcapping == 1.0 and config.tie_word_embeddings
@@ -200,7 +204,9 @@ def test_greedy_parity_with_transformers(arch, tmp_path):
     if arch == "qwen3-moe":
         assert config.sparse_layers == (False, True, False) and config.norm_topk_prob
     if arch == "olmoe":
-        assert config.qk_norm_whole and config.clip_qkv == 1.5
+        # q/k normed over the whole projection
+        assert attention.q_norm.weight.shape == (config.num_heads * config.head_dim,)
+        assert config.clip_qkv == 1.5
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ours = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, ours, strict=True):

@@ -29,7 +29,7 @@ def core():
 
 @pytest.fixture
 def engine(core):
-    client = EngineCoreClient(core.config, ThreadLink(core), core.tokenizer, core.grammar_compiler)
+    client = EngineCoreClient(core.config, ThreadLink(core), core.tokenizer)
     yield client
     client.shutdown()
 
@@ -94,8 +94,8 @@ def test_bad_input_raises_before_queueing(engine):
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine, core, monkeypatch):
-    runner = core.runner
-    real_execute = runner.execute
+    executor = core.executor
+    real_execute = executor.execute
     failures = {"left": 1}
 
     def flaky(step):
@@ -104,7 +104,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine, core, m
             raise RuntimeError("device fell over")
         return real_execute(step)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(executor, "execute", flaky)
 
     async def main():
         failed = await collect(engine, "victim", [1, 2, 3])
@@ -120,7 +120,7 @@ def test_repeated_failures_mark_the_engine_dead(engine, core, monkeypatch):
     def broken(step):
         raise RuntimeError("gone for good")
 
-    monkeypatch.setattr(core.runner, "execute", broken)
+    monkeypatch.setattr(core.executor, "execute", broken)
 
     async def main():
         for i in range(EngineCore.MAX_CONSECUTIVE_FAILURES):

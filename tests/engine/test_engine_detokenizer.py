@@ -15,7 +15,7 @@ from pagefleet_serve.frontend.detokenizer import (
     TokenBytes,
     _byte_level_alphabet,
 )
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 

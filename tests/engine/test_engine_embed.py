@@ -84,7 +84,7 @@ def test_chunks_of_a_long_prompt_are_pooled_whole(tmp_path):
     llm = load(path)
     bm = llm.engine.block_manager
     free = bm.num_free_blocks
-    request = llm.inputs.make_request("long", PROMPTS[2], SamplingParams(), pooling=True)
+    request = llm.make_request("long", PROMPTS[2], SamplingParams(), pooling=True)
     llm.add(request)
     outputs, steps = [], 0
     while llm.has_unfinished_requests():
@@ -187,7 +187,7 @@ def test_modules_that_would_change_the_vectors_are_refused_by_name(tmp_path):
 
 
 def test_a_hub_download_takes_the_pooling_files():
-    from pagefleet_serve.model.hub import select_files
+    from pagefleet_serve.model.loader.hub import select_files
 
     repo = ["config.json", "tokenizer.json", "model.safetensors", "modules.json",
             "1_Pooling/config.json", "2_Dense/config.json", "README.md"]  # fmt: skip

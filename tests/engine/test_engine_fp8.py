@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
-from pagefleet_serve.model.loader import UnsupportedModelError, load_model
+from pagefleet_serve.model.loader.model_loader import load_model
+from pagefleet_serve.model.uri import UnsupportedModelError
 from safetensors.torch import load_file, save_file
 
 from tests.engine.test_engine_architectures import PROMPTS, build
@@ -130,10 +131,11 @@ def test_a_float8_checkpoint_loads_as_its_dequantized_model(source, tmp_path, fm
     loaded = load_model(str(tmp_path / "fp8"), torch.float32)
     expected = load_model(str(tmp_path / "reference"), torch.float32)
     assert loaded.config == expected.config
-    assert sorted(loaded.weights) == sorted(expected.weights)
-    assert not any("scale" in name for name in loaded.weights)
-    for name, weight in expected.weights.items():
-        assert torch.equal(loaded.weights[name], weight), name
+    loaded, expected = loaded.model.state_dict(), expected.model.state_dict()
+    assert sorted(loaded) == sorted(expected)
+    assert not any("scale" in name for name in loaded)
+    for name, weight in expected.items():
+        assert torch.equal(loaded[name], weight), name
 
 
 def test_a_float8_checkpoint_generates_the_dequantized_models_tokens(source, tmp_path):
@@ -222,7 +224,7 @@ def test_kept_float8_layers_hold_exactly_the_checkpoints_weights(source, tmp_pat
     """Each projection (q/k/v and gate/up fused by the model, a per-tensor scale repeated
     per row) is an Fp8Linear whose float8 values times its row scales are the reference's
     float32 weights, bit for bit; nothing else is float8."""
-    from pagefleet_serve.model.linear import Fp8Linear
+    from pagefleet_serve.model.layers.linear_methods import Fp8Linear
 
     write_fp8(source, tmp_path / "fp8", tmp_path / "reference", fmt)
     reference = load_file(tmp_path / "reference" / "model.safetensors")
@@ -234,12 +236,13 @@ def test_kept_float8_layers_hold_exactly_the_checkpoints_weights(source, tmp_pat
         layer.mlp.gate_up_proj: ["mlp.gate_proj", "mlp.up_proj"],
         layer.mlp.down_proj: ["mlp.down_proj"],
     }
-    for module, parts in fused.items():
+    for linear, parts in fused.items():
+        module = linear.method
         assert isinstance(module, Fp8Linear)
         weight = module.weight_fp8.float() * module.scale.reshape(-1, 1)
         expected = torch.cat([reference[f"model.layers.1.{p}.weight"] for p in parts])
         assert torch.equal(weight, expected), parts
-    assert not isinstance(model.lm_head, Fp8Linear)
+    assert not isinstance(model.lm_head.method, Fp8Linear)
     assert model.embed_tokens.weight.dtype == torch.float32
 
 
@@ -247,7 +250,7 @@ def test_an_fp8_layer_is_the_float8_product_of_each_rows_scaled_activations():
     """y = (x / s_x rounded to float8) s_x (w_fp8 s_w)^T, s_x = max |x_row| / 448: exactly
     that in float32 on the CPU, and within float8's rounding of the float32 product."""
     from pagefleet_serve.model.fp8 import Fp8Scheme, kept
-    from pagefleet_serve.model.linear import quantized_linear
+    from pagefleet_serve.model.layers.linear_methods import quantized_linear
 
     generator = torch.Generator().manual_seed(3)
     w = torch.randn(48, 64, generator=generator)
@@ -286,7 +289,7 @@ def test_a_kept_float8_model_computes_the_dequantized_model_on_float8_inputs(sou
     (quantization="fp8") greedy generation starts with the same token for every prompt.
     Later tokens are not compared: on this random model a one-ulp difference between the
     decode kernels flips a float8 rounding, and the sequences part after a few tokens."""
-    from pagefleet_serve.model.linear import Fp8Linear
+    from pagefleet_serve.model.layers.linear_methods import Fp8Linear
 
     write_fp8(source, tmp_path / "fp8", tmp_path / "reference", "compressed-tensors-channel")
     kept_runner = fp8_model(tmp_path / "fp8")
@@ -307,7 +310,7 @@ def test_a_kept_float8_model_computes_the_dequantized_model_on_float8_inputs(sou
     settings = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     kept_llm = LLM(str(tmp_path / "fp8"), quantization="fp8", **settings)
-    assert isinstance(kept_llm.engine.runner.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert isinstance(kept_llm.engine.runner.model.layers[0].mlp.down_proj.method, Fp8Linear)
     reference_llm = LLM(str(tmp_path / "reference"), **settings)
     for name, module in reference_llm.engine.runner.model.named_modules():
         if name.endswith("_proj"):
@@ -342,7 +345,7 @@ def test_auto_keeps_float8_on_one_hopper_gpu_and_dequantizes_elsewhere(monkeypat
 def test_float8_experts_are_dequantized_when_the_rest_is_kept(tmp_path):
     """A mixture's float8 experts (no float8 grouped product yet) load dequantized beside
     kept float8 attention, and the model generates."""
-    from pagefleet_serve.model.linear import Fp8Linear
+    from pagefleet_serve.model.layers.linear_methods import Fp8Linear
 
     from tests.engine.test_engine_architectures import ARCHITECTURES
 
@@ -353,11 +356,12 @@ def test_float8_experts_are_dequantized_when_the_rest_is_kept(tmp_path):
     assert any(".experts." in n and n.endswith("weight_scale") for n in names)
     loaded = load_model(str(tmp_path / "fp8"), torch.float32, "fp8")
     expected = load_model(str(tmp_path / "reference"), torch.float32)
-    experts = [n for n in expected.weights if ".experts." in n]
-    assert experts and all(torch.equal(loaded.weights[n], expected.weights[n]) for n in experts)
+    loaded, expected = loaded.model.state_dict(), expected.model.state_dict()
+    experts = [n for n in expected if ".experts." in n]
+    assert experts and all(torch.equal(loaded[n], expected[n]) for n in experts)
     llm = LLM(str(tmp_path / "fp8"), quantization="fp8", dtype="float32", max_model_len=128,
               kv_cache_memory_bytes=4 << 20)  # fmt: skip
-    assert isinstance(llm.engine.runner.model.layers[0].self_attn.o_proj, Fp8Linear)
+    assert isinstance(llm.engine.runner.model.layers[0].self_attn.o_proj.method, Fp8Linear)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(llm.generate(PROMPTS[:1], params)[0].outputs[0].token_ids) == 8
 
@@ -365,9 +369,10 @@ def test_float8_experts_are_dequantized_when_the_rest_is_kept(tmp_path):
 def test_block_scaled_float8_is_dequantized_even_when_fp8_is_asked(source, tmp_path):
     write_fp8(source, tmp_path / "fp8", tmp_path / "reference", "fp8-blocks")
     loaded = load_model(str(tmp_path / "fp8"), torch.float32, "fp8")
-    expected = load_model(str(tmp_path / "reference"), torch.float32)
-    for name, weight in expected.weights.items():
-        assert torch.equal(loaded.weights[name], weight), name
+    expected = load_model(str(tmp_path / "reference"), torch.float32).model.state_dict()
+    loaded = loaded.model.state_dict()
+    for name, weight in expected.items():
+        assert torch.equal(loaded[name], weight), name
 
 
 @pytest.mark.gpu
@@ -375,7 +380,7 @@ def test_block_scaled_float8_is_dequantized_even_when_fp8_is_asked(source, tmp_p
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_on_cuda_an_fp8_layer_matches_its_cpu_product(dtype):
     from pagefleet_serve.model.fp8 import Fp8Scheme, kept
-    from pagefleet_serve.model.linear import quantized_linear
+    from pagefleet_serve.model.layers.linear_methods import quantized_linear
 
     generator = torch.Generator().manual_seed(4)
     w = torch.randn(256, 512, generator=generator)

@@ -19,7 +19,7 @@ PARAMS = SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=5, stop=("e",)
 
 def client_in_thread(llm: LLM) -> EngineCoreClient:
     core = llm.engine
-    return EngineCoreClient(core.config, ThreadLink(core), core.tokenizer, core.grammar_compiler)
+    return EngineCoreClient(core.config, ThreadLink(core), core.tokenizer)
 
 
 def test_frontend_text_and_stop_strings_match_the_offline_engine():

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 from pagefleet_serve import SamplingParams
-from pagefleet_serve.model.loader import UnsupportedModelError, load_model
+from pagefleet_serve.model.loader.model_loader import load_model
+from pagefleet_serve.model.uri import UnsupportedModelError
 
 from tests.engine.test_engine_architectures import (
     LONGROPE,

@@ -4,8 +4,8 @@ the same tensor bytes, for the built-in model and for a file with every kind of 
 import gguf
 import numpy as np
 import pytest
-from pagefleet_serve.model.gguf_file import GGUFFile
-from pagefleet_serve.model.loader import builtin_gguf_path
+from pagefleet_serve.model.loader.gguf_file import GGUFFile
+from pagefleet_serve.model.loader.resolve import builtin_gguf_path
 
 
 def assert_same_as_gguf_reader(path, nested=()):

@@ -19,8 +19,9 @@ import pytest
 import torch
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.model import mxfp4
-from pagefleet_serve.model.llama import rope_inv_freq
-from pagefleet_serve.model.loader import UnsupportedModelError, load_model
+from pagefleet_serve.model.layers.rotary import RotaryEmbedding
+from pagefleet_serve.model.loader.model_loader import load_model
+from pagefleet_serve.model.uri import UnsupportedModelError
 from safetensors.torch import load_file, save_file
 
 from tests.engine.test_engine_architectures import (
@@ -77,8 +78,11 @@ def gpt_oss(tmp_path_factory):
 
 def test_config_switches_of_a_gpt_oss_checkpoint(gpt_oss):
     path, _ = gpt_oss
-    config = load_model(str(path), torch.float32).config
-    assert config.attention_sinks and config.router_bias and config.expert_bias
+    loaded = load_model(str(path), torch.float32)
+    config, layer = loaded.config, loaded.model.layers[0]
+    # sinks in the attention, a biased router, experts with biases
+    assert layer.self_attn.attn.sinks is not None and layer.mlp.gate.bias is not None
+    assert layer.mlp.experts.gate_up_proj_bias is not None
     assert config.qkv_bias and config.o_bias
     assert config.router_scoring == "top_k_softmax" and not config.norm_topk_prob
     assert config.num_experts == 16 and config.num_experts_per_tok == 2
@@ -87,7 +91,10 @@ def test_config_switches_of_a_gpt_oss_checkpoint(gpt_oss):
     assert config.sliding_layers == (True, False, True)
     scaling = dict(config.rope_scaling)
     assert scaling["rope_type"] == "yarn" and scaling["truncate"] is False
-    assert config.rope_attention_factor == pytest.approx(0.1 * torch.log(torch.tensor(4.0)) + 1)
+    factor = RotaryEmbedding(
+        config.head_dim, config.rope_theta, config.rope_scaling
+    ).attention_factor
+    assert factor == pytest.approx(0.1 * torch.log(torch.tensor(4.0)) + 1)
 
 
 def test_yarn_frequencies_are_transformers(gpt_oss):
@@ -103,8 +110,9 @@ def test_yarn_frequencies_are_transformers(gpt_oss):
         (path / "config.json").write_text(json.dumps(hf))
         config = load_model(str(path), torch.float32).config
         expected, factor = ROPE_INIT_FUNCTIONS["yarn"](GptOssConfig(**hf))
-        torch.testing.assert_close(rope_inv_freq(config), expected, rtol=0, atol=0)
-        assert config.rope_attention_factor == factor
+        rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        torch.testing.assert_close(rope.inv_freq, expected, rtol=0, atol=0)
+        assert rope.attention_factor == factor
     reference.config.save_pretrained(path)  # the fixture's config again
 
 
@@ -244,11 +252,11 @@ def test_mxfp4_experts_load_as_their_float_weights(gpt_oss, tmp_path):
     (float_dir / "config.json").write_text(json.dumps(hf))
     hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
     (mxfp4_dir / "config.json").write_text(json.dumps(hf))
-    loaded = [load_model(str(d), torch.float32).weights for d in (float_dir, mxfp4_dir)]
+    loaded = [load_model(str(d), torch.float32).model.state_dict() for d in (float_dir, mxfp4_dir)]
     assert loaded[0].keys() == loaded[1].keys()
     for name, weight in loaded[0].items():
         torch.testing.assert_close(loaded[1][name], weight, rtol=0, atol=0, msg=name)
-    experts = loaded[1]["model.layers.0.mlp.experts.gate_up_proj"]
+    experts = loaded[1]["layers.0.mlp.experts.gate_up_proj"]
     assert experts.shape == (16, 2 * 128, 64) and experts.dtype == torch.float32
     # The model as transformers holds the same float experts, and PageFleet on the file.
     with torch.no_grad():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from pagefleet_serve import LLM, SamplingParams
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 from pagefleet_serve.structured import grammar
 from pagefleet_serve.structured.constraint import StructuredOutputs
 from pagefleet_serve.structured.grammar import GrammarCompiler

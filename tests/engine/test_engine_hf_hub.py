@@ -20,9 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from pagefleet_serve.model.hub import select_files
-from pagefleet_serve.model.loader import load_model
-from pagefleet_serve.model.resolve import resolve_model_uri
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
+from pagefleet_serve.model.loader.hub import select_files
+from pagefleet_serve.model.loader.model_loader import load_model
+from pagefleet_serve.model.loader.resolve import resolve_model_uri
 
 from tests.engine.hub_server import LocalHub, Repo, save_tiny_llama
 
@@ -188,7 +189,7 @@ def test_gated_repository_downloads_with_the_token(hub, tmp_path):
 
 # A fresh process per downloader: huggingface_hub reads HF_ENDPOINT and HF_HOME at import.
 RESOLVE = (
-    "import sys; from pagefleet_serve.model.resolve import resolve_model_uri\n"
+    "import sys; from pagefleet_serve.model.loader.resolve import resolve_model_uri\n"
     "for uri in sys.argv[1:]: print(resolve_model_uri(uri).path)"
 )
 
@@ -209,7 +210,7 @@ def test_concurrent_downloaders_share_one_cache(hub, tiny_repo_dir, tmp_path):
     go = tmp_path / "go"
     # Imports take a varying while: each says when it is ready, then both start together.
     code = (
-        "import sys, time, pathlib; from pagefleet_serve.model.resolve import resolve_model_uri\n"
+        "import sys, time, pathlib; from pagefleet_serve.model.loader.resolve import resolve_model_uri\n"
         "import huggingface_hub.file_download\n"
         "pathlib.Path(sys.argv[3]).touch()\n"
         "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.01)\n"
@@ -252,9 +253,9 @@ def test_concurrent_downloaders_share_one_cache(hub, tiny_repo_dir, tmp_path):
 LOAD_WHILE_DOWNLOADING = """
 import json, sys, time
 import torch
-from pagefleet_serve.model import safetensors_reader
-from pagefleet_serve.model.loader import load_local, load_model
-from pagefleet_serve.model.resolve import resolve_model_uri
+from pagefleet_serve.model.loader import safetensors_reader
+from pagefleet_serve.model.loader.model_loader import load_local, load_model
+from pagefleet_serve.model.loader.resolve import resolve_model_uri
 
 read_started = {}
 read_into = safetensors_reader.read_into
@@ -266,8 +267,8 @@ def timed(path, placed):
 safetensors_reader.read_into = timed
 local = resolve_model_uri(sys.argv[1], weights="background")
 assert local.shards is not None
-loaded = load_local(local, torch.float32).weights
-reference = load_model(sys.argv[2], torch.float32).weights
+loaded = load_local(local, torch.float32).model.state_dict()
+reference = load_model(sys.argv[2], torch.float32).model.state_dict()
 same = sorted(loaded) == sorted(reference) and all(
     torch.equal(loaded[name], reference[name]) for name in reference
 )
@@ -347,7 +348,8 @@ def test_every_uri_form_the_crd_admits_resolves_in_the_pod(hub, tiny_repo_dir, t
     assert len({resolved[uri] for uri in hf_forms}) == 1  # one snapshot: the same commit
     for uri in hf_forms:
         loaded = load_model(str(resolved[uri]), torch.float32)
-        assert loaded.config.num_layers == 2 and loaded.tokenizer is not None
+        tokenizer = load_tokenizer(str(resolved[uri]))
+        assert loaded.config.num_layers == 2 and tokenizer is not None
     for uri in local_forms:
         local = resolve_model_uri(uri, pvc_mount_dir=str(claim_root))
         assert local.path.exists(), uri
@@ -359,7 +361,7 @@ def test_full_disk_names_the_cache_volume(tmp_path, monkeypatch):
     import errno
 
     from huggingface_hub import constants
-    from pagefleet_serve.model.hub import _explain
+    from pagefleet_serve.model.loader.hub import _explain
     from pagefleet_serve.model.uri import parse_model_uri
 
     monkeypatch.setattr(constants, "HF_HOME", str(tmp_path))
@@ -407,7 +409,7 @@ def test_only_the_files_serving_reads_are_selected(repo_files, gguf, expected):
 
 
 def test_selection_errors_say_what_the_repository_has():
-    from pagefleet_serve.model.hub import ModelDownloadError
+    from pagefleet_serve.model.loader.hub import ModelDownloadError
 
     with pytest.raises(
         ModelDownloadError,

@@ -9,7 +9,7 @@ and at least 90% of sequences must match to the end.
 import pytest
 import torch
 from pagefleet_serve import SamplingParams
-from pagefleet_serve.model.loader import builtin_gguf_path
+from pagefleet_serve.model.loader.resolve import builtin_gguf_path
 
 MAX_NEW_TOKENS = 48
 NEAR_TIE = 1e-3
@@ -29,7 +29,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def prompt_ids(chat_prompts):
-    from pagefleet_serve.model.loader import load_tokenizer
+    from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("builtin://smollm2-135m")
     return [tokenizer.encode(p, add_special_tokens=False) for p in chat_prompts]

@@ -8,12 +8,24 @@ import torch
 import torch.nn.functional as F
 from pagefleet_kernels import cpu_layer_ops
 from pagefleet_kernels.backend import cpu_backend, torch_backend
-from pagefleet_serve.model.linear import (
+from pagefleet_serve.model.layers.linear import LinearBase, ReplicatedLinear
+from pagefleet_serve.model.layers.linear_methods import (
     FEW_ROWS_NATIVE,
-    Linear,
     PrepackedLinear,
     can_prepack,
 )
+
+
+def Linear(in_features: int, out_features: int, bias: bool = False) -> ReplicatedLinear:
+    """A float layer with nn.Linear's random initialisation."""
+    layer = ReplicatedLinear(in_features, out_features, bias=bias)
+    reference = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(reference.weight)
+        if bias:
+            layer.bias.copy_(reference.bias)
+    return layer
+
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN"
@@ -76,8 +88,10 @@ def test_engine_prepacks_every_linear_layer(make_llm):
     for layer in model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            assert isinstance(linear, PrepackedLinear) and linear.packed_weight is not None
-    assert isinstance(model.lm_head, PrepackedLinear) and model.lm_head.packed_weight is not None
+            method = linear.method
+            assert isinstance(method, PrepackedLinear) and method.packed_weight is not None
+    head = model.lm_head.method
+    assert isinstance(head, PrepackedLinear) and head.packed_weight is not None
     assert model.embed_tokens.weight.shape == (model.config.vocab_size, model.config.hidden_size)
     compiled = make_llm(enforce_eager=False, **small).engine.runner.model
     assert not any(isinstance(m, PrepackedLinear) for m in compiled.modules())
@@ -89,6 +103,6 @@ def test_bfloat16_weights_are_packed_only_where_onednn_takes_them(make_llm):
     model = make_llm(
         dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 << 20
     ).engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, (Linear, PrepackedLinear))]
-    packed = [isinstance(m, PrepackedLinear) for m in linears]
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    packed = [isinstance(m.method, PrepackedLinear) for m in linears]
     assert packed and all(p == can_prepack(torch.bfloat16) for p in packed)

@@ -21,11 +21,12 @@ import ctypes, gc, json, re, sys, torch
 import gguf, safetensors.torch, transformers
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
-from pagefleet_serve.model.gguf_file import GGUFFile
+from pagefleet_serve.model.loader.gguf_file import GGUFFile
 from pagefleet_serve.engine.device import RunnerConfig
 from pagefleet_serve.engine.model_runner import ModelRunner
-from pagefleet_serve.model.linear import can_prepack
-from pagefleet_serve.model.loader import load_model, load_tokenizer
+from pagefleet_serve.model.layers.linear_methods import can_prepack
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
+from pagefleet_serve.model.loader.model_loader import load_model
 from pagefleet_serve.model.tensor_parallel import TensorParallel
 
 SHARED_OBJECT = re.compile(r"\\.so(\\.[0-9.]+)?$")

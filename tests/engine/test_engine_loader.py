@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
-from pagefleet_serve.model.loader import UnsupportedModelError, load_model
+from pagefleet_serve.model.loader.model_loader import TINY_CONFIG, load_model, random_weights
+from pagefleet_serve.model.uri import UnsupportedModelError
 from safetensors.torch import save_file
 
 HF_CONFIG = {
@@ -40,7 +41,7 @@ HF_CONFIG = {
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A random Llama in Hugging Face's format, its weights split over two shards."""
-    weights = load_model("builtin://tiny-random", torch.float32).weights
+    weights = random_weights(TINY_CONFIG, torch.float32)  # builtin://tiny-random's
     path = tmp_path_factory.mktemp("tiny-llama")
     names = sorted(weights)
     half = len(names) // 2
@@ -166,17 +167,20 @@ def test_auto_dtype_is_bfloat16_only_on_cpus_with_native_bf16(monkeypatch, nativ
 def test_rotary_frequencies_stay_float32_in_a_bfloat16_model():
     """Module.to(bfloat16) would round them (2^-9 relative): at position 2,000 the angle
     of a mid frequency would be off by about a radian."""
-    from pagefleet_serve.model.llama import rope_inv_freq
+    from pagefleet_serve.model.layers.rotary import rope_inv_freq
 
     llm = LLM(
         "builtin://smollm2-135m", dtype="bfloat16", max_model_len=64, kv_cache_memory_bytes=8 << 20
     )
     model = llm.engine.runner.model
     assert next(model.parameters()).dtype == torch.bfloat16
-    assert model.inv_freq.dtype == torch.float32
-    assert torch.equal(model.inv_freq, rope_inv_freq(model.config))
+    c = model.config
+    assert model.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(
+        model.rotary.inv_freq, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    )
     # The cos/sin of a far position are those of the exact angle, rounded once.
     positions = torch.tensor([2000])
-    cos, _ = model._rope(positions, model.inv_freq, torch.bfloat16)
-    exact = torch.cos(2000.0 * rope_inv_freq(model.config).double())
+    cos, _ = model.rotary.cos_sin(positions, model.rotary.inv_freq, torch.bfloat16)
+    exact = torch.cos(2000.0 * rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).double())
     assert torch.allclose(cos[0, : exact.numel()].double(), exact, atol=1e-2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.frontend.detokenizer import SampleText
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
 EOS = 2
 PROMPT = [(7 * i + 3) % 300 + 10 for i in range(37)]

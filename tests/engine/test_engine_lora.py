@@ -141,14 +141,14 @@ def test_one_step_mixing_three_adapters_and_the_base(checkpoint, llm, monkeypatc
     _, _, _, references = checkpoint
     names = [None, *ADAPTERS]
     alone = {name: tokens(llm, PROMPTS[:1], name)[0] for name in names}
-    runner = llm.engine.runner
-    execute, slots_per_step = runner.execute, []
+    executor = llm.engine.executor
+    execute, slots_per_step = executor.execute, []
 
     def recording(step):
         slots_per_step.append({item.seq.lora_slot for item in step.scheduled})
         return execute(step)
 
-    monkeypatch.setattr(runner, "execute", recording)
+    monkeypatch.setattr(executor, "execute", recording)
     prompts = [PROMPTS[0]] * len(names) + [PROMPTS[1]] * len(names)
     mixed = tokens(llm, prompts, names + names)
     assert mixed[: len(names)] == [alone[name] for name in names]
@@ -219,8 +219,10 @@ def test_a_fused_module_adapted_whole_is_handed_to_the_operator_dense(llm):
     over the parts: the operator is told no parts for that module while the slot holds it
     (the C++ operator skips what lies off the blocks), and the parts again once the slot
     holds an adapter per part; the delta is the adapter's in both."""
-    from pagefleet_kernels.backend import LoRAMapping
-    from pagefleet_serve.model.lora import LayerLoRA, LoRAWeights, fused_layout
+    from pagefleet_kernels.metadata import LoRAMapping
+    from pagefleet_serve.model.layers.linear import ReplicatedLinear
+    from pagefleet_serve.model.layers.lora import LoRABatch, LoRALinear, LoRAWeights, StepAdapters
+    from pagefleet_serve.model.lora import fused_layout
 
     config = llm.engine.runner.model.config
     layout = fused_layout(config)
@@ -234,11 +236,14 @@ def test_a_fused_module_adapted_whole_is_handed_to_the_operator_dense(llm):
     expected = torch.zeros(3, sum(outs))
     expected[:2] = x[:2] @ a.T @ b.T
 
+    base = ReplicatedLinear(hidden, sum(outs))  # adds nothing: the delta alone comes out
+    torch.nn.init.zeros_(base.weight)
+    adapters = StepAdapters()
+    adapters.batch = LoRABatch(weights, mapping, llm.engine.runner.model.backend.add_lora)
+    layer = LoRALinear(base, adapters, 0, "qkv_proj")
+
     def delta() -> torch.Tensor:
-        layer = LayerLoRA(
-            weights.layers[0], weights.blocks, mapping, llm.engine.runner.model.backend.add_lora
-        )
-        return layer.add("qkv_proj", torch.zeros(3, sum(outs)), x)
+        return layer(x)
 
     weights.load(0, LoRAAdapter("whole", 1, "", rank, {(0, "qkv_proj", None): (a, b)}))
     assert (
@@ -317,7 +322,7 @@ def watch_host_memory(llm: LLM, monkeypatch) -> list[int]:
 
     def watched():
         outputs = step()
-        scheduler, cache = engine.scheduler, engine.lora_cache
+        scheduler, cache = engine.scheduler, engine.loras.cache
         used = {s.lora_id for s in scheduler.running + scheduler.waiting} - {None}
         assert all(lora_id in cache for lora_id in used), "an adapter in use was dropped"
         assert all(lora_id in cache for lora_id in scheduler.lora_slots.slot_of)
@@ -332,16 +337,16 @@ def test_an_adapter_dropped_from_host_memory_is_read_back(checkpoint, monkeypatc
     _, base_path, adapters, references = checkpoint
     llm = load(base_path, adapters, max_loras=1, max_cpu_loras=2)
     engine = llm.engine
-    every = engine.lora_adapters["every"].lora_id
-    assert len(engine.lora_cache) == 2 and every not in engine.lora_cache  # of 3 at start
+    every = engine.loras.adapters["every"].lora_id
+    assert len(engine.loras.cache) == 2 and every not in engine.loras.cache  # of 3 at start
     counts = watch_host_memory(llm, monkeypatch)
     before = tokens(llm, PROMPTS, "every")
     assert before == references["every"]
     assert tokens(llm, PROMPTS, "attention") == references["attention"]
     assert tokens(llm, PROMPTS, "mlp") == references["mlp"]
-    assert every not in engine.lora_cache  # the least recently used went
+    assert every not in engine.loras.cache  # the least recently used went
     assert tokens(llm, PROMPTS, "every") == before
-    assert every in engine.lora_cache and engine.lora_adapters["every"].lora_id == every
+    assert every in engine.loras.cache and engine.loras.adapters["every"].lora_id == every
     assert counts and max(counts) <= 2
 
 
@@ -350,7 +355,7 @@ def test_more_adapters_in_use_than_host_memory_holds_all_finish(checkpoint, monk
     wait until no request uses the one there, and every request gets its own tokens."""
     _, base_path, adapters, references = checkpoint
     llm = load(base_path, adapters, max_loras=1, max_cpu_loras=1)
-    assert len(llm.engine.lora_cache) == 1
+    assert len(llm.engine.loras.cache) == 1
     counts = watch_host_memory(llm, monkeypatch)
     names = [*ADAPTERS, None, *ADAPTERS]
     got = tokens(llm, [PROMPTS[1]] * len(names), names)
@@ -368,7 +373,7 @@ def test_an_adapter_that_cannot_be_read_back_fails_its_request_alone(
     copy = tmp_path / "every"
     shutil.copytree(adapters["every"], copy)
     llm = load(base_path, {"every": copy, "mlp": adapters["mlp"]}, max_loras=1, max_cpu_loras=1)
-    assert llm.engine.lora_adapters["every"].lora_id not in llm.engine.lora_cache
+    assert llm.engine.loras.adapters["every"].lora_id not in llm.engine.loras.cache
     shutil.rmtree(copy)
     llm.add_request("gone", PROMPTS[1], GREEDY, lora_name="every")
     llm.add_request("base", PROMPTS[1], GREEDY)
@@ -438,7 +443,7 @@ def test_adapters_that_cannot_be_served_are_refused(checkpoint, llm, tmp_path):
         engine.unload_lora("nobody")
     with pytest.raises(ValueError, match="'nobody' is not loaded"):
         llm.generate(PROMPTS[0], GREEDY, lora_name="nobody")
-    assert set(engine.lora_adapters) == set(ADAPTERS)
+    assert set(engine.loras.adapters) == set(ADAPTERS)
 
 
 def test_an_adapter_in_use_is_not_unloaded(checkpoint, llm):
@@ -454,7 +459,7 @@ def test_an_adapter_in_use_is_not_unloaded(checkpoint, llm):
             got += output.outputs[0].token_ids
     assert got == references["attention"][1]
     engine.unload_lora("again")
-    assert "again" not in engine.lora_adapters
+    assert "again" not in engine.loras.adapters
 
 
 def test_config_reads_vllms_lora_module_forms_and_checks_them():

@@ -11,9 +11,9 @@ import gguf
 import pytest
 import torch
 from pagefleet_serve import SamplingParams
-from pagefleet_serve.model.linear import QuantizedLinear, can_prepack
-from pagefleet_serve.model.llama import LlamaForCausalLM, ModelConfig, MoEBlock
-from pagefleet_serve.model.loader import load_model
+from pagefleet_serve.model.layers.linear_methods import QuantizedLinear, can_prepack
+from pagefleet_serve.model.layers.moe import MoEBlock, MoEConfig
+from pagefleet_serve.model.loader.model_loader import load_model
 from safetensors import safe_open
 
 from tests.engine.test_engine_architectures import (
@@ -62,10 +62,12 @@ def test_mixtral_names_and_stacked_experts_load_alike(tmp_path):
     reference.save_pretrained(stacked, save_original_format=False)
     assert "model.layers.0.block_sparse_moe.experts.7.w3.weight" in saved_names(original)
     assert "model.layers.0.mlp.experts.gate_up_proj" in saved_names(stacked)
-    loaded = [load_model(str(path), torch.float32).weights for path in (original, stacked)]
+    loaded = [
+        load_model(str(path), torch.float32).model.state_dict() for path in (original, stacked)
+    ]
     for weights in loaded:
-        assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 256, 64)
-        assert weights["model.layers.0.mlp.experts.down_proj"].shape == (8, 64, 128)
+        assert weights["layers.0.mlp.experts.gate_up_proj"].shape == (8, 256, 64)
+        assert weights["layers.0.mlp.experts.down_proj"].shape == (8, 64, 128)
     for name, weight in loaded[0].items():
         torch.testing.assert_close(weight, loaded[1][name], rtol=0, atol=0, msg=name)
     expected = reference_tokens(reference, PROMPTS[1])
@@ -102,7 +104,10 @@ def test_gguf_mixture_generates_what_its_directory_does(case, tmp_path):
     expected = load_model(str(tmp_path / "hf"), torch.float32).config
     for field in ("num_experts", "num_experts_per_tok", "norm_topk_prob", "sparse_layers"):
         assert getattr(config, field) == getattr(expected, field), field
-    assert config.shared_expert_intermediate_size == expected.shared_expert_intermediate_size
+    assert type(config) is type(expected)  # the same family's config, its own fields alike
+    assert getattr(config, "shared_expert_intermediate_size", 0) == getattr(
+        expected, "shared_expert_intermediate_size", 0
+    )
     outputs = [
         [out.outputs[0].token_ids for out in load(source).generate(PROMPTS, GREEDY)]
         for source in (path, tmp_path / "hf")
@@ -129,9 +134,7 @@ def test_gguf_quantized_experts_stay_quantized_and_generate_the_dequantized_toke
     write_gguf(model, path, arch, "tiny-qwen3-moe", expert_type=quantization)
     for setting, kept in (("auto", True), ("none", False)):
         loaded = load_model(f"file://{path}", torch.float32, setting)
-        built = LlamaForCausalLM(loaded.config)
-        built.load_hf_state_dict(loaded.weights)
-        experts = built.layers[1].mlp.experts
+        experts = loaded.model.layers[1].mlp.experts
         assert (experts.quantized is not None) is kept, setting
         if kept:
             assert all(isinstance(layer, QuantizedLinear) for layer in experts.gate_up_layers)
@@ -154,8 +157,7 @@ def test_expert_load_counts_each_tokens_choices(tmp_path):
     family, extra = ARCHITECTURES["qwen3-moe"]
     build(family, extra, tmp_path)
     loaded = load_model(str(tmp_path), torch.float32)
-    model = LlamaForCausalLM(loaded.config)
-    model.load_hf_state_dict(loaded.weights)
+    model = loaded.model
     block = model.layers[1].mlp
     assert isinstance(block, MoEBlock) and not isinstance(model.layers[0].mlp, MoEBlock)
     block.record_expert_load = True
@@ -173,9 +175,7 @@ def test_prepacked_bfloat16_experts_compute_what_the_stacked_ones_do(tmp_path):
     family, extra = ARCHITECTURES["qwen3-moe"]
     build(family, extra, tmp_path)
     loaded = load_model(str(tmp_path), torch.bfloat16)
-    model = LlamaForCausalLM(loaded.config)
-    model.load_hf_state_dict(loaded.weights)
-    model.to(torch.bfloat16)
+    model = loaded.model
     block = model.layers[1].mlp
     assert isinstance(block, MoEBlock)
     rows = [torch.randn(n, loaded.config.hidden_size).bfloat16() for n in (1, 40)]
@@ -184,8 +184,7 @@ def test_prepacked_bfloat16_experts_compute_what_the_stacked_ones_do(tmp_path):
     assert block.experts.packed is not None and not list(block.experts.parameters())
     for x, expected in zip(rows, before, strict=True):
         torch.testing.assert_close(block(x), expected, atol=1.5e-2, rtol=1e-2)
-    float_model = LlamaForCausalLM(loaded.config)
-    float_model.load_hf_state_dict(load_model(str(tmp_path), torch.float32).weights)
+    float_model = load_model(str(tmp_path), torch.float32).model
     float_model.prepack_linears()
     assert all(layer.mlp.experts.packed is None for layer in float_model.layers[1::2])
 
@@ -223,7 +222,7 @@ def test_config_refuses_inconsistent_experts(change, message):
         num_experts_per_tok=2,
     )
     with pytest.raises(ValueError, match=message):
-        ModelConfig(**(base | change))
+        MoEConfig(**(base | change))
 
 
 def test_config_json_without_qkv_bias_key_defaults_to_biases(tmp_path):

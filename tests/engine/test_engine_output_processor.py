@@ -9,8 +9,8 @@ from pagefleet_serve.engine.output_tracker import OutputTracker
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.sequence import Sequence, SequenceStatus
 from pagefleet_serve.frontend.output_processor import OutputProcessor as FrontendOutputs
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 from pagefleet_serve.messages import Request
-from pagefleet_serve.model.loader import load_tokenizer
 from pagefleet_serve.outputs import TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 from pagefleet_serve.frontend.output_processor import OutputProcessor
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 from pagefleet_serve.messages import Request
-from pagefleet_serve.model.loader import load_tokenizer
 from pagefleet_serve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers

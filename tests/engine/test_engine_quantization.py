@@ -13,15 +13,15 @@ from pagefleet_kernels import cpu_layer_ops, layer_ops
 from pagefleet_kernels.backend import cpu_backend, torch_backend
 from pagefleet_serve import SamplingParams
 from pagefleet_serve.config import EngineConfig
-from pagefleet_serve.model.gguf_file import GGUFFile
-from pagefleet_serve.model.linear import (
+from pagefleet_serve.model.layers.linear_methods import (
     DEQUANTIZE_ROWS,
     DEQUANTIZE_ROWS_FLOAT32,
     QuantizedLinear,
     quantized_linear,
 )
-from pagefleet_serve.model.llama import LlamaForCausalLM
-from pagefleet_serve.model.loader import builtin_gguf_path, load_model
+from pagefleet_serve.model.loader.gguf_file import GGUFFile
+from pagefleet_serve.model.loader.model_loader import load_model
+from pagefleet_serve.model.loader.resolve import builtin_gguf_path
 from pagefleet_serve.model.quant import dequantize_gguf, from_gguf, quantize_int8
 
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -134,9 +134,7 @@ def test_int8_activations_keep_the_builtin_model_close_to_its_expanded_weights()
     models = {}
     for quantization in ("auto", "none"):
         loaded = load_model("builtin://smollm2-135m", torch.float32, quantization)
-        with torch.device("meta"):
-            models[quantization] = LlamaForCausalLM(loaded.config, backend=None)
-        models[quantization].load_hf_state_dict(loaded.weights)
+        models[quantization] = loaded.model
     with pytest.raises(ValueError, match="applies to 4-bit weights"):
         models["none"].use_int8_activations()
     model = models["auto"]
@@ -182,13 +180,10 @@ def test_fused_qkv_of_quantized_weights_matches_the_expanded_model():
     expanded = load_model("builtin://smollm2-135m", torch.float32, "none")
     layers = {}
     for name, loaded in (("auto", quantized), ("none", expanded)):
-        with torch.device("meta"):
-            model = LlamaForCausalLM(loaded.config, backend=None)
-        model.load_hf_state_dict(loaded.weights)
-        layers[name] = model
-    assert isinstance(layers["auto"].layers[0].self_attn.qkv_proj, QuantizedLinear)
-    assert isinstance(layers["auto"].lm_head, QuantizedLinear)  # tied Q8_0 head: 2 x int4
-    assert not isinstance(layers["none"].lm_head, QuantizedLinear)
+        layers[name] = loaded.model
+    assert isinstance(layers["auto"].layers[0].self_attn.qkv_proj.method, QuantizedLinear)
+    assert isinstance(layers["auto"].lm_head.method, QuantizedLinear)  # tied Q8_0 head: 2 x int4
+    assert not isinstance(layers["none"].lm_head.method, QuantizedLinear)
     torch.testing.assert_close(
         layers["auto"].embed_tokens.weight, layers["none"].embed_tokens.weight, atol=0, rtol=0
     )
@@ -281,10 +276,7 @@ def test_fused_decoder_layers_compute_the_ops_bits():
     activations; wide batches, bfloat16 and compiled layers go op by op."""
     if not cpu_layer_ops.available():
         pytest.skip("no C++ compiler here")
-    loaded = load_model("builtin://smollm2-135m", torch.float32, "auto")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(loaded.config, backend=cpu_backend())
-    model.load_hf_state_dict(loaded.weights)
+    model = load_model("builtin://smollm2-135m", torch.float32, "auto", backend=cpu_backend()).model
     generator = torch.Generator().manual_seed(0)
     for activations in ("float32", "int8"):
         if activations == "int8":

@@ -4,7 +4,7 @@ malformed files refused by name."""
 
 import pytest
 import torch
-from pagefleet_serve.model.safetensors_reader import (
+from pagefleet_serve.model.loader.safetensors_reader import (
     SafetensorsFormatError,
     read_files,
     read_header,

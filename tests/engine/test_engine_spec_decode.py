@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from pagefleet_kernels.backend import torch_backend
 from pagefleet_serve import LLM, EngineConfig, SamplingParams
 from pagefleet_serve.config import SpeculativeConfig
 from pagefleet_serve.engine.block_manager import BlockManager
@@ -18,7 +19,9 @@ from pagefleet_serve.engine.scheduler import Scheduler
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.ngram import NgramProposer
 from pagefleet_serve.engine.spec_decode.speculator import SpecDecodeStats, Speculator
-from pagefleet_serve.model.llama import LlamaForCausalLM, ModelConfig
+from pagefleet_serve.model.config import ModelConfig
+from pagefleet_serve.model.context import ModelContext
+from pagefleet_serve.model.registry import build_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 # The built-in model as its own draft: greedy drafts are the target's own greedy tokens, so
@@ -53,7 +56,8 @@ def test_logits_of_a_verification_span_are_each_rows_vocabulary_product(rows):
         vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
         num_kv_heads=2, head_dim=16,
     )  # fmt: skip
-    model = LlamaForCausalLM(config, backend=None).eval()
+    model = build_model(config, ModelContext(torch_backend())).eval()
+    torch.nn.init.normal_(model.lm_head.weight, generator=torch.Generator().manual_seed(0))
     hidden = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(rows))
     with torch.inference_mode():
         logits = model.compute_logits(hidden)
@@ -225,7 +229,7 @@ def test_a_draft_model_keeps_lookahead_slots_of_its_own_which_go_before_anyone_i
 # -- the real model, float32 ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def copy_prompts(chat_prompts):
-    from pagefleet_serve.model.loader import load_tokenizer
+    from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("builtin://smollm2-135m")
     return [

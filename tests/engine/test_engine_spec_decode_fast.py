@@ -7,7 +7,7 @@ are in test_engine_spec_decode.py, marked slow."""
 import re
 
 from pagefleet_serve import SamplingParams
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 from pagefleet_serve.structured.constraint import StructuredOutputs
 
 COPY_PROMPT = (

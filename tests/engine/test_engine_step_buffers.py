@@ -152,7 +152,7 @@ def test_a_cuda_decode_step_does_not_synchronise_before_its_tokens_come_back():
     the sampled ids' copy back is the step's one synchronisation."""
     from pagefleet_serve.engine.device import RunnerConfig
     from pagefleet_serve.engine.model_runner import ModelRunner
-    from pagefleet_serve.model.loader import load_model
+    from pagefleet_serve.model.loader.model_loader import load_model
 
     device = torch.device("cuda")
     loaded = load_model("builtin://smollm2-135m", torch.bfloat16)

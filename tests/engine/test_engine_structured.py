@@ -15,7 +15,6 @@ import pytest
 import xgrammar as xgr
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import EngineConfig
-from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.structured.constraint import StructuredOutputs, structural_tag_text
 from pagefleet_serve.structured.grammar import GrammarCompiler
 
@@ -154,20 +153,33 @@ def test_exactly_one_kind_of_constraint():
         StructuredOutputs()
 
 
-def test_a_schema_compiles_once(llm):
+def test_a_schema_compiles_once(llm, monkeypatch):
     compiler: GrammarCompiler = llm.engine.grammar_compiler
-    first = StructuredOutputs(json=json.dumps(ANSWER), field="response_format")
-    again = StructuredOutputs(json=json.dumps(ANSWER), field="guided_json")
+    compiles: list[StructuredOutputs] = []
+    compile_one = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda c: compiles.append(c) or compile_one(c))
+    schema = json.dumps({"title": "Once", **ANSWER})
+    first = StructuredOutputs(json=schema, field="response_format")
+    again = StructuredOutputs(json=schema, field="guided_json")
     assert compiler.compile_async(first) is compiler.compile_async(again)
-    # One process, one compile: the frontend's validation and the core's masks share it.
-    request = llm.make_request("once", "Hi", SamplingParams(structured_outputs=first))
-    assert llm.inputs.grammar_future(request) is compiler.compile_async(again)
+    # One compile: the frontend's validation (the core compiles what the frontend asks it
+    # to) and the core's masks share it.
+    params = SamplingParams(max_tokens=4, temperature=0, structured_outputs=first)
+    request = llm.make_request("once", "Hi", params)
+    assert compiler.compile_async(request.params.structured_outputs) is compiler.compile_async(
+        again
+    )
+    llm.add(request)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert compiles == [first]
 
 
 def test_a_request_whose_grammar_the_engine_has_not_compiled_yet_runs(llm):
-    """A core in its own process compiles each constraint again (the frontend validated it
-    with a compiler of its own), so a request can arrive before its grammar is ready: it
-    waits for the compile, then runs, even when no other request comes to move it along."""
+    """A request can reach the core before its grammar is in the core's cache (here it was
+    validated with another compiler; in a server, its compile may have left the cache since
+    the frontend's check): it waits for the compile, then runs, even when no other request
+    comes to move it along."""
     engine = llm.engine
     frontend = GrammarCompiler(
         engine.tokenizer, engine.model_config.vocab_size, engine.grammar_stop_token_ids
@@ -186,14 +198,11 @@ def test_a_request_whose_grammar_the_engine_has_not_compiled_yet_runs(llm):
 
 
 def validated(llm, compiler, request_id, prompt, params):
-    """A request validated (its constraint compiled, waited for) by a frontend whose own
-    grammar compiler is `compiler`, not the engine's."""
-    engine = llm.engine
-    inputs = InputProcessor(engine.tokenizer, engine.model_name, engine.limits, compiler)
-    request = inputs.make_request(request_id, prompt, params)
-    if (compiling := inputs.grammar_future(request)) is not None:
-        compiling.result()
-    return request
+    """A request validated by the frontend, its constraint compiled (and waited for) by
+    `compiler`, not by the engine's compiler."""
+    if params.structured_outputs is not None:
+        compiler.compile(params.structured_outputs)
+    return llm.inputs.process(request_id, prompt, params)
 
 
 SLOW = StructuredOutputs(json=json.dumps({"title": "Slowpoke", **ANSWER}), field="response_format")
@@ -246,13 +255,14 @@ def test_a_request_that_leaves_while_its_grammar_compiles_cancels_it_for_no_othe
 
 
 def test_a_grammar_the_core_cannot_compile_in_time_fails_only_its_request(llm, monkeypatch):
-    """The core compiles again (the frontend validated with its own compiler); past the
-    timeout there, the request, already streaming, ends with an error naming the schema,
-    and a request in the same steps runs on."""
+    """A request that reaches the core before its grammar is compiled there (validated
+    elsewhere, as above) waits for the core's compile; past the timeout, the request,
+    already streaming, ends with an error naming the schema, and a request in the same
+    steps runs on."""
     engine = llm.engine
     frontend = engine.grammar_compiler  # it compiles SLOW at once
     core = SlowCompiler.of(engine, SLOW, compile_timeout=0.3)
-    monkeypatch.setattr(engine, "grammar_compiler", core)
+    monkeypatch.setattr(engine.admission, "grammar_compiler", core)  # what the core compiles with
     prompt = engine.tokenizer.encode(chat(llm, "Is water wet? Answer in JSON."))
     try:
         slow = SamplingParams(max_tokens=20, temperature=0, structured_outputs=SLOW)

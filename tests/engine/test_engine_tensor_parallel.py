@@ -19,6 +19,7 @@ import pytest
 import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.config import EngineConfig
+from pagefleet_serve.engine.executor.multiproc import MultiprocExecutor
 
 from tests.engine.test_engine_architectures import ARCHITECTURES, PROMPTS, build
 
@@ -60,7 +61,8 @@ def both(model: str, parallel: dict = TP2, **settings) -> tuple[list, list]:
     llm = LLM(model, **parallel, **settings)
     try:
         ranks = parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
-        assert llm.engine.workers is not None and llm.engine.workers.size == ranks
+        executor = llm.engine.executor
+        assert isinstance(executor, MultiprocExecutor) and executor.size == ranks
         return one, run(llm)
     finally:
         llm.engine.close()
@@ -195,7 +197,7 @@ def test_each_stage_holds_its_layers_only(tmp_path):
     """Two stages of a 3-layer model, its head tied (Gemma 2): the first holds the
     embedding and layers 0-1, the last layer 2, the final norm and the embedding's rows
     for its head; together every weight once, but for those rows."""
-    from pagefleet_serve.model.loader import load_model
+    from pagefleet_serve.model.loader.model_loader import load_model
     from pagefleet_serve.model.tensor_parallel import TensorParallel
 
     family, extra = ARCHITECTURES["gemma2"]
@@ -206,15 +208,28 @@ def test_each_stage_holds_its_layers_only(tmp_path):
         for s in (0, 1)
     ]
 
-    def layers(weights: dict) -> set[int]:
-        return {int(k.split(".")[2]) for k in weights if k.startswith("model.layers.")}
+    def names(loaded) -> set[str]:
+        """The weights a stage holds, by the model's names (its layer i is the model's
+        layer first_layer + i); the tied head's rows are the embedding's."""
+        first = loaded.model.first_layer
+        held = set()
+        for name in loaded.model.state_dict():
+            if name.startswith("layers."):
+                index, rest = name.removeprefix("layers.").split(".", 1)
+                name = f"layers.{int(index) + first}.{rest}"
+            if name != "lm_head.weight":
+                held.add(name)
+        return held
 
-    first, last = (set(stage.weights) for stage in stages)
-    assert layers(stages[0].weights) == {0, 1} and layers(stages[1].weights) == {2}
-    assert "model.embed_tokens.weight" in first and "model.norm.weight" not in first
-    assert {"model.embed_tokens.weight", "model.norm.weight"} <= last
-    assert first | last == set(whole.weights)
-    assert first & last == {"model.embed_tokens.weight"}
+    def layers(weights: set[str]) -> set[int]:
+        return {int(k.split(".")[1]) for k in weights if k.startswith("layers.")}
+
+    first, last = (names(stage) for stage in stages)
+    assert layers(first) == {0, 1} and layers(last) == {2}
+    assert "embed_tokens.weight" in first and "norm.weight" not in first
+    assert {"embed_tokens.weight", "norm.weight"} <= last
+    assert first | last == names(whole)
+    assert first & last == {"embed_tokens.weight"}
 
 
 def _weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -236,44 +251,50 @@ def _weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
 def test_each_rank_holds_half_of_the_split_weights(tmp_path):
     """Rank 0's resident weights against one rank's: the split ones about halve (the key/
     value heads and vocabulary split evenly here), the norms are whole on each."""
-    from pagefleet_serve.model.loader import load_model
+    from pagefleet_serve.model.loader.model_loader import load_model
     from pagefleet_serve.model.tensor_parallel import TensorParallel
 
     family, extra = ARCHITECTURES["qwen2-biases"]
     build(family, extra, tmp_path)
-    whole = load_model(str(tmp_path), torch.float32)
-    ranks = [load_model(str(tmp_path), torch.float32, tp=TensorParallel(r, 2)) for r in (0, 1)]
+    whole = load_model(str(tmp_path), torch.float32).model.state_dict()
+    ranks = [
+        load_model(str(tmp_path), torch.float32, tp=TensorParallel(r, 2)).model.state_dict()
+        for r in (0, 1)
+    ]
 
     def nbytes(weights: dict) -> int:
         return sum(w.numel() * w.element_size() for w in weights.values())
 
-    norms = {k: v for k, v in whole.weights.items() if "norm" in k}
-    total, replicated = nbytes(whole.weights), nbytes(norms)
+    norms = {k: v for k, v in whole.items() if "norm" in k}
+    total, replicated = nbytes(whole), nbytes(norms)
     for rank in ranks:
-        held = nbytes(rank.weights)
+        held = nbytes(rank)
         assert held == pytest.approx((total - replicated) / 2 + replicated, rel=0.01), (
             f"a rank holds {held} of {total} bytes ({replicated} replicated)"
         )
-        assert {k: v.shape for k, v in rank.weights.items() if "norm" in k} == {
+        assert {k: v.shape for k, v in rank.items() if "norm" in k} == {
             k: v.shape for k, v in norms.items()
         }
     # The two ranks' parts of q/k/v together are the whole: nothing lost, nothing doubled.
-    name = "model.layers.0.self_attn.qkv_proj.weight"
-    assert sum(r.weights[name].shape[0] for r in ranks) == whole.weights[name].shape[0]
+    name = "layers.0.self_attn.qkv_proj.weight"
+    assert sum(r[name].shape[0] for r in ranks) == whole[name].shape[0]
 
 
 def test_only_rank_0_loads_the_tokenizer():
-    """The engine core (global rank 0) tokenizes; the other ranks run the model alone and
-    load no tokenizer (the built-in model's is ~46 MiB resident, a worker's whole)."""
-    from pagefleet_serve.model.loader import load_model
+    """The engine core (global rank 0) tokenizes, with the tokenizer the frontend loads for
+    it; the other ranks run the model alone and load no tokenizer (the built-in model's is
+    ~46 MiB resident, a worker's whole): the model loader reads none on any rank."""
+    from pagefleet_serve.frontend.tokenizer import load_engine_tokenizer
+    from pagefleet_serve.model.loader.model_loader import load_model
     from pagefleet_serve.model.tensor_parallel import TensorParallel
 
-    ranks = {
-        tp: load_model("builtin://smollm2-135m", torch.bfloat16, "auto", tp=tp).tokenizer
+    ranks = [
+        load_model("builtin://smollm2-135m", torch.bfloat16, "auto", tp=tp)
         for tp in (TensorParallel(0, 2), TensorParallel(1, 2), TensorParallel(stage=1, stages=2))
-    }
-    assert [tokenizer is None for tokenizer in ranks.values()] == [False, True, True]
-    assert ranks[TensorParallel(0, 2)].encode("Hello") != []
+    ]
+    assert [hasattr(loaded, "tokenizer") for loaded in ranks] == [False, False, False]
+    tokenizer = load_engine_tokenizer(EngineConfig(model="builtin://smollm2-135m"))
+    assert tokenizer.encode("Hello") != []
 
 
 @pytest.mark.parametrize(
@@ -308,8 +329,9 @@ def test_a_model_that_cannot_be_split_is_refused_and_its_workers_end():
 def test_whole_projection_norms_over_more_ranks_than_key_value_heads_are_refused():
     """OLMoE's k norm spans every key/value head: it cannot be summed over ranks that
     replicate one head each."""
-    from pagefleet_serve.model.tensor_parallel import check_shardable
+    from pagefleet_serve.parallel_shape import ModelShape, check_shape
 
-    check_shardable(2, 4, 2, qk_norm_whole=True)
+    shape = ModelShape(num_heads=4, num_kv_heads=2, num_layers=2, whole_kv_norm=True)
+    check_shape(2, 1, shape)
     with pytest.raises(ValueError, match="cannot replicate: use at most 2 ranks"):
-        check_shardable(4, 4, 2, qk_norm_whole=True)
+        check_shape(4, 1, shape)

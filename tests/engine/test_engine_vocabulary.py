@@ -7,7 +7,7 @@ import argparse
 
 from pagefleet_kernels.kv_cache import QUANTIZED_KV_CACHE_DTYPES
 from pagefleet_serve import config
-from pagefleet_serve.model.loader import GGUF_ARCHITECTURES
+from pagefleet_serve.model import registry
 from pagefleet_serve.server import serve
 
 
@@ -15,10 +15,13 @@ def test_the_kernels_kv_cache_dtypes_are_the_configs():
     assert ("auto", *QUANTIZED_KV_CACHE_DTYPES) == config.KV_CACHE_DTYPES
 
 
-def test_the_loaders_gguf_table_covers_the_configs_architectures():
-    assert sorted(GGUF_ARCHITECTURES) == sorted(config.GGUF_ARCHITECTURE_NAMES)
-    # Each GGUF architecture becomes a Hugging Face model_type the loader serves.
-    assert {a.model_type for a in GGUF_ARCHITECTURES.values()} <= set(config.HF_MODEL_TYPES)
+def test_the_registry_is_the_configs_list_of_architectures():
+    """config.py's lists are the torch-free copy of the registry the operator reads."""
+    assert registry.gguf_architectures() == tuple(sorted(config.GGUF_ARCHITECTURE_NAMES))
+    assert registry.model_types() == tuple(sorted(config.HF_MODEL_TYPES))
+    # Each GGUF architecture is served by a family that serves Hugging Face checkpoints too.
+    served = {registry.hf_architecture({"model_type": t}) for t in config.HF_MODEL_TYPES}
+    assert {registry.gguf_architecture(a) for a in config.GGUF_ARCHITECTURE_NAMES} <= served
 
 
 def test_the_serve_flags_offer_the_configs_names():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from pagefleet_serve.engine.device import CudaMemory, RunnerConfig, kv_cache_budget
 from pagefleet_serve.engine.model_runner import ModelRunner
-from pagefleet_serve.model.loader import load_model
+from pagefleet_serve.model.loader.model_loader import load_model
 
 GiB = 1 << 30
 

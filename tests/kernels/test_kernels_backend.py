@@ -21,13 +21,8 @@ from pagefleet_kernels import (
     triton_attention,
     triton_layer_ops,
 )
-from pagefleet_kernels.backend import (
-    AttentionMetadata,
-    KernelBackend,
-    cpu_backend,
-    torch_backend,
-    triton_backend,
-)
+from pagefleet_kernels.backend import KernelBackend, cpu_backend, torch_backend, triton_backend
+from pagefleet_kernels.metadata import AttentionMetadata
 
 from tests.kernels.kernel_batches import (
     KERNEL_TOLERANCE,
@@ -274,15 +269,19 @@ def q4_1_weight(rows_: int, cols: int, seed: int):
 def test_fused_decoder_layer_computes_the_layers_ops_bits(name):
     """A decoder layer with 4-bit weights bound to the backend's fused layer: its two calls
     give the bits of the same backend's ops called one by one (qkv bias included)."""
-    from pagefleet_serve.model.linear import quantized_linear
-    from pagefleet_serve.model.llama import LlamaDecoderLayer, ModelConfig
+    from pagefleet_serve.model.config import ModelConfig
+    from pagefleet_serve.model.context import ModelContext, building
+    from pagefleet_serve.model.layers.fused import bind_fused_layer
+    from pagefleet_serve.model.layers.linear_methods import quantized_linear
+    from pagefleet_serve.model.models.llama import LlamaDecoderLayer
 
     ops = BACKENDS[name]()
     config = ModelConfig(
         vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
         num_kv_heads=2, head_dim=32, qkv_bias=True,
     )  # fmt: skip
-    layer = LlamaDecoderLayer(config, ops, 0)
+    with building(ModelContext(ops)):
+        layer = LlamaDecoderLayer(config, 0)
     shapes = {
         "self_attn.qkv_proj": (256, 128),
         "self_attn.o_proj": (128, 128),
@@ -290,14 +289,13 @@ def test_fused_decoder_layer_computes_the_layers_ops_bits(name):
         "mlp.down_proj": (128, 256),
     }
     for i, (path, shape) in enumerate(shapes.items()):
-        parent, _, attr = path.rpartition(".")
-        bias = rows((shape[0],), i, "cpu") if attr == "qkv_proj" else None
+        bias = rows((shape[0],), i, "cpu") if path.endswith("qkv_proj") else None
         linear = quantized_linear(q4_1_weight(*shape, i), bias, ops)
-        layer.get_submodule(parent).register_module(attr, linear)
+        layer.get_submodule(path).use_method(linear)
     with torch.no_grad():
         layer.input_layernorm.weight.copy_(rows((128,), 8, "cpu").abs() + 0.5)
         layer.post_attention_layernorm.weight.copy_(rows((128,), 9, "cpu").abs() + 0.5)
-    layer.bind_fused()
+    layer.fused = bind_fused_layer(layer, ops)
     x, attended = rows((3, 128), 10, "cpu"), rows((3, 128), 11, "cpu")
     cos, sin = rows((3, 32), 12, "cpu"), rows((3, 32), 13, "cpu")
     fused = layer.fused.for_rows(x)

@@ -7,7 +7,7 @@ import torch
 from pagefleet_serve import LLM, SamplingParams
 from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.config import EngineConfig
-from pagefleet_serve.model.loader import TINY_CONFIG
+from pagefleet_serve.model.loader.model_loader import TINY_CONFIG
 from pagefleet_serve.sampling_params import sample_seed
 
 from tests.engine.test_engine_architectures import ARCHITECTURES, build, load, reference_tokens

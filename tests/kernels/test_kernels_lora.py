@@ -7,7 +7,8 @@ read off the blocks); and which backend declares which."""
 import pytest
 import torch
 from pagefleet_kernels import cpu_attention, cpu_layer_ops, lora_ops, triton_lora
-from pagefleet_kernels.backend import LoRAMapping, cpu_backend, torch_backend, triton_backend
+from pagefleet_kernels.backend import cpu_backend, torch_backend, triton_backend
+from pagefleet_kernels.metadata import LoRAMapping
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 

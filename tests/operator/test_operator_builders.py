@@ -426,6 +426,8 @@ def test_without_router_no_router_objects_and_the_service_selects_the_pods():
         "RouterRole",
         "RouterRoleBinding",
         "RouterDeployment",
+        "EndpointPickerService",
+        "InferencePool",
     ]
     assert desired["Service"]["spec"]["selector"] == {"pagefleet.dev/inferenceservice": "demo"}
 

@@ -348,7 +348,17 @@ def test_every_rule_on_an_object_names_its_field_with_a_valid_path():
             "FieldValueRequired",
             "FieldValueDuplicate",
         }
-    assert checked == ["metadata.name", "metadata.name", "nodes", "sizeLimit", "minReplicas"]
+    assert checked == [
+        "metadata.name",
+        "metadata.name",
+        "valueFrom",
+        "nodes",
+        "operator",
+        "value",
+        "effect",
+        "sizeLimit",
+        "minReplicas",
+    ]
     with pytest.raises(ValueError, match="does not refer to a valid field"):
         apiserver_validation.resolve_field_path({"properties": {"metadata": {}}}, ".metadata.name")
 
@@ -398,3 +408,179 @@ def test_every_built_object_is_valid_kubernetes(name, spec, k8s):
     assert len(built) >= 2
     for obj in built:
         kubernetes_validate.validate(obj, k8s, strict=True)
+
+
+LABEL_VALUE_PATTERN = SPEC["nodeSelector"]["additionalProperties"]["pattern"]
+TOLERATION_RULES = {
+    "operator": "tolerations operator must be Exists when key is empty (it tolerates every taint)",
+    "value": "tolerations value must be empty when operator is Exists",
+    "effect": "tolerations effect must be NoExecute when tolerationSeconds is set",
+}
+
+
+def toleration_refusal(field: str) -> str:
+    return f"spec.tolerations[0].{field}: Invalid value: {TOLERATION_RULES[field]}"
+
+
+@pytest.mark.parametrize(
+    ("toleration", "expected"),
+    [
+        ({"key": "gpu", "operator": "Equal", "value": "h100"}, []),
+        ({"key": "gpu", "value": "h100"}, []),  # no operator: Equal
+        ({"key": "gpu", "operator": "Exists"}, []),
+        ({"key": "gpu", "operator": "Exists", "value": ""}, []),
+        ({"operator": "Exists"}, []),  # every taint
+        ({"key": "", "operator": "Exists", "effect": "NoSchedule"}, []),
+        ({"key": "example.com/gpu", "operator": "Exists", "effect": "NoExecute"}, []),
+        (
+            {"key": "gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30},
+            [],
+        ),
+        # Issue 73: the API server refused the Deployment on every resync.
+        ({"key": "a", "operator": "Exists", "value": "x"}, [toleration_refusal("value")]),
+        ({"effect": "NoSchedule"}, [toleration_refusal("operator")]),
+        ({"key": "", "value": "x"}, [toleration_refusal("operator")]),
+        ({"key": "", "operator": "Equal"}, [toleration_refusal("operator")]),
+        (
+            {"key": "gpu", "operator": "Exists", "tolerationSeconds": 30},
+            [toleration_refusal("effect")],
+        ),
+        (
+            {"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30},
+            [toleration_refusal("effect")],
+        ),
+        (
+            {"key": "gpu", "operator": "Sideways"},
+            [
+                'spec.tolerations[0].operator: Unsupported value: "Sideways": supported '
+                'values: "Exists", "Equal"',
+                BLOCKED,
+            ],
+        ),
+        (
+            {"key": "gpu", "operator": "Exists", "effect": "NoRun"},
+            [
+                'spec.tolerations[0].effect: Unsupported value: "NoRun": supported values: '
+                '"NoSchedule", "PreferNoSchedule", "NoExecute"',
+                BLOCKED,
+            ],
+        ),
+        (
+            {"key": "a b", "operator": "Exists"},
+            [
+                mismatch(
+                    "spec.tolerations[0].key",
+                    "a b",
+                    SPEC["tolerations"]["items"]["properties"]["key"]["pattern"],
+                )
+            ],
+        ),
+        (
+            {"key": "gpu", "value": "-h100"},
+            [mismatch("spec.tolerations[0].value", "-h100", LABEL_VALUE_PATTERN)],
+        ),
+    ],
+)
+def test_tolerations_the_api_server_would_refuse_in_a_pod_are_refused(toleration, expected):
+    """kube-apiserver's rules for a pod's tolerations, in the CRD: a toleration it would
+    refuse in the Deployment is refused when the InferenceService is applied."""
+    assert admit(resource({**BUILTIN, "tolerations": [toleration]}))[1] == expected
+
+
+SECRET_KEY_RULE = "a Secret key must not be '.' or start with '..'"
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"engine": {"env": [{"name": "A", "value": "1"}]}}, []),
+        ({"engine": {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {}}}]}}, []),
+        ({"engine": {"env": [{"name": "A", "value": "", "valueFrom": {"fieldRef": {}}}]}}, []),
+        (
+            {"engine": {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {}}}]}},
+            [
+                "spec.engine.env[0].valueFrom: Invalid value: engine.env valueFrom may not be "
+                "set together with a value"
+            ],
+        ),
+        (
+            {"engine": {"env": [{"name": "1A", "value": "1"}]}},
+            [
+                mismatch(
+                    "spec.engine.env[0].name",
+                    "1A",
+                    ENGINE["env"]["items"]["properties"]["name"]["pattern"],
+                )
+            ],
+        ),
+        ({"engine": {"apiKeySecretRef": {"name": "keys", "key": ".api"}}}, []),
+        ({"model": {"uri": "hf://org/m", "tokenSecretRef": {"name": "hf", "key": "tok"}}}, []),
+        (
+            {"engine": {"apiKeySecretRef": {"name": "keys", "key": "..api"}}},
+            [f'spec.engine.apiKeySecretRef.key: Invalid value: "..api": {SECRET_KEY_RULE}'],
+        ),
+        (
+            {"model": {"uri": "hf://org/m", "tokenSecretRef": {"name": "hf", "key": "."}}},
+            [f'spec.model.tokenSecretRef.key: Invalid value: ".": {SECRET_KEY_RULE}'],
+        ),
+        (
+            {"engine": {"apiKeySecretRef": {"name": "Keys", "key": "api"}}},
+            [
+                mismatch(
+                    "spec.engine.apiKeySecretRef.name",
+                    "Keys",
+                    ENGINE["apiKeySecretRef"]["properties"]["name"]["pattern"],
+                )
+            ],
+        ),
+        (
+            {"nodeSelector": {"pool": "gpu pool"}},
+            [mismatch("spec.nodeSelector.pool", "gpu pool", LABEL_VALUE_PATTERN)],
+        ),
+        (
+            {"resources": {"requests": {"cpu": "-1"}}},
+            [mismatch("spec.resources.requests.cpu", "-1", QUANTITY_PATTERN)],
+        ),
+        (
+            {"resources": {"limits": {"nvidia.com/gpu": -1}}},
+            [too_small("spec.resources.limits.nvidia.com/gpu", -1, 0)],
+        ),
+        (
+            {"router": {"resources": {"limits": {"cpu": "-500m"}}}},
+            [mismatch("spec.router.resources.limits.cpu", "-500m", QUANTITY_PATTERN)],
+        ),
+        (
+            {"router": {"resources": {"claims": []}}},
+            ['strict decoding error: unknown field "spec.router.resources.claims"'],
+        ),
+        (
+            {"engine": {"image": "ghcr.io/x/y:1 "}},
+            [mismatch("spec.engine.image", "ghcr.io/x/y:1 ", ENGINE["image"]["pattern"])],
+        ),
+        (
+            {"ingress": {"host": "10.0.0.1:80"}},
+            [
+                mismatch(
+                    "spec.ingress.host",
+                    "10.0.0.1:80",
+                    SPEC["ingress"]["properties"]["host"]["pattern"],
+                )
+            ],
+        ),
+        ({"ingress": {"host": "*.llm.example.com", "className": "nginx"}}, []),
+        (
+            {"monitoring": {"podMonitorLabels": {"release": "kube prometheus"}}},
+            [
+                mismatch(
+                    "spec.monitoring.podMonitorLabels.release",
+                    "kube prometheus",
+                    LABEL_VALUE_PATTERN,
+                )
+            ],
+        ),
+    ],
+)
+def test_pass_through_values_the_api_server_would_refuse_are_refused(spec, expected):
+    """Values the spec hands on to a container, a pod, an Ingress or a PodMonitor as they
+    are: refused by the CRD where the API server would refuse the object built from them."""
+    assert admit(resource({**BUILTIN, **spec}))[1] == expected

@@ -17,7 +17,8 @@ its timeoutSeconds, loses nothing, and answers a version older than its history 
 410 Gone ERROR event (ApiServerEmulator._serve_watch; `oldest_watch_version` plays the
 history's compaction). It does not validate objects: InferenceServices created are
 checked against the CRD here as kube-apiserver checks them (apiserver_validation.py, its
-400 and 422 messages). A merge patch carrying a stale resourceVersion is a 409 Conflict,
+400 and 422 messages), and Deployments created or applied against kube-apiserver's rules
+for the pod template fields a spec passes through (pod_validation.py). A merge patch carrying a stale resourceVersion is a 409 Conflict,
 as on kube-apiserver (the operators' Lease writes rely on it).
 """
 
@@ -40,7 +41,7 @@ import kmock
 import pytest
 import pytest_asyncio
 
-from tests.operator import apiserver_validation, server_side_apply
+from tests.operator import apiserver_validation, pod_validation, server_side_apply
 from tests.operator.operator_samples import CRD_PATH, REPO, load_yaml
 from tests.operator.test_operator_metrics import BODY, MetricsServer
 
@@ -173,8 +174,29 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         )
         raise kmock.KubernetesError(422, "Invalid", message)
 
+    @staticmethod
+    def _refuse_invalid_deployment(request) -> None:
+        """kube-apiserver's 422 for a Deployment whose pod template it refuses
+        (pod_validation.py), on a create or a server-side apply."""
+        data = request.data
+        is_write = request.action == kmock.action.CREATE or (
+            request.action == kmock.action.UPDATE
+            and "apply-patch" in request.headers.get("Content-Type", "")
+        )
+        if request.resource.plural != "deployments" or not is_write or request.subresource:
+            return
+        if not isinstance(data, dict) or "template" not in (data.get("spec") or {}):
+            return
+        errors = pod_validation.validate_deployment(data)
+        if errors:
+            name = (data.get("metadata") or {}).get("name", "")
+            message = apiserver_validation.refusal_message("Deployment.apps", name, errors)
+            raise kmock.KubernetesError(422, "Invalid", message)
+
     async def _handle(self, request):
         data = request.data
+        if request.resource is not None:
+            self._refuse_invalid_deployment(request)
         if request.resource is not None and request.action == kmock.action.CREATE:
             if request.resource.plural == "inferenceservices" and self.validate_inference_services:
                 self._refuse_if_invalid(data)
@@ -239,6 +261,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 pytestmark = [pytest.mark.kmock(cls=ApiServerEmulator), pytest.mark.asyncio]
 
 
+def kmock_resource(kind: str) -> kmock.ResourceInfo:
+    return kmock.ResourceInfo(
+        kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}
+    )
+
+
 def declare_resources(server) -> None:
     info = kmock.ResourceInfo
     server.resources[ISVC] = info(
@@ -268,9 +296,28 @@ def declare_resources(server) -> None:
         )
     # Present in every real cluster's discovery; kopf waits to see them (never reads them).
     server.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list"})
+    # Watched cluster-wide (kopf's scanning): a CRD created later starts its kind's watch.
     server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"list"}
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "create"}
     )
+
+
+def install_crd(group: str, plural: str, kind: str) -> dict:
+    """A CustomResourceDefinition as its chart applies it (what kopf's scanning reads)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"plural": plural, "kind": kind},
+            "versions": [{"name": "v1", "served": True, "storage": True}],
+        },
+    }
+
+
+CRDS_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
 class Client:
@@ -958,3 +1005,236 @@ async def test_the_emulator_refuses_bad_objects_in_the_api_servers_words(kmock):
         ),
     ]
     assert stored(kmock, ISVC, "neg") is None and stored(kmock, ISVC, "typo") is None
+
+
+BAD_TOLERATION = {"key": "a", "operator": "Exists", "value": "x"}
+
+
+async def test_the_emulator_refuses_a_bad_pod_template_as_the_api_server_does(kmock):
+    """Issue 73: kube-apiserver refuses a Deployment whose toleration has a value with
+    Exists; the emulator must too, or a test cannot see the operator loop on it."""
+    declare_resources(kmock)
+    pod = {
+        "containers": [{"name": "server", "image": "img:test"}],
+        "tolerations": [BAD_TOLERATION],
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "chat", "namespace": "ml"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "chat"}},
+            "template": {"metadata": {"labels": {"app": "chat"}}, "spec": pod},
+        },
+    }
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
+        path = "/apis/apps/v1/namespaces/ml/deployments"
+        async with session.post(path, json=deployment) as response:
+            answer = (response.status, (await response.json())["message"])
+    assert answer == (
+        422,
+        'Deployment.apps "chat" is invalid: spec.template.spec.tolerations[0].operator: '
+        'Invalid value: core.Toleration{Key:"a", Operator:"Exists", Value:"x", Effect:"", '
+        "TolerationSeconds:(*int64)(nil)}: value must be empty when `operator` is 'Exists'",
+    )
+    assert stored(kmock, "apps/v1/deployments", "chat") is None
+
+
+async def test_a_toleration_the_api_server_refuses_is_degraded_not_applied(kmock, operator):
+    """Issue 73: the toleration passed the CRD (stored before the rule existed, here) and
+    the operator, and the API server refused the Deployment on every resync. The parse
+    refuses it now: Degraded InvalidSpec at once, and no write the API server refuses."""
+    kmock.validate_inference_services = False
+    spec = {"model": {"uri": "builtin://smollm2-135m"}, "tolerations": [BAD_TOLERATION]}
+    await operator.call("POST", isvc_path(), make_isvc("tolerant", spec))
+    degraded = await eventually(
+        lambda: condition(stored(kmock, ISVC, "tolerant"), "Degraded"), what="Degraded"
+    )
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+    assert degraded["message"] == "spec.tolerations[0].value: must be empty when operator is Exists"
+    ready = condition(stored(kmock, ISVC, "tolerant"), "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    writes = [
+        r
+        for r in list(kmock)
+        if r.resource is not None
+        and r.resource.plural == "deployments"
+        and r.method in ("POST", "PATCH")
+    ]
+    assert writes == []
+
+
+def status_writes(server, name: str) -> list:
+    """The writes of an InferenceService's status (the reconciler's and the autoscaler's)."""
+    return [
+        r
+        for r in list(server)
+        if r.resource is not None
+        and r.resource.plural == "inferenceservices"
+        and r.subresource == "status"
+        and r.method == "PATCH"
+        and r.name == name
+    ]
+
+
+async def quiet(server, name: str) -> int:
+    """Wait until the writes of a creation (the reconciles its children's events set off)
+    have ended: 2 s without a status write. The status writes so far."""
+    before = len(status_writes(server, name))
+    while True:
+        await asyncio.sleep(2)
+        if len(status_writes(server, name)) == before:
+            return before
+        before = len(status_writes(server, name))
+
+
+async def test_an_idle_autoscaled_service_writes_no_status(kmock, operator):
+    """Issue 73: the autoscaler rewrote status.autoscaler every intervalSeconds, even for
+    a service with no pods: a new resourceVersion to every watcher each time (8 writes
+    per 2 minutes per service at 15 s). Nothing changes here, so nothing is written."""
+    spec = {
+        "model": {"uri": "builtin://smollm2-135m"},
+        "autoscaling": {"enabled": True, "intervalSeconds": 5},
+    }
+    await operator.call("POST", isvc_path(), make_isvc("idle", spec))
+    await eventually(
+        lambda: ((stored(kmock, ISVC, "idle") or {}).get("status") or {}).get("autoscaler"),
+        what="the autoscaler's first round",
+    )
+    before = await quiet(kmock, "idle")
+    await asyncio.sleep(16)  # three more rounds
+    assert len(status_writes(kmock, "idle")) == before
+
+
+CHILD_PLURALS = {
+    "deployments",
+    "services",
+    "configmaps",
+    "ingresses",
+    "poddisruptionbudgets",
+    "podmonitors",
+    "serviceaccounts",
+    "roles",
+    "rolebindings",
+    "persistentvolumeclaims",
+}
+
+
+def reads_of_children(server) -> list:
+    """The GETs of one object of a kind the operator makes (or a claim); not lists and
+    watches."""
+    return [
+        r
+        for r in list(server)
+        if r.resource is not None
+        and r.resource.plural in CHILD_PLURALS
+        and r.method == "GET"
+        and r.name is not None
+        and r.params.get("watch") != "true"
+    ]
+
+
+async def test_a_reconcile_reads_its_children_from_the_watches(kmock, operator):
+    """Issue 73: each reconcile made about 12 GETs, one per kind of child it might own
+    (a 404 for a PodMonitor whose CRD is absent). The children come from the watches kopf
+    holds now: a spec change (two reconciles: the change's, the Deployment event's) reads
+    only the Deployment it has just updated."""
+    spec = {"model": {"uri": "builtin://smollm2-135m"}}
+    await operator.call("POST", isvc_path(), make_isvc("cached", spec))
+
+    def reconciled() -> bool:
+        isvc = stored(kmock, ISVC, "cached") or {}
+        status = isvc.get("status") or {}
+        return status.get("observedGeneration") == isvc["metadata"]["generation"]
+
+    await eventually(reconciled, what="the first status")
+    await asyncio.sleep(2)  # the reconciles the children's events set off
+    before = len(reads_of_children(kmock))
+    await operator.call("PATCH", isvc_path("cached"), {"spec": {"engine": {"maxNumSeqs": 8}}})
+    await eventually(reconciled, what="the status of the new generation")
+    await asyncio.sleep(2)
+    reads = reads_of_children(kmock)[before:]
+    assert [r.resource.plural for r in reads] == ["deployments"]
+    assert not any(r.resource and r.resource.plural == "podmonitors" for r in list(kmock))
+
+
+async def test_a_claim_created_after_its_service_is_picked_up_at_once(kmock, operator):
+    """Issue 73: a PersistentVolumeClaim created after the service was noticed only at
+    the next resync (60 s). Claims are watched: the service is made within seconds."""
+    spec = {"model": {"uri": "pvc://weights/llama"}}
+    await operator.call("POST", isvc_path(), make_isvc("late-claim", spec))
+    await eventually(
+        lambda: (
+            condition(stored(kmock, ISVC, "late-claim"), "Degraded").get("reason") == "PVCNotFound"
+        ),
+        what="PVCNotFound",
+    )
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "weights", "namespace": "ml"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    await operator.call("POST", "/api/v1/namespaces/ml/persistentvolumeclaims", claim)
+    await eventually(
+        lambda: stored(kmock, "apps/v1/deployments", "late-claim"), timeout=10, what="Deployment"
+    )
+    await eventually(
+        lambda: condition(stored(kmock, ISVC, "late-claim"), "Degraded").get("status") == "False",
+        timeout=10,
+        what="Degraded cleared",
+    )
+
+
+async def test_a_pod_monitor_crd_installed_later_is_used_at_once(kmock, operator):
+    """Issue 73: the Prometheus Operator's CRDs installed after the operator: the
+    PodMonitor asked for is made within the poll of the optional APIs (10 s), not at the
+    next resync, and the Monitored condition says so."""
+    spec = {"model": {"uri": "builtin://smollm2-135m"}, "monitoring": {"podMonitor": True}}
+    await operator.call("POST", isvc_path(), make_isvc("watched", spec))
+    await eventually(
+        lambda: (
+            condition(stored(kmock, ISVC, "watched"), "Monitored").get("reason")
+            == "PodMonitorCRDMissing"
+        ),
+        what="Monitored False",
+    )
+    await quiet(kmock, "watched")  # nothing left that would reconcile it before the resync
+    kmock.resources["monitoring.coreos.com/v1/podmonitors"] = kmock_resource("PodMonitor")
+    crd = install_crd("monitoring.coreos.com", "podmonitors", "PodMonitor")
+    await operator.call("POST", CRDS_PATH, crd)
+    await eventually(
+        lambda: stored(kmock, "monitoring.coreos.com/v1/podmonitors", "watched"),
+        timeout=20,
+        what="PodMonitor",
+    )
+    await eventually(
+        lambda: condition(stored(kmock, ISVC, "watched"), "Monitored").get("status") == "True",
+        what="Monitored True",
+    )
+
+
+async def test_an_object_of_our_name_that_is_not_ours_is_never_applied_over(kmock, operator):
+    """The watches see only objects labelled as ours: a Service of the same name made by
+    someone else is not in them, and must still be found (a conflict, left alone), not
+    taken for missing and applied over."""
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "taken", "namespace": "ml", "labels": {"team": "web"}},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]},
+    }
+    await operator.call("POST", "/api/v1/namespaces/ml/services", theirs)
+    spec = {"model": {"uri": "builtin://smollm2-135m"}}
+    await operator.call("POST", isvc_path(), make_isvc("taken", spec))
+    degraded = await eventually(
+        lambda: (
+            condition(stored(kmock, ISVC, "taken"), "Degraded").get("reason") == "NameConflict"
+            and condition(stored(kmock, ISVC, "taken"), "Degraded")
+        ),
+        what="NameConflict",
+    )
+    assert "Service 'taken'" in degraded["message"]
+    service = stored(kmock, "v1/services", "taken")
+    assert service["metadata"]["labels"] == {"team": "web"}
+    assert service["spec"]["selector"] == {"app": "web"}

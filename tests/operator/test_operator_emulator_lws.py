@@ -5,18 +5,24 @@ Degraded, and the operator alive, where it does not."""
 
 from __future__ import annotations
 
+import asyncio
+
 import kmock
 import pytest
+from pagefleet_operator.handlers import RESYNC_SECONDS
 
 from tests.operator import apiserver_validation
 from tests.operator.test_operator_emulator import (
+    CRDS_PATH,
     ISVC,
     ApiServerEmulator,
     condition,
     declare_resources,
     eventually,
+    install_crd,
     isvc_path,
     make_isvc,
+    quiet,
     run_operator,
     stored,
 )
@@ -92,3 +98,45 @@ async def test_without_leader_worker_set_installed_the_service_is_degraded(kmock
         await eventually(lambda: stored(kmock, "apps/v1/deployments", "small"), what="Deployment")
         assert operator.process.returncode is None
         assert stored(kmock, "apps/v1/deployments", "big") is None
+
+
+async def test_a_leader_worker_set_crd_installed_later_is_watched(kmock, tmp_path):
+    """Issue 73: LeaderWorkerSet installed after the operator started was never watched
+    (kopf: "Unresolved resources cannot be served"): its group came at the 60 s resync,
+    and its status reached the InferenceService only through the resync. Now the group
+    is made when the CRD appears, and its status comes through the watch, all well
+    within the first resync."""
+    declare_resources(kmock)
+    async with run_operator(kmock, tmp_path, "--liveness", "") as operator:
+        loop = asyncio.get_running_loop()
+        await operator.call("POST", isvc_path(), make_isvc("big", TWO_NODES))
+        created = loop.time()
+        await eventually(
+            lambda: (
+                condition(stored(kmock, ISVC, "big"), "Degraded").get("reason")
+                == "LeaderWorkerSetNotInstalled"
+            ),
+            what="Degraded",
+        )
+        await quiet(kmock, "big")  # nothing left that would reconcile it before the resync
+        declare_leader_worker_sets(kmock)
+        crd = install_crd("leaderworkerset.x-k8s.io", "leaderworkersets", "LeaderWorkerSet")
+        await operator.call("POST", CRDS_PATH, crd)
+        await eventually(lambda: stored(kmock, LWS, "big"), timeout=30, what="LeaderWorkerSet")
+        await eventually(
+            lambda: any(
+                r.resource is not None
+                and r.resource.plural == "leaderworkersets"
+                and r.params.get("watch") == "true"
+                for r in list(kmock)
+            ),
+            what="a watch of LeaderWorkerSets",
+        )
+        ready = {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+        await operator.call("PATCH", f"{LWS_PATH}/big/status", {"status": ready})
+        await eventually(
+            lambda: condition(stored(kmock, ISVC, "big"), "Ready").get("status") == "True",
+            what="Ready",
+        )
+        assert condition(stored(kmock, ISVC, "big"), "Degraded")["status"] == "False"
+        assert loop.time() - created < RESYNC_SECONDS

@@ -13,7 +13,7 @@ from pagefleet_operator.desired import get_desired_objects
 from pagefleet_operator.parallelism import KNOWN_MODEL_SHAPES
 from pagefleet_operator.scaler import autoscale_once
 from pagefleet_operator.spec import SpecError, parse_spec
-from pagefleet_serve.model.resolve import builtin_gguf_path
+from pagefleet_serve.model.loader.resolve import builtin_gguf_path
 
 from tests.operator import apiserver_validation
 from tests.operator.operator_samples import (
@@ -264,7 +264,7 @@ def test_the_built_in_models_shape_is_its_gguf_header():
         return int(item.parts[item.data[0]][0])
 
     shape = KNOWN_MODEL_SHAPES["builtin://smollm2-135m"]
-    assert (shape.num_attention_heads, shape.num_key_value_heads, shape.num_hidden_layers) == (
+    assert (shape.num_heads, shape.num_kv_heads, shape.num_layers) == (
         field("attention.head_count"),
         field("attention.head_count_kv"),
         field("block_count"),
@@ -277,11 +277,18 @@ BUILTIN = {"model": {"uri": "builtin://smollm2-135m"}}
 @pytest.mark.parametrize(
     ("parallelism", "words"),
     [
-        ({"tensor": 2}, "spec.parallelism.tensor: 2 does not divide the 9 attention heads"),
-        ({"tensor": 9, "pipeline": 31}, "31 stages exceed the 30 layers"),
+        (
+            {"tensor": 4},
+            "spec.parallelism.tensor: 4 exceeds the model's 3 key/value heads: it must then "
+            "be a multiple of them and divide the 9 attention heads",
+        ),
+        (
+            {"tensor": 9, "pipeline": 31},
+            "spec.parallelism.pipeline: 31 exceeds the model's 30 layers",
+        ),
     ],
 )
-def test_tensor_must_divide_the_built_in_models_heads(parallelism, words):
+def test_a_shape_the_engine_cannot_split_is_refused(parallelism, words):
     kube = ClusterKube(make_body({**BUILTIN, "parallelism": parallelism}))
     run(kube)
     degraded = condition(kube, "Degraded")
@@ -291,8 +298,11 @@ def test_tensor_must_divide_the_built_in_models_heads(parallelism, words):
     assert [w for w in kube.writes if w[0] != "status"] == []
 
 
-def test_heads_that_split_are_checked_and_an_unknown_model_is_said_so():
-    kube = ClusterKube(make_body({**BUILTIN, "parallelism": {"tensor": 3}}))
+@pytest.mark.parametrize("tensor", [2, 3, 9])
+def test_heads_that_split_are_checked_and_an_unknown_model_is_said_so(tensor):
+    """tensor 2 splits the built-in model's 3 KV heads 2 + 1, as its engine serves it
+    (tests/engine/test_engine_tensor_parallel.py runs it); 9 replicates each over 3 ranks."""
+    kube = ClusterKube(make_body({**BUILTIN, "parallelism": {"tensor": tensor}}))
     run(kube)
     checked = condition(kube, "ParallelismChecked")
     assert (checked["status"], checked["reason"]) == ("True", "HeadsSplit")

@@ -61,6 +61,10 @@ class FakeKube:
     def get(self, kind, namespace, name):
         return copy.deepcopy(self.objects.get((kind, namespace, name)))
 
+    def observe(self, kind, namespace, name, wanted):
+        """No watch cache here: every read is the API server's."""
+        return self.get(kind, namespace, name)
+
     def list(self, kind, namespace, labels):
         return [
             copy.deepcopy(o)
@@ -237,6 +241,31 @@ def test_unsatisfiable_spec_is_degraded_not_a_crash(spec, reason, words):
     assert not run(kube).new_problem
 
 
+@pytest.mark.parametrize(
+    ("spec", "options"),
+    [
+        (
+            {**BUILTIN, "engine": {"image": "docker.io/evil/img:1"}},
+            {"allowed_image_prefixes": ("ghcr.io/pagefleet/",)},
+        ),
+        ({**BUILTIN, "autoscaling": {"enabled": True, "minReplicas": 0}}, {}),
+        ({**BUILTIN, "replicas": 3, "tolerations": [{"operator": "Sideways"}]}, {}),
+    ],
+)
+def test_a_rejected_spec_is_not_reported_as_scaled_to_zero(spec, options):
+    """Issue 73: a spec the operator rejects read `ScaledToZero: spec.replicas is 0` and
+    READY 0/0 in `kubectl get`, though spec.replicas asked for replicas. The Ready reason
+    (kubectl's STATUS column) is why nothing runs, and READY counts what was asked for."""
+    kube = FakeKube(make_body(spec))
+    reconcile(kube, kube.body(), default_image=DEFAULT_IMAGE, now=lambda: "T", **options)
+    ready = condition(kube, "Ready")
+    asked = spec.get("replicas", 1)
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert ready["message"].startswith(f"0/{asked} replicas ready: spec.")
+    assert kube.body()["status"]["ready"] == f"0/{asked}"
+    assert condition(kube, "Degraded")["reason"] == "InvalidSpec"
+
+
 def test_a_missing_cache_pvc_says_what_the_deployment_waits_for():
     """Not `Progressing=True Creating` while nothing is created."""
     kube = FakeKube(make_body({**BUILTIN, "modelCache": {"pvcName": "cache"}}))
@@ -390,6 +419,43 @@ def test_autoscale_rounds_remember_recommendations_through_the_status():
     kept = kube.body()["status"]["autoscaler"]["recentRecommendations"]
     # Compacted to the latest recommendation per replica count: the 4 left the window.
     assert [item["replicas"] for item in kept] == [1]
+
+
+def test_the_autoscaler_writes_its_status_only_when_something_changed():
+    """Issue 73: status.autoscaler was written every intervalSeconds (its observation
+    time, its recommendations' times), a new resourceVersion for every watcher each time.
+    Now a round writes only a change; a stabilization window still counts from the last
+    round that made a recommendation, though those rounds wrote nothing (each call here
+    reads the status afresh, as after a restart)."""
+    spec = {**BUILTIN, "replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 4}}
+    kube = FakeKube(make_body(spec))
+    start = 1e9
+
+    def round_at(seconds: float, kv: float) -> int:
+        samples = [PodSample(f"p{i}", True, kv, 0) for i in range(2)]
+        decision = autoscale_once(
+            kube,
+            kube.body(),
+            default_image=DEFAULT_IMAGE,
+            scrape=lambda _: samples,
+            clock=lambda: start + seconds,
+        )
+        return decision.replicas
+
+    kube.writes.clear()
+    for second in range(0, 1200, 15):  # 20 minutes at ceil(2 x 0.5 / 0.8) = 2
+        assert round_at(second, 0.5) == 2
+    assert kube.writes == [("status", "InferenceService", "demo")]
+    assert kube.body()["status"]["autoscaler"]["lastObservationTime"] == "2001-09-09T01:46:40Z"
+
+    # The load drops to 1 replica's worth: 2 was recommended until the round before,
+    # 20 minutes after its only write, so the 300 s down-window holds 2 from there.
+    kube.writes.clear()
+    assert round_at(1200, 0.1) == 2
+    assert kube.writes == [("status", "InferenceService", "demo")]  # recommends 1 now
+    assert kube.body()["status"]["autoscaler"]["kvCacheUsagePercent"] == 10
+    assert round_at(1485, 0.1) == 2
+    assert round_at(1501, 0.1) == 1
 
 
 # -- the kopf handlers over the same test double ------------------------------------------

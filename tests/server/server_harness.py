@@ -124,14 +124,14 @@ class ThreadServer:
         from pagefleet_serve.engine.core import ThreadLink
         from pagefleet_serve.engine.llm_engine import LLMEngine
         from pagefleet_serve.frontend.core_client import EngineCoreClient
+        from pagefleet_serve.frontend.tokenizer import load_engine_tokenizer
         from pagefleet_serve.server.settings import ServerSettings
         from pagefleet_serve.server.uvicorn_server import create_server
 
-        engine = LLMEngine(EngineConfig(**{"model": MODEL, "dtype": "float32"} | engine_config))
+        config = EngineConfig(**{"model": MODEL, "dtype": "float32"} | engine_config)
+        engine = LLMEngine(config, tokenizer=load_engine_tokenizer(config))
         self.core = engine
-        self.engine = EngineCoreClient(
-            engine.config, ThreadLink(engine), engine.tokenizer, engine.grammar_compiler
-        )
+        self.engine = EngineCoreClient(engine.config, ThreadLink(engine), engine.tokenizer)
         self.server = create_server(
             ServerSettings(**{"served_model_names": (engine.model_name,), "port": 0} | settings),
             self.engine,

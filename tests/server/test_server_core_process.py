@@ -1,9 +1,11 @@
 """The engine core in its own process behind `pagefleet serve`: the messages it speaks
-round-trip; a stalled core (SIGSTOP) and a killed one turn /health to 503 with the reason
-(requests wait for a stalled core and are refused by a dead one; the killed one's stream in
-flight ends with an error event); SIGTERM drains and leaves no child process behind; a
-killed server takes its core with it."""
+round-trip; a constraint is compiled by the core's workers only; a stalled core (SIGSTOP)
+and a killed one turn /health to 503 with the reason (requests wait for a stalled core and
+are refused by a dead one; the killed one's stream in flight ends with an error event);
+SIGTERM drains and leaves no child process behind; a killed server takes its core with
+it."""
 
+import json
 import os
 import pickle
 import re
@@ -20,6 +22,9 @@ from pagefleet_serve.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
     AddRequest,
+    CancelCompile,
+    CompileConstraint,
+    ConstraintCompiled,
     CoreFailed,
     CoreReady,
     EngineStats,
@@ -107,7 +112,10 @@ def core_pid(server: ServerProcess) -> int:
                 1.5,
             )
         ),
-        CoreReady(PROTOCOL_VERSION, "smollm2", RequestLimits(512, 49152, 128), 64, STATS, [2]),
+        CompileConstraint("op-1", StructuredOutputs(regex="[0-9]+", field="guided_regex"), "::1"),
+        CancelCompile("op-1"),
+        ConstraintCompiled("op-1", "guided_regex: this client already has 4 compiles", 429),
+        CoreReady(PROTOCOL_VERSION, "smollm2", RequestLimits(512, 49152, 128), 64, STATS),
         StepOutputs(
             [
                 RequestOutput(
@@ -139,6 +147,39 @@ def server():
     running = ServerProcess(*ENGINE_FLAGS).wait_ready()
     yield running
     running.stop()
+
+
+def compile_workers_of(pid: int) -> list[int]:
+    """The grammar compile worker processes among the children of `pid`."""
+    return [
+        child
+        for child in children(pid)
+        if b"pagefleet_serve.structured.compile_worker"
+        in Path(f"/proc/{child}/cmdline").read_bytes()
+    ]
+
+
+def test_a_constraint_is_compiled_by_the_cores_workers_only(server):
+    """The API process asks the core to compile a request's constraint (a bad one is
+    still a 400 before anything runs) and starts no compile worker of its own."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    body = {
+        "messages": [{"role": "user", "content": "Is water wet? Answer in JSON."}],
+        "max_tokens": 20,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    }
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        answer = client.post("/v1/chat/completions", json=body)
+        bad = client.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "guided_regex": "(unclosed"}
+        )
+    assert answer.status_code == 200, answer.text
+    assert "ok" in json.loads(answer.json()["choices"][0]["message"]["content"])
+    error = assert_error(bad, 400, param="guided_regex")
+    assert "cannot be compiled" in error["message"], error
+    assert compile_workers_of(core_pid(server))
+    assert compile_workers_of(server.process.pid) == []
 
 
 def health_within(client: httpx.Client, status: int, seconds: float) -> httpx.Response:

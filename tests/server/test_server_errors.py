@@ -374,8 +374,8 @@ def test_unexpected_error_is_a_500_in_openai_form(server, http, idle, monkeypatc
 # -- engine failures ----------------------------------------------------------------------
 def fail_next_steps(server, count: int, delay: float = 0.0):
     """Make the engine's next `count` model steps raise (after `delay` seconds)."""
-    runner = server.core.runner
-    real = runner.execute
+    executor = server.core.executor
+    real = executor.execute
     left = [count]
 
     def execute(step):
@@ -385,8 +385,8 @@ def fail_next_steps(server, count: int, delay: float = 0.0):
             raise RuntimeError("injected step failure")
         return real(step)
 
-    runner.execute = execute
-    return lambda: runner.__dict__.pop("execute", None)
+    executor.execute = execute
+    return lambda: executor.__dict__.pop("execute", None)
 
 
 def test_engine_failure_fails_only_that_request(server, http, idle):
@@ -412,15 +412,15 @@ def test_engine_failure_fails_only_that_request(server, http, idle):
 
 def test_health_is_503_while_a_step_hangs(server, http, idle, monkeypatch):
     monkeypatch.setattr(server.engine, "STEP_TIMEOUT_S", 0.5)
-    runner = server.core.runner
-    real = runner.execute
+    executor = server.core.executor
+    real = executor.execute
     release = threading.Event()
 
     def slow(step):
         release.wait(timeout=30)
         return real(step)
 
-    monkeypatch.setattr(runner, "execute", slow)
+    monkeypatch.setattr(executor, "execute", slow)
     with long_stream(http, max_tokens=2):
         wait_until(
             lambda: httpx.get(f"{server.base_url}/health").status_code == 503,
@@ -438,7 +438,7 @@ def test_health_is_503_while_a_step_hangs(server, http, idle, monkeypatch):
         )
         time.sleep(0.5)
         assert not queued.done(), queued.result().text
-        monkeypatch.setattr(runner, "execute", real)
+        monkeypatch.setattr(executor, "execute", real)
         release.set()
         wait_until(
             lambda: httpx.get(f"{server.base_url}/health").status_code == 200,

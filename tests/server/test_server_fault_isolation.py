@@ -176,9 +176,8 @@ def test_a_grammar_that_compiles_too_long_is_a_400_and_holds_up_no_other_request
     server, http, healthy_after, monkeypatch
 ):
     slow_schema = {"title": "Slowpoke", "type": "object", "properties": {"a": {"type": "string"}}}
-    engine = server.engine  # its frontend compiler validates every constraint
-    compiler = SlowCompiler(
-        engine.tokenizer,
+    compiler = SlowCompiler(  # the core's compiler: it compiles every constraint, once
+        server.engine.tokenizer,
         server.core.model_config.vocab_size,
         server.core.grammar_stop_token_ids,
         StructuredOutputs(json=json.dumps(slow_schema)),
@@ -186,7 +185,7 @@ def test_a_grammar_that_compiles_too_long_is_a_400_and_holds_up_no_other_request
         # worker process (it imports torch: seconds on a loaded 2-core machine).
         compile_timeout=20,
     )
-    monkeypatch.setattr(engine.inputs, "grammar_compiler", compiler)
+    monkeypatch.setattr(server.core, "grammar_compiler", compiler)
     other_schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
     try:
         with ThreadPoolExecutor(1) as pool:

@@ -96,7 +96,7 @@ def test_compiles_past_their_memory_limit_are_400s_and_the_api_process_stays_sma
     """Scaled down from 'four times at once, the API process grows less than 1 GiB': four
     distinct schemas that each need more than a GiB, under a 64 MiB limit per compile."""
     compiler = compiler_for(server, memory_limit_bytes=64 << 20)
-    monkeypatch.setattr(server.engine.inputs, "grammar_compiler", compiler)
+    monkeypatch.setattr(server.core, "grammar_compiler", compiler)
     before = rss_bytes()
     peak, health, done = before, [], threading.Event()
 
@@ -164,7 +164,7 @@ def post_chat(server, schema: dict, timeout: float = 120) -> httpx.Response:
 
 def test_a_client_over_its_compile_budget_gets_a_429(server, monkeypatch):
     compiler = compiler_for(server, HeldCompiler, max_per_client=1)
-    monkeypatch.setattr(server.engine.inputs, "grammar_compiler", compiler)
+    monkeypatch.setattr(server.core, "grammar_compiler", compiler)
     try:
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(post_chat, server, held("one"))
@@ -188,7 +188,7 @@ def test_one_clients_slow_compiles_leave_a_worker_for_another_client(server, mon
     queue); another client's constraint compiles on the free worker at once, and its
     request is answered while the first client's are still held."""
     compiler = compiler_for(server, HeldCompiler, max_per_client=10, max_running_per_client=3)
-    monkeypatch.setattr(server.engine.inputs, "grammar_compiler", compiler)
+    monkeypatch.setattr(server.core, "grammar_compiler", compiler)
     other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=120)
     try:
         with ThreadPoolExecutor(4) as pool:
@@ -210,7 +210,7 @@ def test_one_clients_slow_compiles_leave_a_worker_for_another_client(server, mon
 
 def test_the_compile_queue_is_bounded(server, monkeypatch):
     compiler = compiler_for(server, HeldCompiler, workers=1, max_queued=1, max_per_client=10)
-    monkeypatch.setattr(server.engine.inputs, "grammar_compiler", compiler)
+    monkeypatch.setattr(server.core, "grammar_compiler", compiler)
     try:
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(post_chat, server, held("running"))
@@ -236,7 +236,7 @@ def test_compiles_nobody_waits_for_are_dropped_and_the_timeout_counts_from_the_s
     compiler = compiler_for(
         server, HeldCompiler, compile_timeout=3, max_per_client=100, max_running_per_client=4
     )
-    monkeypatch.setattr(server.engine.inputs, "grammar_compiler", compiler)
+    monkeypatch.setattr(server.core, "grammar_compiler", compiler)
     left = {"title": "Left", "type": "object", "properties": {"c": {"type": "boolean"}}}
     victim = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     try:

@@ -32,13 +32,15 @@ MAY_IMPORT = {
 CROSSINGS = {
     # The spawned child's entry point imports the core in the child, never here.
     ("pagefleet_serve.frontend.process_link", "pagefleet_serve.engine.core_process"),
-    # The frontend's tokenizer, loaded (resolved like the model) while the core loads it.
-    ("pagefleet_serve.frontend.core_client", "pagefleet_serve.model.loader"),
+    # The frontend's tokenizer, resolved like the model (and a GGUF's vocabulary looked
+    # for), loaded while the core loads the model.
+    ("pagefleet_serve.frontend.tokenizer", "pagefleet_serve.model.loader.resolve"),
+    ("pagefleet_serve.frontend.tokenizer", "pagefleet_serve.model.loader.gguf_file"),
     # The model's generation_config.json, found (resolved like the model) at start-up.
-    ("pagefleet_serve.frontend.generation_defaults", "pagefleet_serve.model.resolve"),
+    ("pagefleet_serve.frontend.generation_defaults", "pagefleet_serve.model.loader.resolve"),
     # `serve --headless` (a node other than rank 0's) runs engine ranks and no server: the
     # import happens in that process only, after the flags are checked.
-    ("pagefleet_serve.server.serve", "pagefleet_serve.engine.parallel"),
+    ("pagefleet_serve.server.serve", "pagefleet_serve.engine.executor.headless"),
 }
 
 

@@ -9,7 +9,7 @@ import threading
 import httpx
 import openai
 import pytest
-from pagefleet_serve.model.loader import load_tokenizer
+from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
 from tests.server.server_harness import read_metrics, sse_events, wait_until
 

@@ -6,12 +6,21 @@ hash of its LoRA adapter as parent (none for the base model), so that two adapte
 share K/V computed for the same tokens. Freed blocks keep their hash and
 stay in the prefix cache until the allocator reuses them; the free queue is least recently
 used first, and a sequence frees its blocks tail-first so that chain tails go first.
+With `record_events`, naming and evicting blocks (and a reset) are recorded as vLLM's KV
+cache events, which the engine takes after each step (`take_events`) and publishes.
 """
 
 import hashlib
-from array import array
 
 from pagefleet_serve.engine.sequence import Sequence
+from pagefleet_serve.kv_event_messages import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    hash_block,
+)
 
 
 class KVBlock:
@@ -78,14 +87,14 @@ def lora_hash_seed(lora_id: int | None) -> bytes | None:
     return hashlib.sha256(b"lora:%d" % lora_id).digest()
 
 
-def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
-    digest = hashlib.sha256(parent_hash or b"")
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
-
-
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        record_events: bool = False,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -94,6 +103,7 @@ class BlockManager:
         self.cached: dict[bytes, KVBlock] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.events: list[KVCacheEvent] | None = [] if record_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,6 +152,7 @@ class BlockManager:
             return
         self.update_block_hashes(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        named = []
         for i in range(seq.num_cached_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             block_hash = seq.block_hashes[i]
@@ -150,7 +161,55 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self.cached:
                 block.block_hash = block_hash
                 self.cached[block_hash] = block
+                named.append(i)
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
+        if self.events is not None and named:
+            self._record_stored(seq, named)
+
+    def _record_stored(self, seq: Sequence, named: list[int]) -> None:
+        """One BlockStored per run of consecutive newly named blocks: a run's blocks chain
+        one to the next, its first to the block before it (already known to subscribers:
+        stored earlier, or the cached twin of a duplicate)."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in named:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.events.append(
+                BlockStored(
+                    block_hashes=[seq.block_hashes[i] for i in run],
+                    parent_block_hash=seq.block_hashes[first - 1] if first else None,
+                    token_ids=list(seq.token_ids[first * bs : (last + 1) * bs]),
+                    block_size=bs,
+                    lora_id=seq.lora_id,
+                    medium=MEDIUM_GPU,
+                    lora_name=None,
+                )
+            )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, in order."""
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache), only while no sequence
+        holds a block: a running sequence's blocks keep their names. Returns False,
+        changing nothing, when some block is held."""
+        if self.num_used_blocks:
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
 
     # -- allocation ---------------------------------------------------------------------
     def allocate(
@@ -241,9 +300,18 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self._record_removed(block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block
+
+    def _record_removed(self, block_hash: bytes) -> None:
+        """Evictions one after another make one BlockRemoved."""
+        if self.events and isinstance(self.events[-1], BlockRemoved):
+            self.events[-1].block_hashes.append(block_hash)
+        else:
+            self.events.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_GPU))
 
     def check_no_leaks(self) -> None:
         """Raise when any block is still referenced (used by tests and the engine's idle check)."""

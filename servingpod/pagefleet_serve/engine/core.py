@@ -6,8 +6,11 @@ caller's process (`ThreadLink`, a frontend's `CoreLink`) and in a process of its
 The loop never ends silently: each of its duties (taking requests, stepping, reading stats)
 is guarded on its own, and should the loop itself break, every request is failed and a
 `CoreFailed` says why. A LoRA adapter to load is read in a thread of its own, so that its
-files never hold up a step, and the loop registers it between two steps. Only `EngineFault`s and unexpected step errors count toward giving
-up; a request the engine isolated as the cause of a failure fails alone.
+files never hold up a step, and the loop registers it between two steps. A constraint to
+compile goes to the grammar compiler as it arrives, not through the loop
+(`CompileRequests`): the request that needs it waits for it before it is even sent. Only
+`EngineFault`s and unexpected step errors count toward giving up; a request the engine
+isolated as the cause of a failure fails alone.
 """
 
 import logging
@@ -18,8 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pagefleet_serve.engine.executor.distributed import WorkerLost
 from pagefleet_serve.engine.llm_engine import EngineFault, LLMEngine
-from pagefleet_serve.engine.parallel import WorkerLost
 from pagefleet_serve.messages import (
     AbortRequest,
     AddRequest,
@@ -33,6 +36,7 @@ from pagefleet_serve.messages import (
 )
 from pagefleet_serve.model.lora import LoRAAdapter, LoRAError
 from pagefleet_serve.outputs import RequestOutput
+from pagefleet_serve.structured.compile_requests import CompileRequests
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +64,15 @@ class EngineCore:
         self._stop = threading.Event()
         self.failed: str | None = None
         self.step_started: float | None = None  # time.monotonic() of the running step
+        self._failures = 0  # steps failed in a row
         # Reads adapters' files off the loop, one at a time (started with the first).
         self._adapter_reader: ThreadPoolExecutor | None = None
+        self._compiles = CompileRequests(lambda: self.engine.grammar_compiler, emit)
 
     def submit(self, message: object) -> None:
-        """Hand the loop a message (any thread)."""
+        """Hand the loop a message (any thread); a compile starts at once."""
+        if self._compiles.handle(message):
+            return
         self._inbox.put(message)
         self._wakeup.set()
 
@@ -85,36 +93,42 @@ class EngineCore:
             self._fail(f"the engine step loop crashed: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
-        failures = 0
-        while not self._stop.is_set():
-            self._take_messages()
-            if not self.engine.has_unfinished_requests():
-                self._emit_outputs([])
+        while not self._stop.is_set() and self.failed is None:
+            if not self.run_once():
                 self._wakeup.wait(timeout=_IDLE_WAIT_S)
                 self._wakeup.clear()
-                continue
-            self.step_started = time.monotonic()
-            try:
-                outputs = self.engine.step()
-                failures = 0
-            except WorkerLost as exc:  # no step can run again
-                logger.error("engine failed: %s", exc)
-                self._fail(f"engine failed: {exc}")
-                return
-            except Exception as exc:  # a step failure must not kill the loop
-                failures += 1
-                logger.exception("engine step failed (%d in a row)", failures)
-                if not isinstance(exc, EngineFault):
-                    # Broken outside the model: the step's requests are in an unknown state.
-                    self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
-                outputs = self.engine.step_pending()
-                if failures >= self.MAX_CONSECUTIVE_FAILURES:
-                    self._emit_outputs(outputs)
-                    self._fail(f"engine failed {failures} steps in a row; last: {exc!r}")
-                    return
-            finally:
-                self.step_started = None
-            self._emit_outputs(outputs)
+
+    def run_once(self) -> bool:
+        """Take the messages waiting, then run one step if there is work and emit its
+        outputs (the loop's body; a caller that steps the core itself calls it): False
+        when there was no work (the stats are emitted instead)."""
+        self.take_messages()
+        if not self.engine.has_unfinished_requests():
+            self._emit_outputs([])
+            return False
+        self.step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+            self._failures = 0
+        except WorkerLost as exc:  # no step can run again
+            logger.error("engine failed: %s", exc)
+            self._fail(f"engine failed: {exc}")
+            return True
+        except Exception as exc:  # a step failure must not kill the loop
+            self._failures += 1
+            logger.exception("engine step failed (%d in a row)", self._failures)
+            if not isinstance(exc, EngineFault):
+                # Broken outside the model: the step's requests are in an unknown state.
+                self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
+            outputs = self.engine.step_pending()
+            if self._failures >= self.MAX_CONSECUTIVE_FAILURES:
+                self._emit_outputs(outputs)
+                self._fail(f"engine failed {self._failures} steps in a row; last: {exc!r}")
+                return True
+        finally:
+            self.step_started = None
+        self._emit_outputs(outputs)
+        return True
 
     def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
         try:
@@ -125,7 +139,8 @@ class EngineCore:
         if outputs or stats is not None:
             self.emit(StepOutputs(outputs, stats))
 
-    def _take_messages(self) -> None:
+    def take_messages(self) -> None:
+        """Handle the messages waiting (the loop's thread, or the one that steps it)."""
         while True:
             try:
                 message = self._inbox.get_nowait()
@@ -169,7 +184,7 @@ class EngineCore:
         if self._adapter_reader is None:
             self._adapter_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
         future = self._adapter_reader.submit(
-            self.engine.read_lora, message.lora_name, message.lora_path
+            self.engine.loras.read, message.lora_name, message.lora_path
         )
         future.add_done_callback(lambda done: self.submit(_AdapterRead(message, done)))
 
@@ -186,7 +201,7 @@ class EngineCore:
         except Exception as exc:  # the frontend hears of it, the loop goes on
             logger.exception("could not change the LoRA adapters")
             error, status = f"{type(exc).__name__}: {exc}", 500
-        self.emit(LoRAAdaptersChanged(op_id, self.engine.lora_adapter_infos(), error, status))
+        self.emit(LoRAAdaptersChanged(op_id, self.engine.loras.infos(), error, status))
 
     def _fail_running(self, message: str) -> None:
         """Fail the requests that were in the failed step; waiting ones carry on."""
@@ -206,8 +221,7 @@ class EngineCore:
 
 class ThreadLink:
     """A core running in a thread of this process: a frontend's `CoreLink` to `engine`
-    (`EngineCoreClient(engine.config, ThreadLink(engine), engine.tokenizer,
-    engine.grammar_compiler)` shares the engine's tokenizer and grammar cache)."""
+    (`EngineCoreClient(engine.config, ThreadLink(engine), engine.tokenizer)`)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine

@@ -7,10 +7,9 @@ sends a `Heartbeat` twice a second, so a stalled core is told from a busy one. T
 never outlives the server: it ignores SIGTERM/SIGINT (the frontend drains first, then sends
 `Shutdown`), stops when its pipe closes, and Linux kills it when its parent dies
 (PR_SET_PDEATHSIG), even by SIGKILL. With tensor parallelism the child is rank 0, and
-its workers (`engine.parallel`) die with it the same way.
+its workers (`engine.executor.multiproc`) die with it the same way.
 """
 
-import ctypes
 import logging
 import os
 import signal
@@ -22,13 +21,13 @@ from dataclasses import replace
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.cpu_placement import place_core_threads
 from pagefleet_serve.engine.core import EngineCore
+from pagefleet_serve.engine.lifetime import die_with_parent
 from pagefleet_serve.engine.llm_engine import LLMEngine
 from pagefleet_serve.messages import CoreFailed, Heartbeat, StepOutputs
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
-_PR_SET_PDEATHSIG = 1
 
 
 # -- the child ---------------------------------------------------------------------------------
@@ -38,9 +37,11 @@ def core_main(
     placement,
     parent_pid: int,
     log_level: str,
+    load_tokenizer: Callable[[EngineConfig], object],
     imports_seconds: float = 0.0,
 ) -> None:
-    """`imports_seconds`: how long the child took to import the engine (torch)."""
+    """`load_tokenizer`: the frontend's (the engine core names no frontend module);
+    `imports_seconds`: how long the child took to import the engine (torch)."""
     die_with_parent(parent_pid)
     # The frontend owns shutdown: it drains on SIGTERM, then sends Shutdown.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -60,17 +61,16 @@ def core_main(
 
     try:
         place_core_threads(placement)
-        engine = LLMEngine(config, placement)
+        engine = LLMEngine(config, placement, load_tokenizer(config))
     except BaseException as exc:  # noqa: BLE001 - the frontend reports it and exits
         emit(CoreFailed(f"cannot load model {config.model}: {type(exc).__name__}: {exc}"))
         _exit_now(1)
     ready = engine.ready()
     emit(replace(ready, startup_seconds={"imports": imports_seconds, **ready.startup_seconds}))
     core = EngineCore(engine, emit)
-    if engine.workers is not None:
-        # A rank lost between steps (or while one waits in a collective) fails the core at
-        # once; its own collectives would only fail at the next step.
-        engine.workers.watch(lambda reason: _lost_rank(emit, reason))
+    # A rank lost between steps (or while one waits in a collective) fails the core at
+    # once; its own collectives would only fail at the next step.
+    engine.executor.watch(lambda reason: _lost_rank(emit, reason))
     threading.Thread(target=_forward, args=(conn, core), name="core-inbox", daemon=True).start()
     threading.Thread(target=_heartbeat, args=(core, emit), name="heartbeat", daemon=True).start()
     core.run()
@@ -113,15 +113,3 @@ def _heartbeat(core: EngineCore, emit: Callable[[object], None]) -> None:
             core.stop()
             return
         time.sleep(HEARTBEAT_INTERVAL_S)
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have Linux SIGKILL this process when its parent dies (no orphan survives a killed
-    server); elsewhere the closed pipe stops it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before the call above
-        os._exit(1)

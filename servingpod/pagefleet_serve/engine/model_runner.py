@@ -1,5 +1,10 @@
 """Runs one scheduled step: builds the flattened batch, runs the model over the paged KV
-cache, samples the next tokens."""
+cache, samples the next tokens.
+
+A step has three parts, so that an executor can run the middle one on every copy of a
+split model (`engine.executor`): `plan` turns the scheduler's step into plain lists (a
+`StepBatch`) and notes which logits are sampled, `forward_batch` runs a batch (what every
+shard does), `sample` pools and samples its results (what the core's runner does)."""
 
 import itertools
 from dataclasses import dataclass, field
@@ -13,19 +18,17 @@ from pagefleet_kernels.kv_cache import (
     kv_cache_torch_dtype,
 )
 
-from pagefleet_serve.attention import get_kernel_backend
 from pagefleet_serve.engine.device import RunnerConfig
-from pagefleet_serve.engine.parallel import Workers, is_collective_failure
 from pagefleet_serve.engine.pooler import Pooler
 from pagefleet_serve.engine.sampler import SampledToken, SampleRow, SamplingError, sample
 from pagefleet_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagefleet_serve.engine.sequence import Sequence
 from pagefleet_serve.engine.spec_decode.verify import accepted_run, draft_rows, rewind
 from pagefleet_serve.engine.step_buffers import StepBuffers, StepInputs
-from pagefleet_serve.model.linear import can_prepack
-from pagefleet_serve.model.llama import LlamaForCausalLM
-from pagefleet_serve.model.loader import LoadedModel
-from pagefleet_serve.model.lora import LoRAAdapter, LoRABatch, LoRAWeights
+from pagefleet_serve.model.layers.linear_methods import can_prepack
+from pagefleet_serve.model.layers.lora import LoRABatch, LoRAWeights, add_adapters
+from pagefleet_serve.model.loader.model_loader import LoadedModel
+from pagefleet_serve.model.lora import LoRAAdapter
 from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, TensorParallel
 from pagefleet_serve.outputs import TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
@@ -43,39 +46,31 @@ class ModelRunner:
         draft: "ModelRunner | None" = None,
         pooler: Pooler | None = None,
         tp: TensorParallel = NO_PARALLEL,
-        workers: Workers | None = None,
+        samples: bool = True,
     ) -> None:
         """`draft`: a draft model's runner (speculative decoding). Its KV cache follows
         this one over the same block ids: a block holds both models' K/V, and every batch
         this runner runs, the draft runs too, so that every computed position (prefix-cache
         blocks, recompute, chunks) holds both. `pooler`: an embed engine's, which pools the
-        hidden states of its embedding sequences' rows every step. `tp`: the rank whose
-        shard `loaded` holds (its KV cache holds its key/value heads); `workers`: on rank 0,
-        the other ranks, which make every call that runs the model or sizes the KV cache
-        (`forward_batch`, `allocate_kv_cache`, `free_kv_cache`) with it."""
+        hidden states of its embedding sequences' rows every step. `tp`: the place of the
+        shard `loaded` holds (its KV cache holds its key/value heads) and the collectives of
+        its layers. `samples`: whether this runner samples its steps (the core's; in a
+        pipeline the last stage's logits come to it); a worker's runs the model only."""
         device, dtype = config.device, config.dtype
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         self.config = loaded.config
-        # Built without storage: the loaded tensors become the parameters (no second copy).
-        with torch.device("meta"):
-            self.model = LlamaForCausalLM(
-                loaded.config,
-                get_kernel_backend(config.attention_backend, device),
-                tp,
-            )
-        self.workers = workers
+        self.model = loaded.model  # built for this rank by the loader, its weights loaded
         self.tp = tp
+        self.samples = samples
         first, end = tp.kv_heads(loaded.config.num_heads, loaded.config.num_kv_heads)
-        self.num_kv_heads = end - first  # this rank's (rank 0 holds the most)
+        self.num_kv_heads = end - first  # this shard's (the first holds the most)
         self.num_layers = len(self.model.layers)  # its stage's (the first holds the most)
-        # The model takes the weights over: with no reference left in `loaded`, a weight
-        # that prepacking replaces is freed at once, not held until the caller drops it.
-        weights, loaded.weights = loaded.weights, {}
-        self.model.load_hf_state_dict(weights)
-        del weights
+        # With no reference left in `loaded`, a weight that prepacking replaces is freed at
+        # once, not held until the caller drops it.
+        loaded.model = None
         self.model.to(device=device, dtype=dtype).eval()
         if config.activation_quantization == "int8":
             self.model.use_int8_activations()
@@ -101,6 +96,7 @@ class ModelRunner:
             self.lora = LoRAWeights(
                 loaded.config, config.max_loras, config.max_lora_rank, device, dtype
             )
+            self.adapters = add_adapters(self.model.layers)
         self.draft = draft
         self.pooler = pooler
         self.buffers = StepBuffers(device, config.block_size)
@@ -118,8 +114,6 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_token_head + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        if self.workers is not None:
-            self.workers.call("allocate_kv_cache", num_blocks)
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
         c = self.config
@@ -137,8 +131,6 @@ class ModelRunner:
             self.kv_caches = [LayerKVCache(layer[0], layer[1]) for layer in self.kv_cache]
 
     def free_kv_cache(self) -> None:
-        if self.workers is not None:
-            self.workers.call("free_kv_cache")
         if self.draft is not None:
             self.draft.free_kv_cache()
         self.kv_cache, self.kv_scales, self.kv_caches = None, None, []
@@ -183,7 +175,8 @@ class ModelRunner:
     def _warm_up_step(self, input_ids, starts, query_lens, tables) -> None:
         lasts = [end - 1 for end in itertools.accumulate(query_lens)]
         _, logits, _ = self.forward_batch(StepBatch(input_ids, starts, query_lens, tables, lasts))
-        sample(logits, [SampleRow(_WARM_UP_PARAMS, None, [], [])] * len(query_lens))
+        if self.samples:
+            sample(logits, [SampleRow(_WARM_UP_PARAMS, None, [], [])] * len(query_lens))
 
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy an adapter into one of the device's slots (before a step that reads it)."""
@@ -219,22 +212,23 @@ class ModelRunner:
         own, or its target's (a draft runs over the target's batch as built, without the
         target's adapters). A pipeline stage takes the previous stage's output rows and
         hands its own to the next."""
-        lora = None
-        if self.lora is not None and inputs.lora is not None:
-            lora = LoRABatch(self.lora, inputs.lora, self.model.backend.add_lora)
+        if self.lora is not None:
+            self.adapters.batch = None
+            if inputs.lora is not None:
+                self.adapters.batch = LoRABatch(self.lora, inputs.lora, self.model.backend.add_lora)
         hidden = None
         if not self.tp.first_stage:
             num_tokens, size = inputs.input_ids.shape[0], self.config.hidden_size
             hidden = self.tp.receive_hidden(num_tokens, size, self.dtype, self.device)
-        out = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, lora, hidden
-        )
+        out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, hidden)
         if not self.tp.last_stage:
             self.tp.send_hidden(out)
         return out
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> dict[Sequence, list[SampledToken]]:
+    def plan(self, step: SchedulerOutput) -> "StepPlan":
+        """The step as a `StepBatch` (what every shard runs), and which of its logits are
+        sampled and which rows pooled."""
         input_ids: list[int] = []
         query_lens, starts, tables, lora_slots = [], [], [], []
         for item in step.scheduled:
@@ -245,33 +239,42 @@ class ModelRunner:
             slot = item.seq.lora_slot
             lora_slots.append(-1 if slot is None else slot)
         ends = list(itertools.accumulate(query_lens))
-        plan = _SamplePlan.of(step, ends, self.config.vocab_size, self.device)
+        sampling = _SamplePlan.of(step, ends, self.config.vocab_size, self.device)
         batch = StepBatch(
             input_ids,
             starts,
             query_lens,
             tables,
-            plan.logits_rows,
-            plan.sample_rows,
+            sampling.logits_rows,
+            sampling.sample_rows,
             lora_slots if self.lora is not None else [],
             step.block_copies,
         )
-        hidden, logits, inputs = self.forward_batch(batch)
+        return StepPlan(batch, step.scheduled, ends, sampling)
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        plan: "StepPlan",
+        hidden: torch.Tensor,
+        logits: torch.Tensor | None,
+        inputs: StepInputs,
+    ) -> dict[Sequence, list[SampledToken]]:
+        """The planned step's outputs from what `forward_batch` returned: its embedding
+        sequences' rows pooled, its next tokens sampled."""
         if self.pooler is not None:
-            self.pooler.accumulate(step.scheduled, hidden, ends)
-        return self._sample(plan, logits, inputs)
+            self.pooler.accumulate(plan.scheduled, hidden, plan.ends)
+        return self._sample(plan.sampling, logits, inputs)
 
     @torch.inference_mode()
     def forward_batch(
         self, batch: "StepBatch"
     ) -> tuple[torch.Tensor, torch.Tensor | None, StepInputs]:
-        """One step's model work, on every rank: its block copies, the model (and the
-        draft) over its batch, and the logits of its `logits_rows` (a pipeline's last stage
-        computes them, rank 0 receives them). Returns the hidden states (the stage's), the
-        logits (None when it has no such rows, and on ranks other than 0) and the
-        device-side inputs."""
-        if self.workers is not None:
-            self.workers.call("forward_batch", batch)
+        """One step's model work, the same on every shard: its block copies, the model (and
+        the draft) over its batch, and the logits of its `logits_rows` (a pipeline's last
+        stage computes them, the runner that samples receives them). Returns the hidden
+        states (the stage's), the logits (None when it has no such rows, and where this
+        runner does not sample) and the device-side inputs."""
         inputs = self.buffers.build(
             batch.input_ids,
             batch.starts,
@@ -282,22 +285,17 @@ class ModelRunner:
             batch.lora_slots,
         )
         self.copy_blocks(batch.block_copies)
-        try:
-            hidden = self.run(inputs)
-            if self.draft is not None:
-                self.draft.copy_blocks(batch.block_copies)
-                self.draft.run(inputs)
-            logits = None
-            if batch.logits_rows and self.tp.last_stage:
-                rows = hidden.index_select(0, inputs.logits_rows)
-                logits = self.tp.send_logits(self.model.compute_logits(rows))
-            elif batch.logits_rows and self.tp.global_rank == 0:
-                rows, vocab = len(batch.logits_rows), self.config.vocab_size
-                logits = self.tp.receive_logits(rows, vocab, self.device)
-        except Exception as exc:
-            if self.workers is not None and is_collective_failure(exc):
-                raise self.workers.lost(exc) from exc  # a peer left in a collective
-            raise
+        hidden = self.run(inputs)
+        if self.draft is not None:
+            self.draft.copy_blocks(batch.block_copies)
+            self.draft.run(inputs)
+        logits = None
+        if batch.logits_rows and self.tp.last_stage:
+            rows = hidden.index_select(0, inputs.logits_rows)
+            logits = self.tp.send_logits(self.model.compute_logits(rows))
+        elif batch.logits_rows and self.samples:
+            rows, vocab = len(batch.logits_rows), self.config.vocab_size
+            logits = self.tp.receive_logits(rows, vocab, self.device)
         return hidden, logits, inputs
 
     def _sample(
@@ -341,8 +339,8 @@ def sampling_failures(sampled: dict[Sequence, list[SampledToken]]) -> dict[str, 
 
 @dataclass
 class StepBatch:
-    """A step's batch as plain lists (see `StepBuffers.build`), what rank 0 broadcasts to
-    the other tensor-parallel ranks, and its copy-on-write block copies."""
+    """A step's batch as plain lists (see `StepBuffers.build`), what an executor hands every
+    shard of the model, and its copy-on-write block copies."""
 
     input_ids: list[int]
     starts: list[int]
@@ -352,6 +350,17 @@ class StepBatch:
     sample_rows: list[int] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)  # empty: no adapters
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    """A step as `ModelRunner.plan` made it: the batch, and for `ModelRunner.sample` the
+    step's items with the end of each one's rows, and what it samples."""
+
+    batch: StepBatch
+    scheduled: list[ScheduledSeq]
+    ends: list[int]
+    sampling: "_SamplePlan"
 
 
 @dataclass

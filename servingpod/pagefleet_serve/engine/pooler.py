@@ -10,14 +10,11 @@ must be computed for mean and cls pooling, so an embed engine runs without prefi
 (a cache hit skips positions), see `LLMEngine`.
 """
 
-from dataclasses import replace
-
 import torch
 
 from pagefleet_serve.config import PoolingConfig
 from pagefleet_serve.engine.scheduler import ScheduledSeq
 from pagefleet_serve.engine.sequence import Sequence
-from pagefleet_serve.model.loader import LoadedModel
 
 
 class Pooler:
@@ -51,12 +48,3 @@ class Pooler:
             vector = torch.nn.functional.normalize(vector, dim=0)
         seq.pooled_chunks.clear()
         return vector.cpu().tolist()
-
-
-def with_head(loaded: LoadedModel) -> LoadedModel:
-    """An embedding checkpoint saved without its language-model head (transformers'
-    `AutoModel`, Qwen3-Embedding's layout) gets the embedding table as its head, which an
-    embed engine never multiplies by except in its warm-up."""
-    if "lm_head.weight" in loaded.weights or loaded.config.tie_word_embeddings:
-        return loaded
-    return replace(loaded, config=replace(loaded.config, tie_word_embeddings=True))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pagefleet_kernels.backend import AttentionMetadata, LoRAMapping
+from pagefleet_kernels.metadata import AttentionMetadata, LoRAMapping
 
 
 @dataclass

@@ -2,12 +2,15 @@
 
 The core runs behind a `CoreLink`: in a process of its own (`ProcessLink`, what
 `pagefleet serve` uses: the core's steps then share no interpreter lock with the server;
-`start_core_process` builds that client on a started link) or in a thread of this process
-(the engine's `ThreadLink`, for tests and embedding). Either way the client speaks to it in
-`messages` only, and the core sees token ids only: requests are validated here once
-(`InputProcessor`), the text is made here (`OutputProcessor`: a stop string found aborts
-that sample in the core), and each request's outputs go to the queue its caller gave
-(`add`), from the thread the core's messages arrive on.
+`start_core_process` builds that client on a started link), in a thread of this process
+(the engine's `ThreadLink`, for tests and embedding) or stepped by its caller (the engine's
+`InlineLink`, the offline `LLM`'s). Either way the client speaks to it in `messages` only,
+and the core sees token ids only. A request takes two calls: `process_input` (the one
+entry point: template, tokenize and validate with `InputProcessor`, and have the core
+compile a structured output's constraint, whose answer the caller waits for) and `add`;
+the text is made here (`OutputProcessor`: a stop string found aborts that sample in the
+core), and each request's outputs go where its caller said (`add`), from the thread the
+core's messages arrive on.
 
 Health: a core that reports failure, a core process that exits or is killed, a core that
 stops answering (`HEARTBEAT_TIMEOUT_S`) or a step that runs too long (`STEP_TIMEOUT_S`)
@@ -23,19 +26,23 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from pagefleet_serve.config import EngineConfig
-from pagefleet_serve.frontend.input_processor import InputProcessor
+from pagefleet_serve.frontend.input_processor import InputProcessor, Prompt
 from pagefleet_serve.frontend.output_processor import OutputProcessor
 from pagefleet_serve.frontend.process_link import ProcessLink
 from pagefleet_serve.frontend.tokenizer import Tokenizer
 from pagefleet_serve.messages import (
     AbortRequest,
     AddRequest,
+    CancelCompile,
+    CompileConstraint,
+    ConstraintCompiled,
     CoreFailed,
     CoreReady,
     EngineStats,
@@ -50,7 +57,7 @@ from pagefleet_serve.messages import (
 )
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
-from pagefleet_serve.structured.grammar import GrammarCompiler
+from pagefleet_serve.structured.constraint import CompileQueueFull
 
 logger = logging.getLogger(__name__)
 
@@ -93,16 +100,31 @@ class CoreLink(Protocol):
     def close(self) -> None: ...
 
 
+# Where one request's outputs go: its deltas, the last one finished, or the exception that
+# ended it (called from the thread the core's messages arrive on).
+Deliver = Callable[[RequestOutput | BaseException], None]
+
+
+def deliver_to(queue: asyncio.Queue, tag: object = None) -> Deliver:
+    """Outputs put on `queue` as `(tag, output)`, on the event loop running now (from any
+    thread); RuntimeError once that loop has closed."""
+    loop = asyncio.get_running_loop()
+
+    def deliver(item: RequestOutput | BaseException) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (tag, item))
+
+    return deliver
+
+
 @dataclass
-class _Mailbox:
-    """Where one request's outputs go."""
+class ProcessedInput:
+    """An API request's engine requests (one per prompt, sharing their params) and, with a
+    constraint, the core's compile of it: the requests may be added once it is done without
+    an error (ValueError: it cannot be compiled; CompileQueueFull: not now)."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    tag: object
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.tag, item))
+    requests: list[Request]
+    compiled: Future | None = None
+    op_id: str | None = None  # of the compile
 
 
 class EngineCoreClient:
@@ -114,28 +136,12 @@ class EngineCoreClient:
     # refused only once the core is gone (`dead_reason`), a stall may pass.
     HEARTBEAT_TIMEOUT_S = 10.0
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        link: CoreLink,
-        tokenizer: Tokenizer | None,
-        grammar_compiler: GrammarCompiler | None = None,
-    ) -> None:
-        """A client of the core behind `link` (ready), making text with `tokenizer`.
-        `grammar_compiler`: a compiler to share (a core in this process has one: a
-        constraint validated here is then found in its cache); by default this process
-        gets its own."""
+    def __init__(self, config: EngineConfig, link: CoreLink, tokenizer: Tokenizer | None) -> None:
+        """A client of the core behind `link` (ready), making text with `tokenizer`."""
         ready = link.ready
-        if grammar_compiler is None and tokenizer is not None:
-            grammar_compiler = GrammarCompiler(
-                tokenizer,
-                ready.limits.vocab_size,
-                ready.grammar_stop_token_ids,
-                config.structured_outputs_compile_timeout,
-            )
         self.config = config
         self.model_name = ready.model_name
-        self.inputs = InputProcessor(tokenizer, ready.model_name, ready.limits, grammar_compiler)
+        self.inputs = InputProcessor(tokenizer, ready.model_name, ready.limits)
         self.outputs = OutputProcessor(tokenizer)
         self.num_blocks = ready.num_blocks
         self.stats: EngineStats = ready.stats
@@ -149,7 +155,8 @@ class EngineCoreClient:
         self.lora_adapters: dict[str, LoRAAdapterInfo] = {a.name: a for a in ready.lora_adapters}
         self._lora_changes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._link = link
-        self._mailboxes: dict[str, _Mailbox] = {}
+        self._mailboxes: dict[str, Deliver] = {}
+        self._compiles: dict[str, Future] = {}  # by op_id: waiting for the core's answer
         self._dead: str | None = None
         self._closing = False
         link.start(self._on_message, self._on_core_lost)
@@ -167,25 +174,58 @@ class EngineCoreClient:
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
-    def make_request(
+    def process_input(
         self,
-        request_id: str,
-        prompt: str | list[int],
+        prompts: Mapping[str, Prompt],
         params: SamplingParams,
+        *,
         lora_name: str | None = None,
         pooling: bool = False,
-        client: str = "",
-    ) -> Request:
-        """Validate (and tokenize text, start compiling a structured output's constraint:
-        await `grammar_compiled` before `add`); the core trusts what this returns.
-        `lora_name`: one of `lora_adapters` (None: the base model); `pooling`: an
-        embedding request (for a core whose `pooling` is set); `client`: who sent it, for
-        the scheduler's fairness between clients. ValueError."""
-        if lora_name is not None and lora_name not in self.lora_adapters:
-            raise ValueError(f"the LoRA adapter {lora_name!r} is not loaded")
-        return self.inputs.make_request(
-            request_id, prompt, params, lora_name=lora_name, pooling=pooling, client=client
-        )
+        client: str | None = None,
+    ) -> ProcessedInput:
+        """The one entry point of a request: each prompt (by its request id, in order; a
+        batch stops at its first bad prompt) templated, tokenized and validated (see
+        `InputProcessor.process`), and the core asked to compile the constraint they
+        share: wait for it (`compiled`) before `add`. `lora_name`: one of
+        `lora_adapters`, as the caller resolved it (None: the base model);
+        `client`: who sent it (None: offline, a caller always served), for the
+        scheduler's fairness between clients and the compile queue's per-client budget.
+        ValueError."""
+        requests = [
+            self.inputs.process(
+                request_id,
+                prompt,
+                params,
+                lora_name=lora_name,
+                pooling=pooling,
+                client=client or "",
+            )
+            for request_id, prompt in prompts.items()
+        ]
+        constraint = params.structured_outputs
+        if constraint is None or self._closing or self.dead_reason is not None:
+            return ProcessedInput(requests)  # none to compile, or `add` refuses them
+        op_id = uuid.uuid4().hex
+        compiled: Future = Future()
+        # Its waiter may be an asyncio task that is cancelled (its client left): running,
+        # so that the cancel does not reach it and the core's answer can still be set.
+        compiled.set_running_or_notify_cancel()
+        self._compiles[op_id] = compiled
+        self._link.send(CompileConstraint(op_id, constraint, client))
+        return ProcessedInput(requests, compiled, op_id)
+
+    async def compiled(self, processed: ProcessedInput) -> None:
+        """Wait, on the event loop and holding no thread, until the core has compiled the
+        constraint of `processed` (at once without one, or when cached): ValueError if it
+        cannot be, CompileQueueFull if not now. Cancelled (the client left), the compile
+        is dropped if nobody else waits for it."""
+        if processed.compiled is None:
+            return
+        try:
+            await asyncio.wrap_future(processed.compiled)
+        finally:
+            if processed.op_id is not None and self._compiles.pop(processed.op_id, None):
+                self._link.send(CancelCompile(processed.op_id))
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Have the core read and serve an adapter (its files are read off the core's
@@ -211,45 +251,42 @@ class EngineCoreClient:
         if result.error is not None:
             raise LoRAAdapterError(result.status, result.error)
 
-    async def grammar_compiled(self, request: Request) -> None:
-        """Wait, on the event loop and holding no thread, until the request's constraint
-        has compiled (at once when cached); ValueError if it cannot be, or not within the
-        compile timeout. Other requests are validated and run meanwhile."""
-        future = self.inputs.grammar_future(request)
-        if future is not None:
-            await asyncio.wrap_future(future)
-
-    def add(self, request: Request, queue: asyncio.Queue, tag: object = None) -> None:
-        """Queue a request from `make_request`. Its outputs (deltas, text included) arrive
-        on `queue` as `(tag, output)`, the last one finished; or `(tag, exception)` when it
-        could not run. Call from the event loop that reads `queue`."""
+    def add(self, request: Request, deliver: Deliver) -> None:
+        """Queue a request from `process_input` (its constraint compiled). Its outputs
+        (deltas, text included, the last one finished; or the exception that ended it)
+        go to `deliver`."""
         request_id = request.request_id
         if self._dead:
             raise EngineDeadError(self._dead)
         if request_id in self._mailboxes:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.outputs.add_request(request)
-        self._mailboxes[request_id] = _Mailbox(asyncio.get_running_loop(), queue, tag)
+        self._mailboxes[request_id] = deliver
         if self._dead:  # died since the check above: nobody would answer this mailbox
             self._forget(request_id)
             raise EngineDeadError(self._dead)
         self._link.send(AddRequest(request))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, final_output: bool = False) -> None:
         """Stop a request (its blocks are freed before the core's next step); no more of
-        its outputs are delivered."""
-        if self._forget(request_id) is not None:
+        its outputs are delivered, unless `final_output`: then its last one (finish reason
+        "abort") comes with the core's next step."""
+        if final_output:
+            running = request_id in self._mailboxes
+        else:
+            running = self._forget(request_id) is not None
+        if running:
             self._link.send(AbortRequest(request_id))
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: Prompt, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, step by step (deltas); raises ValueError for bad input.
         Leaving the iterator early aborts the request."""
-        request = self.make_request(request_id, prompt, params)
-        await self.grammar_compiled(request)
+        processed = self.process_input({request_id: prompt}, params)
+        await self.compiled(processed)
         queue: asyncio.Queue = asyncio.Queue()
-        self.add(request, queue)
+        self.add(processed.requests[0], deliver_to(queue))
         finished = False
         try:
             while not finished:
@@ -310,11 +347,15 @@ class EngineCoreClient:
                     self._deliver(output)
                 except Exception as exc:  # noqa: BLE001 - only this request is at fault
                     self._fail_request(output.request_id, exc)
+        elif isinstance(message, ConstraintCompiled):
+            compiled = self._compiles.pop(message.op_id, None)
+            if compiled is not None:
+                _settle_compile(compiled, message)
         elif isinstance(message, RequestRejected):
             mailbox = self._forget(message.request_id)
             if mailbox is not None:
                 error = ValueError if message.invalid else RuntimeError
-                mailbox.put(error(message.error))
+                mailbox(error(message.error))
         elif isinstance(message, LoRAAdaptersChanged):
             self.lora_adapters = {a.name: a for a in message.adapters}
             waiting = self._lora_changes.get(message.op_id)
@@ -341,11 +382,11 @@ class EngineCoreClient:
         if output.finished:
             self._mailboxes.pop(output.request_id, None)
         try:
-            mailbox.put(output)
+            mailbox(output)
         except RuntimeError:  # the caller's event loop has closed: nobody is listening
             logger.warning("dropped output of %s: its event loop is closed", output.request_id)
 
-    def _forget(self, request_id: str) -> _Mailbox | None:
+    def _forget(self, request_id: str) -> Deliver | None:
         self.outputs.abort(request_id)
         return self._mailboxes.pop(request_id, None)
 
@@ -359,13 +400,18 @@ class EngineCoreClient:
         self._link.send(AbortRequest(request_id))
         error = RuntimeError(f"could not handle the engine's output: {type(exc).__name__}: {exc}")
         with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody waits
-            mailbox.put(error)
+            mailbox(error)
 
     def _fail_all(self, reason: str) -> None:
         # The first reason is the cause: a core that reports its failure (a lost rank) then
         # exits, and its pipe's end must not replace why with "exited with code 1".
         if self._dead is None:
             self._dead = reason
+        for op_id in list(self._compiles):
+            compiled = self._compiles.pop(op_id, None)
+            if compiled is not None:
+                with contextlib.suppress(InvalidStateError):
+                    compiled.set_exception(EngineDeadError(reason))
         for loop, answer in list(self._lora_changes.values()):
             try:
                 loop.call_soon_threadsafe(_settle, answer, EngineDeadError(reason))
@@ -376,7 +422,7 @@ class EngineCoreClient:
             if mailbox is None:
                 continue
             try:
-                mailbox.put(EngineDeadError(reason))
+                mailbox(EngineDeadError(reason))
             except RuntimeError:  # its event loop has closed: nobody is waiting there
                 continue
 
@@ -391,12 +437,29 @@ def _settle(answer: asyncio.Future, result: object) -> None:
         answer.set_result(result)
 
 
+def _settle_compile(compiled: Future, answer: ConstraintCompiled) -> None:
+    """Resolve a compile waited for with the core's answer."""
+    if answer.error is None:
+        outcome: BaseException | None = None
+    elif answer.status == 400:
+        outcome = ValueError(answer.error)
+    elif answer.status == 429:
+        outcome = CompileQueueFull(answer.error)
+    else:
+        outcome = RuntimeError(answer.error)
+    with contextlib.suppress(InvalidStateError):  # settled already (the engine died)
+        if outcome is None:
+            compiled.set_result(None)
+        else:
+            compiled.set_exception(outcome)
+
+
 def start_core_process(config: EngineConfig, link: ProcessLink) -> EngineCoreClient:
     """A client of the core `link` started (it loads the model in its own process;
     RuntimeError when it cannot start), with this process's tokenizer for text, loaded
     meanwhile. The caller starts the link before importing this module, so the core's
-    imports and load also overlap this module's (xgrammar, torch, transformers)."""
-    from pagefleet_serve.model.loader import load_tokenizer
+    imports and load also overlap this module's (transformers)."""
+    from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(config.model)  # while the core loads the model

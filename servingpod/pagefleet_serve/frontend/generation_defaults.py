@@ -38,7 +38,7 @@ def read_generation_defaults(
     if source == "auto":
         # Resolved as the engine resolves the model (the API side loads no model code
         # otherwise: imported here, once, at start-up).
-        from pagefleet_serve.model.resolve import resolve_model_uri
+        from pagefleet_serve.model.loader.resolve import resolve_model_uri
 
         model_dir = resolve_model_uri(model, weights="none").path  # a GGUF file has none
         if model_dir is not None and model_dir.is_dir():

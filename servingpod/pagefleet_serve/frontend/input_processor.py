@@ -1,12 +1,12 @@
-"""Text in, a validated `Request` out: the one place a prompt is templated, tokenized and
-checked before any engine core sees it.
+"""A prompt in, a validated `Request` out: the one place a prompt is templated, tokenized and
+checked before any engine core sees it (`process`).
 
-Chat messages go through the model's own chat template (`render_chat`), text through the
-one tokenization path (`tokenize`, no special tokens: the template wrote them), and the
+Chat messages go through the model's own chat template (`render_chat`; the server's chat
+path calls it itself and hands over the token ids, which a reasoning model's thinking and
+`truncate_prompt_tokens` are read from), text through the one tokenization path (`tokenize`, no special tokens: the template wrote them), and the
 result is checked against the core's limits (context length, vocabulary, n) once; the core
-trusts what comes out. A structured output's constraint is compiled through
-`grammar_future`, which the caller waits on before queueing the request, so a bad one is
-the caller's 400, not an error the core reports after accepting the request.
+trusts what comes out. A structured output's constraint is not compiled here: the core
+compiles it, once, when the core client asks it to (see `EngineCoreClient.process_input`).
 
 Text is refused by its length before any tokenizer sees it: a prompt of more than
 `max_prompt_chars` characters (`MAX_CHARS_PER_TOKEN` per token of the context) is refused
@@ -15,12 +15,11 @@ unread, so that tokenizing what cannot be served costs nothing.
 
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
+from dataclasses import dataclass
 
 from pagefleet_serve.frontend.tokenizer import Tokenizer
 from pagefleet_serve.messages import Request, RequestLimits
 from pagefleet_serve.sampling_params import SamplingParams
-from pagefleet_serve.structured.grammar import GrammarCompiler
 
 # Characters a token of the context may stand for, on average, in a prompt the server
 # reads: text averages 3 to 5, code and whitespace runs a few more. A prompt past this is
@@ -43,22 +42,83 @@ class ContextLengthError(ValueError):
         )
 
 
+class PromptTooLongError(ValueError):
+    """Prompt text longer than the context could hold whatever its tokens, refused unread;
+    carries the numbers so the API can word the error its own way."""
+
+    def __init__(self, num_chars: int, max_prompt_chars: int, max_model_len: int) -> None:
+        self.num_chars = num_chars
+        super().__init__(
+            f"prompt: {num_chars} characters cannot fit in this model's maximum context "
+            f"length of {max_model_len} tokens (at most {max_prompt_chars} characters can)"
+        )
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages (the template's dicts), rendered by the model's chat template with the
+    tools it is told of."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+Prompt = str | list[int] | ChatPrompt
+
+
 class InputProcessor:
-    def __init__(
-        self,
-        tokenizer: Tokenizer | None,
-        model_name: str,
-        limits: RequestLimits,
-        grammar_compiler: GrammarCompiler | None,
-    ) -> None:
-        """`tokenizer` None: a model without one (token ids only, no constraints);
-        `grammar_compiler` the one this process compiles constraints with (None: none can
-        be compiled)."""
+    def __init__(self, tokenizer: Tokenizer | None, model_name: str, limits: RequestLimits) -> None:
+        """`tokenizer` None: a model without one (token ids only)."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
-        self.grammar_compiler = grammar_compiler
         self.max_prompt_chars = _max_prompt_chars(tokenizer, limits.max_model_len)
+
+    # -- the one entry point -------------------------------------------------------------
+    def process(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        lora_name: str | None = None,
+        pooling: bool = False,
+        client: str = "",
+    ) -> Request:
+        """Template, tokenize and validate a prompt (text, token ids or chat messages).
+        `lora_name`: the LoRA adapter it runs with, as its caller resolved it (None: the
+        base model); `pooling`: an embedding request, whose prompt alone must fit the
+        context (text is tokenized with the tokenizer's special tokens, as
+        sentence-transformers does); `client`: who sent it, for the scheduler's fairness
+        between clients. Raises ValueError
+        (ContextLengthError when it does not fit the context, PromptTooLongError when its
+        text is refused unread)."""
+        if isinstance(prompt, ChatPrompt):
+            prompt = self.render_chat(prompt.messages, prompt.tools)
+        if (
+            isinstance(prompt, str)
+            and self.tokenizer is not None
+            and len(prompt) > self.max_prompt_chars
+        ):
+            raise PromptTooLongError(len(prompt), self.max_prompt_chars, self.limits.max_model_len)
+        prompt_token_ids = self.tokenize(prompt, add_special_tokens=pooling) if prompt else []
+        limits = self.limits
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        # cheap: first
+        self._check_fits(len(prompt_token_ids), 0 if pooling else params.max_tokens)
+        vocab = limits.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.thinking is not None and any(t >= vocab for t in params.thinking.token_ids):
+            raise ValueError(f"thinking: its token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        if params.n > limits.max_num_seqs:
+            raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
+        return Request(
+            request_id, prompt_token_ids, params, time.time(), lora_name, pooling, client
+        )
 
     # -- text -> token ids ---------------------------------------------------------------
     def render_chat(
@@ -94,64 +154,10 @@ class InputProcessor:
             raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    # -- the one check -------------------------------------------------------------------
-    def make_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        lora_name: str | None = None,
-        pooling: bool = False,
-        client: str = "",
-    ) -> Request:
-        """Tokenize and validate (wait on `grammar_future` before queueing the request);
-        `lora_name`: the LoRA adapter it runs with (None: the base model); `pooling`: an
-        embedding request, whose prompt alone must fit the context (text is tokenized with
-        the tokenizer's special tokens, as sentence-transformers does). Raises ValueError
-        (ContextLengthError when it does not fit the context)."""
-        prompt_token_ids = self.tokenize(prompt, add_special_tokens=pooling) if prompt else []
-        limits = self.limits
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        # cheap: first
-        self.check_fits(len(prompt_token_ids), 0 if pooling else params.max_tokens)
-        vocab = limits.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if params.thinking is not None and any(t >= vocab for t in params.thinking.token_ids):
-            raise ValueError(f"thinking: its token ids must be in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
-        if params.n > limits.max_num_seqs:
-            raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
-        return Request(
-            request_id,
-            prompt_token_ids,
-            params,
-            arrival_time or time.time(),
-            lora_name,
-            pooling,
-            client,
-        )
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """ContextLengthError when a prompt this long plus max_tokens exceeds the context
-        (a batch's prompts are checked one by one, as each is tokenized)."""
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ContextLengthError when a prompt this long plus max_tokens exceeds the context."""
         if num_prompt_tokens + max_tokens > self.limits.max_model_len:
             raise ContextLengthError(self.limits.max_model_len, num_prompt_tokens, max_tokens)
-
-    def grammar_future(self, request: Request, client: str | None = None) -> Future | None:
-        """The compile of the request's constraint (None: it has none); cached, so the
-        same future for every request of one constraint. ValueError when this model
-        cannot compile one. With a `client` (see `GrammarCompiler.compile_async`): bounded
-        (CompileQueueFull), and the caller calls `stop_waiting` when it stops waiting."""
-        constraint = request.params.structured_outputs
-        if constraint is None:
-            return None
-        if self.grammar_compiler is None:
-            raise ValueError(f"{constraint.field}: this model has no tokenizer to compile it with")
-        return self.grammar_compiler.compile_async(constraint, client)
 
 
 def _max_prompt_chars(tokenizer, max_model_len: int) -> int:

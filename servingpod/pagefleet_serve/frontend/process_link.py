@@ -153,6 +153,15 @@ def _run_core(conn, config: EngineConfig, placement, parent_pid: int, log_level:
     """The spawned child's entry point: the engine core is imported there, not here."""
     started = time.monotonic()
     from pagefleet_serve.engine.core_process import core_main
+    from pagefleet_serve.frontend.tokenizer import load_engine_tokenizer
 
     imports = time.monotonic() - started
-    core_main(conn, config, placement, parent_pid, log_level, imports_seconds=imports)
+    core_main(
+        conn,
+        config,
+        placement,
+        parent_pid,
+        log_level,
+        load_engine_tokenizer,
+        imports_seconds=imports,
+    )

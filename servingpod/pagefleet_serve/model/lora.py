@@ -1,15 +1,14 @@
-"""LoRA adapters in PEFT's format, and the device slots that hold them for the model.
+"""LoRA adapters in PEFT's format: read, checked against the model, and named.
 
 An adapter is a directory: `adapter_config.json` (r, lora_alpha, use_rslora, ...) and
 `adapter_model.safetensors` (for each adapted projection of each layer, A (r, in) and
 B (out, r)). Its delta on a projection's output is scale * B @ A @ x, scale = lora_alpha / r
 (lora_alpha / sqrt(r) with rsLoRA): what PEFT's `merge_and_unload` adds to the weight.
 
-The model multiplies q/k/v and gate/up as one fused matrix each (see `model.llama`), and a
-slot follows it: a fused module's slot holds its parts' A stacked (parts * R, in) and their
-B block-diagonal (out, parts * R), so that one shrink and one expand serve the fused
-matmul. Everything off the blocks, past an adapter's own rank and in the parts it does not
-adapt is exactly zero and adds nothing. The adapter's scale is folded into B once, at load.
+The model multiplies q/k/v and gate/up as one fused matrix each, and an adapter is read
+as the parts of those it adapts (`fused_layout`); the device slots and the layers' wrappers
+that add the deltas are `model.layers.lora`'s. The adapter's scale is folded into B once,
+here.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pagefleet_kernels.backend import AddLoRAOp, LoRAMapping
 
-from pagefleet_serve.model.llama import ModelConfig
+from pagefleet_serve.model.config import ModelConfig
 from pagefleet_serve.model.uri import ModelURIError, parse_model_uri
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -104,7 +102,7 @@ def resolve_adapter(uri: str) -> Path:
             raise LoRAError(f"{uri!r} is a built-in model, not a LoRA adapter")
         if parsed.scheme == "hf":
             return _download(parsed.repo_id, parsed.revision, uri)
-        from pagefleet_serve.model.resolve import resolve_model_uri
+        from pagefleet_serve.model.loader.resolve import resolve_model_uri
 
         path = resolve_model_uri(uri).path
     except ModelURIError as exc:
@@ -227,99 +225,3 @@ def _pair(
     if not weights:
         raise LoRAError(f"{file}: holds no LoRA tensors")
     return weights
-
-
-class LoRAWeights:
-    """The adapters resident on the device: per layer and adaptable linear, A (slots,
-    parts * R, in) and B (slots, out, parts * R), R = max_rank (see the module docstring)."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        num_slots: int,
-        max_rank: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        self.layout = fused_layout(config)
-        self.max_rank = max_rank
-
-        def slot_pair(fan_in: int, outs: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-            ranks = len(outs) * max_rank
-            return (
-                torch.zeros(num_slots, ranks, fan_in, device=device, dtype=dtype),
-                torch.zeros(num_slots, sum(outs), ranks, device=device, dtype=dtype),
-            )
-
-        self.layers = [
-            {module: slot_pair(*shape) for module, shape in self.layout.items()}
-            for _ in range(config.num_layers)
-        ]
-        # The fused modules that a slot's adapter adapts whole (a dense B), per slot; and
-        # each module's parts over which every slot's B is block-diagonal (() where one is
-        # dense): what the operator may skip (`AddLoRAOp`'s `parts`).
-        self._whole: list[set[str]] = [set() for _ in range(num_slots)]
-        self.blocks = self._blocks()
-
-    def _blocks(self) -> dict[str, tuple[int, ...]]:
-        return {
-            module: () if any(module in whole for whole in self._whole) else outs
-            for module, (_, outs) in self.layout.items()
-        }
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers for pair in layer.values() for t in pair)
-
-    @torch.inference_mode()
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Write `adapter` into `slot`, replacing whatever it held."""
-        for layer in self.layers:
-            for a, b in layer.values():
-                a[slot].zero_()
-                b[slot].zero_()
-        for (index, module, part), (a, b) in adapter.weights.items():
-            outs = self.layout[module][1]
-            first = 0 if part is None else sum(outs[:part])
-            rows = slice(first, first + (sum(outs) if part is None else outs[part]))
-            ranks = slice(0 if part is None else part * self.max_rank, None)
-            stacked_a, stacked_b = self.layers[index][module]
-            stacked_a[slot, ranks][: a.shape[0]] = a
-            stacked_b[slot, rows, ranks][:, : b.shape[1]] = b
-        self._whole[slot] = {
-            module
-            for _, module, part in adapter.weights
-            if part is None and len(self.layout[module][1]) > 1
-        }
-        self.blocks = self._blocks()
-
-
-@dataclass(frozen=True)
-class LoRABatch:
-    """One forward pass's adapters: the slots' weights and which rows read which slot."""
-
-    weights: LoRAWeights
-    mapping: LoRAMapping
-    add_lora: AddLoRAOp
-
-    def layer(self, index: int) -> LayerLoRA:
-        return LayerLoRA(
-            self.weights.layers[index], self.weights.blocks, self.mapping, self.add_lora
-        )
-
-
-@dataclass(frozen=True)
-class LayerLoRA:
-    """One layer's view of a `LoRABatch`: `add(module, y, x)` adds the rows' deltas."""
-
-    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    blocks: dict[str, tuple[int, ...]]  # `LoRAWeights.blocks`
-    mapping: LoRAMapping
-    add_lora: AddLoRAOp
-
-    def add(self, module: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y (the output of the layer's linear `module` for inputs x) plus each row's
-        adapter delta, in place; returns y."""
-        a, b = self.tensors[module]
-        self.add_lora(y, x, a, b, self.mapping, self.blocks[module])
-        return y

@@ -4,7 +4,7 @@ loader hands them over.
 A `QuantizedWeight` stands in for a float matrix: integer codes (out_features,
 in_features) with float scales and zero points per group of `group_size` consecutive
 inputs of one output row. The model fuses q/k/v and gate/up by concatenating rows
-(`cat_rows`), then the linear layer of the weight's format (`pagefleet_serve.model.linear`)
+(`cat_rows`), then the linear layer of the weight's format (`pagefleet_serve.model.layers.linear_methods`)
 packs the codes for the kernels that multiply them. 4-bit codes (Q4_0, Q4_1) are stored for
 PyTorch's int4 kernels, which compute with w = (code - 8) * scale + zero: Q4_1 stores
 w = code * d + m, so scale = d and zero = m + 8 * d; Q4_0 stores w = (code - 8) * d, so

@@ -1,13 +1,16 @@
-"""Megatron-style tensor parallelism of the one model: which part of each weight a rank
-holds, and the collectives its layers call (`torch.distributed`'s, over the default
-process group the engine set up: gloo on the CPU, NCCL on CUDA).
+"""Megatron-style tensor parallelism of the one model: the parts of the heads, the
+intermediate size and the vocabulary a rank holds, and the collectives its layers call
+(`torch.distributed`'s, over the default process group the engine set up: gloo on the CPU,
+NCCL on CUDA).
 
 q/k/v and gate/up are column-parallel (a rank holds the output rows of its heads, of its
 part of the intermediate size); o and down are row-parallel (the matching input columns),
 each followed by one all-reduce, their bias held by rank 0 alone so that the sum adds it
 once. The embedding and the LM head are vocabulary-parallel: a rank looks up and scores
 its part of the vocabulary; the looked-up rows are all-reduced, the logits gathered on
-rank 0. Norms, the router of a mixture and a shared expert's gate are replicated.
+rank 0. Norms, the router of a mixture and a shared expert's gate are replicated. The
+parallel layers (`model.layers.linear`) take their parts from here and cut them out of the
+checkpoint's tensors as they load.
 
 Heads are split by key/value groups, so that each rank's query heads read only its own
 key/value heads (and its KV cache holds only those): with more ranks than key/value heads,
@@ -24,16 +27,11 @@ next one, rank to rank (`send_hidden`, `receive_hidden`); the last stage's logit
 global rank 0, which samples (`send_logits`, `receive_logits`).
 """
 
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from pagefleet_serve.model.quant import GGUF_GROUP
-
-# A weight a rank leaves out (a row-parallel bias on ranks other than 0).
-SKIP = "skip"
 
 
 def _part(n: int, rank: int, size: int, align: int = 1) -> tuple[int, int]:
@@ -74,23 +72,6 @@ class TensorParallel:
     def layers(self, num_layers: int) -> tuple[int, int]:
         """[first, end) of this stage's layers (the first stages the longer)."""
         return _part(num_layers, self.stage, self.stages)
-
-    def holds(self, name: str, num_layers: int, tied: bool) -> bool:
-        """Whether this stage loads the Hugging Face-named weight `name` at all: a layer's
-        when it is one of its layers, the embedding on the first stage (and on the last
-        when `tied`: its rows are the head's), the final norm and the head on the last."""
-        if self.stages == 1:
-            return True
-        layer = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
-        if layer is not None:
-            first, end = self.layers(num_layers)
-            return first <= int(layer.group(1)) < end
-        kind = name.removeprefix("model.").split(".")[0]
-        if kind == "embed_tokens":
-            return self.first_stage or (tied and self.last_stage)
-        if kind in ("norm", "lm_head"):
-            return self.last_stage
-        return True
 
     # -- the parts ---------------------------------------------------------------------
     def kv_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
@@ -184,99 +165,3 @@ class TensorParallel:
 
 
 NO_PARALLEL = TensorParallel()
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """Which part of each checkpoint weight a rank loads, from the model's head counts (and,
-    in a pipeline, its layer count and whether its head is tied to the embedding)."""
-
-    tp: TensorParallel
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int = 0
-    tied: bool = False
-
-    def slices(
-        self, name: str, shape: Sequence[int]
-    ) -> tuple[int, list[tuple[int, int]]] | str | None:
-        """(dim, [first, end) ranges along it, concatenated) of the Hugging Face-named
-        weight `name` of `shape`; None: the whole weight; SKIP: none of it."""
-        if not self.tp.holds(name, self.num_layers, self.tied):
-            return SKIP
-        if not self.tp.parallel:
-            return None
-        tp, d = self.tp, self.head_dim
-        parts = name.removesuffix(".weight").removesuffix(".bias").split(".")
-        kind, bias = parts[-1], name.endswith(".bias")
-        q_first, q_end = tp.q_heads(self.num_heads, self.num_kv_heads)
-        kv_first, kv_end = tp.kv_heads(self.num_heads, self.num_kv_heads)
-        q_rows = (q_first * d, q_end * d)
-        kv_rows = (kv_first * d, kv_end * d)
-        rows = 0 if bias else len(shape) - 2  # the output dim (after the experts', if any)
-        columns = len(shape) - 1
-        if kind in ("embed_tokens", "lm_head"):
-            return 0, [tp.vocab(shape[0])]
-        if kind == "q_proj":
-            return 0, [q_rows]
-        if kind in ("k_proj", "v_proj"):
-            return 0, [kv_rows]
-        if kind in ("q_norm", "k_norm") and shape[0] != d:  # OLMoE's, over the whole projection
-            return 0, [q_rows if kind == "q_norm" else kv_rows]
-        if kind == "qkv_proj":  # Phi-3's fused rows: q | k | v
-            q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-            k_rows = tuple(q_size + r for r in kv_rows)
-            v_rows = tuple(q_size + kv_size + r for r in kv_rows)
-            return 0, [q_rows, k_rows, v_rows]
-        if kind == "o_proj":
-            if bias:
-                return None if tp.rank == 0 else SKIP
-            return columns, [q_rows]
-        if kind in ("gate_proj", "up_proj"):
-            return rows, [tp.intermediate(shape[rows])]
-        if kind == "gate_up_proj":  # fused gate | up rows (Phi-3, stacked experts)
-            half = shape[rows] // 2
-            first, end = tp.intermediate(half)
-            return rows, [(first, end), (half + first, half + end)]
-        if kind == "down_proj":
-            return columns, [tp.intermediate(shape[columns])]
-        return None
-
-    def shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...] | None:
-        """The shape of this rank's part of `name` (None: it holds none)."""
-        plan = self.slices(name, shape)
-        if plan is None:
-            return tuple(shape)
-        if plan == SKIP:
-            return None
-        dim, ranges = plan
-        out = list(shape)
-        out[dim] = sum(end - first for first, end in ranges)
-        return tuple(out)
-
-
-def take(source, dim: int, ranges: list[tuple[int, int]], cat=torch.cat):
-    """The `ranges` of `source` along `dim`, concatenated: a tensor, a numpy array or a
-    safetensors slice (which reads only those parts of the file); `cat` joins them."""
-    pieces = [source[(slice(None),) * dim + (slice(first, end),)] for first, end in ranges]
-    return pieces[0] if len(pieces) == 1 else cat(pieces, dim)
-
-
-def check_shardable(
-    size: int, num_heads: int, num_kv_heads: int, qk_norm_whole: bool = False
-) -> None:
-    """ValueError when the model cannot be split over `size` ranks."""
-    if size == 1:
-        return
-    if num_kv_heads < size and (size % num_kv_heads or num_heads % size):
-        raise ValueError(
-            f"tensor_parallel_size {size} exceeds the model's {num_kv_heads} key/value heads: "
-            f"it must then be a multiple of them and divide the {num_heads} attention heads"
-        )
-    if qk_norm_whole and num_kv_heads < size:
-        raise ValueError(
-            f"tensor_parallel_size {size} exceeds the model's {num_kv_heads} key/value heads, "
-            "which its norm over the whole key projection (OLMoE) cannot replicate: use at "
-            f"most {num_kv_heads} ranks"
-        )

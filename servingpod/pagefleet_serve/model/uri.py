@@ -8,8 +8,8 @@ Forms:
 
 `parse_model_uri` is pure (no I/O, no torch) and this module imports nothing of the
 package: the operator imports it to check a spec without downloading anything.
-`pagefleet_serve.model.resolve` turns a parsed URI into something on local disk,
-downloading hf:// models on the way (`pagefleet_serve.model.hub`).
+`pagefleet_serve.model.loader.resolve` turns a parsed URI into something on local disk,
+downloading hf:// models on the way (`pagefleet_serve.model.loader.hub`).
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ renders them for these paths).
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagefleet_serve.outputs import CompletionOutput
-from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.anthropic_protocol import (
     CountTokensRequest,
     MessagesRequest,
@@ -29,7 +29,12 @@ from pagefleet_serve.server.anthropic_protocol import (
 )
 from pagefleet_serve.server.errors import APIError, server_error, unavailable
 from pagefleet_serve.server.generation import RequestCancelled, RequestFailed
-from pagefleet_serve.server.openai_api import ChatCompletionsEndpoint, _Run, read_json_body
+from pagefleet_serve.server.openai_api import (
+    ChatCompletionsEndpoint,
+    _Input,
+    _Run,
+    read_json_body,
+)
 from pagefleet_serve.server.tools import ToolPlan, answer_deltas, answer_stream, split_output
 
 # Anthropic's names for why a turn ended.
@@ -53,9 +58,7 @@ class MessagesEndpoint(ChatCompletionsEndpoint):
     object_name = "message"
     prompt_param = "messages"
 
-    def prepare(  # type: ignore[override]
-        self, request: MessagesRequest
-    ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+    def prepare(self, request: MessagesRequest) -> _Input:  # type: ignore[override]
         parser = self.state.reasoning_parser
         try:
             return super().prepare(request.chat_request(parser.switch if parser else None))
@@ -133,11 +136,18 @@ class CountTokensEndpoint(MessagesEndpoint):
 
     request_model = CountTokensRequest  # type: ignore[assignment]
 
+    def prepare(self, request: MessagesRequest) -> _Input:  # type: ignore[override]
+        prepared = super().prepare(request)
+        # Nothing is generated: a forced tool call's grammar is not compiled.
+        prepared.params = replace(prepared.params, structured_outputs=None)
+        return prepared
+
     async def __call__(self, raw: Request) -> Response:
         body = await read_json_body(raw, self.state.settings.max_request_body_bytes)
-        _, [engine_request], _ = await self.state.off_loop(
+        _, processed, _ = await self.state.off_loop(
             lambda: self._validate(body, f"{self.id_prefix}{uuid.uuid4().hex}")
         )
+        [engine_request] = processed.requests
         return JSONResponse({"input_tokens": len(engine_request.prompt_token_ids)})
 
 

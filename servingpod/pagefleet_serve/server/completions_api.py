@@ -11,10 +11,10 @@ lm-evaluation-harness's local-completions scores a loglikelihood task.
 
 from collections.abc import AsyncIterator
 
+from pagefleet_serve.frontend.input_processor import Prompt
 from pagefleet_serve.outputs import CompletionOutput
-from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import bad_request
-from pagefleet_serve.server.openai_api import GenerationEndpoint, _Run
+from pagefleet_serve.server.openai_api import GenerationEndpoint, _Input, _Run
 from pagefleet_serve.server.protocol import (
     MAX_PROMPTS_PER_REQUEST,
     CompletionRequest,
@@ -25,7 +25,6 @@ from pagefleet_serve.server.token_details import (
     prompt_fields,
     without_generation,
 )
-from pagefleet_serve.server.tools import ToolPlan
 
 
 class CompletionsEndpoint(GenerationEndpoint):
@@ -35,9 +34,7 @@ class CompletionsEndpoint(GenerationEndpoint):
     chunk_object = "text_completion"
     prompt_param = "prompt"
 
-    def prepare(
-        self, request: CompletionRequest
-    ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+    def prepare(self, request: CompletionRequest) -> _Input:
         prompt = request.prompt
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         if request.echo and max_tokens == 0:
@@ -45,11 +42,17 @@ class CompletionsEndpoint(GenerationEndpoint):
         if request.echo:
             self.check_tokenizer()  # the echo is the prompt's text
 
-        def read(token_ids: list[int]) -> list[int]:
+        def read(prompt: str | list[int]) -> Prompt:
+            """Text goes to the frontend as text; truncate_prompt_tokens needs its ids."""
+            if request.truncate_prompt_tokens is None:
+                return prompt
+            token_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
             return request.truncated(token_ids, self.max_model_len)
 
+        prompts: list[Prompt]
         if isinstance(prompt, str):
-            prompts = [read(self.encode(prompt))]
+            self.check_tokenizer()
+            prompts = [read(prompt)]
         elif not prompt:
             raise bad_request("prompt: must not be empty", param="prompt")
         elif isinstance(prompt[0], int):
@@ -58,10 +61,8 @@ class CompletionsEndpoint(GenerationEndpoint):
             raise too_many_prompts(len(prompt))
         elif isinstance(prompt[0], str):
             self.check_batch_chars(sum(map(len, prompt)))
-            prompts = []
-            for text in prompt:  # a batch stops at its first prompt over the context
-                prompts.append(read(self.encode(text)))
-                self.inputs.check_fits(len(prompts[-1]), max_tokens)
+            self.check_tokenizer()
+            prompts = [read(text) for text in prompt]  # the frontend stops at the first too long
         else:
             prompts = [read(list(p)) for p in prompt]
         # echo with logprobs: the prompt's tokens are scored too (as vLLM does).
@@ -72,7 +73,7 @@ class CompletionsEndpoint(GenerationEndpoint):
             prompt_logprobs=echoed,
             defaults=self.state.sampling_defaults,
         )
-        return prompts, params, None
+        return _Input(prompts, params)
 
     async def stream_deltas(self, run: _Run) -> AsyncIterator[CompletionOutput | None]:
         async for delta in super().stream_deltas(run):

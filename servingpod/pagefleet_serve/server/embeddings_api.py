@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from pagefleet_serve.frontend.embeddings import shape_embedding
-from pagefleet_serve.frontend.input_processor import ContextLengthError
+from pagefleet_serve.frontend.input_processor import ContextLengthError, PromptTooLongError
 from pagefleet_serve.messages import Request as EngineRequest
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import bad_request, server_error
@@ -102,19 +102,17 @@ class EmbeddingsEndpoint(PromptBounds):
         inputs = self._inputs(request.input)
         engine_requests: list[EngineRequest] = []
         for index, prompt in enumerate(inputs):  # stops at its first input over the context
-            if isinstance(prompt, str):
-                self.check_prompt_chars(len(prompt))
             try:
-                engine_requests.append(
-                    self.state.engine.make_request(
-                        f"{request_id}-{index}",
-                        prompt,
-                        _POOLING_PARAMS,
-                        lora_name,
-                        pooling=True,
-                        client=current_client(),
-                    )
+                processed = self.state.engine.process_input(
+                    {f"{request_id}-{index}": prompt},
+                    _POOLING_PARAMS,
+                    lora_name=lora_name,
+                    pooling=True,
+                    client=current_client(),
                 )
+                engine_requests += processed.requests
+            except PromptTooLongError as exc:
+                raise self.too_long(exc.num_chars) from None
             except ContextLengthError as exc:
                 raise bad_request(
                     f"This model's maximum context length is {exc.max_model_len} tokens. "

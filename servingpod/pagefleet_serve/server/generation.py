@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagefleet_serve.frontend.core_client import EngineCoreClient
+from pagefleet_serve.frontend.core_client import EngineCoreClient, deliver_to
 from pagefleet_serve.messages import Request
 from pagefleet_serve.outputs import CompletionOutput, TokenLogprob
 from pagefleet_serve.server.metrics import RequestTracker
@@ -32,7 +32,7 @@ class RequestCancelled(Exception):
 
 @dataclass
 class _EngineRequest:
-    request: Request  # validated by the engine's make_request
+    request: Request  # made by the core client's process_input
     prompt_index: int
     tracker: RequestTracker
     queued: bool = True  # accepted, no output yet (counts against the queue limit)
@@ -49,7 +49,7 @@ _CANCEL = object()
 
 class Generation:
     def __init__(self, state: "ServerState", requests: list[Request]) -> None:
-        """Takes queue slots from `state` for engine requests validated by `make_request`
+        """Takes queue slots from `state` for engine requests made by `process_input`
         (APIError 429/503); they share one SamplingParams."""
         self.state = state
         self.engine: EngineCoreClient = state.engine
@@ -133,7 +133,7 @@ class Generation:
         self._started = True
         for request in self.requests:
             try:
-                self.engine.add(request.request, self._queue, request)
+                self.engine.add(request.request, deliver_to(self._queue, request))
             except Exception as exc:  # noqa: BLE001 - whatever the engine said, it failed
                 self._queue.put_nowait((request, exc))
 

@@ -106,6 +106,8 @@ class ServerMetrics:
         engine_stats: Callable[[], EngineStats],
         server_gauges: Callable[[], dict[str, tuple[str, float]]],
         startup_seconds: dict[str, float] | None = None,
+        *,
+        block_size: int,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -182,7 +184,9 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
         for reason in REJECTION_REASONS:
             self.rejected.labels(model_name, reason)
-        self.registry.register(_EngineCollector(model_name, engine_stats, server_gauges))
+        self.registry.register(
+            _EngineCollector(model_name, engine_stats, server_gauges, block_size)
+        )
         startup = GaugeMetricFamily(
             names.STARTUP_SECONDS,
             "Seconds each start-up phase took.",
@@ -293,10 +297,12 @@ class _EngineCollector:
         model_name: str,
         engine_stats: Callable[[], EngineStats],
         server_gauges: Callable[[], dict[str, tuple[str, float]]],
+        block_size: int,
     ) -> None:
         self.model_name = model_name
         self.engine_stats = engine_stats
         self.server_gauges = server_gauges
+        self.block_size = block_size
 
     def describe(self):
         return []  # collected at scrape time only
@@ -342,6 +348,7 @@ class _EngineCollector:
             stats.num_preemptions,
         )
         yield gauge(names.KV_CACHE_BLOCKS, "KV cache blocks in the pool.", stats.num_blocks)
+        yield _cache_config_info(label, self.block_size, stats.num_blocks)
         yield gauge(
             names.KV_CACHE_USED_BLOCKS,
             "KV cache blocks held by live sequences.",
@@ -353,6 +360,18 @@ class _EngineCollector:
             yield _lora_resident(label, stats.lora)
         for name, (doc, value) in self.server_gauges().items():
             yield gauge(name, doc, value)
+
+
+def _cache_config_info(label: list[str], block_size: int, num_blocks: int) -> GaugeMetricFamily:
+    """vLLM's info gauge of the KV cache's shape: labels, value 1 (a scorer that models
+    the pods' prefix caches reads the block size and the pool's blocks from it)."""
+    family = GaugeMetricFamily(
+        names.CACHE_CONFIG_INFO,
+        "Information of the KV cache's configuration (labels).",
+        labels=["model_name", "block_size", "num_gpu_blocks"],
+    )
+    family.add_metric([*label, str(block_size), str(num_blocks)], 1.0)
+    return family
 
 
 def _lora_info(label: list[str], lora: LoRAStats) -> GaugeMetricFamily:

@@ -3,9 +3,13 @@
 Every generation endpoint (completions in `completions_api`, chat here, Responses and
 Anthropic's Messages on the chat path) shares one path (`GenerationEndpoint`): read the
 body (JSON only, bounded in size), then in the frontend thread parse and validate it and
-tokenize (chat: through the model's chat template, or a reasoning parser's renderer),
-admit, then either stream SSE chunks or collect a JSON response. They differ only in how
-a prompt is read and how a choice is written.
+hand its prompts to the frontend's one entry point (`process_input`: tokenizer, bounds,
+the core's compile of a constraint), wait for that compile, admit, then either stream SSE
+chunks or collect a JSON response. They differ only in how a prompt is read and how a
+choice is written. Chat renders its messages here (the model's chat template through the
+frontend's `render_chat`, or a reasoning parser's renderer) and hands the frontend token
+ids: where a reasoning model's thinking ends and vLLM's `truncate_prompt_tokens` are read
+off the templated prompt's tokens.
 
 Nothing that grows with a request's size runs on the event loop: the body is read in
 chunks against a byte limit, and the rest runs in the frontend thread, cheapest checks
@@ -29,8 +33,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from pagefleet_serve.frontend.input_processor import ContextLengthError
-from pagefleet_serve.messages import Request as EngineRequest
+from pagefleet_serve.frontend.core_client import ProcessedInput
+from pagefleet_serve.frontend.input_processor import (
+    ContextLengthError,
+    Prompt,
+    PromptTooLongError,
+)
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.chat_template import template_messages
@@ -61,7 +69,7 @@ from pagefleet_serve.server.token_details import (
     prompt_fields,
 )
 from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, plan_tools, split_output
-from pagefleet_serve.structured.grammar import CompileQueueFull
+from pagefleet_serve.structured.constraint import CompileQueueFull
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = ": keep-alive\n\n"
@@ -138,10 +146,19 @@ class _Run:
         return self.thinks and self.request.include_reasoning is not False
 
 
+@dataclass
+class _Input:
+    """An API request's prompts and settings, ready for the frontend."""
+
+    prompts: list[Prompt]  # one engine request each
+    params: SamplingParams
+    tools: ToolPlan | None = None  # chat requests with tools
+
+
 class PromptBounds:
     """What every endpoint that reads prompts checks before tokenizing them: text longer
-    than the context could hold, alone or in a batch, is refused by its length; the
-    refusals name `prompt_param`."""
+    than the context could hold, alone or in a batch, is refused by its length (a prompt
+    by the frontend, as `PromptTooLongError`); the refusals name `prompt_param`."""
 
     prompt_param: str
 
@@ -167,14 +184,17 @@ class PromptBounds:
     def check_prompt_chars(self, num_chars: int) -> None:
         """Refuse text that cannot fit the context whatever its tokens, before tokenizing."""
         if num_chars > self.max_prompt_chars:
-            raise bad_request(
-                f"{self.prompt_param}: {num_chars} characters cannot fit in this model's "
-                f"maximum context length of {self.max_model_len} tokens (at most "
-                f"{self.max_prompt_chars} characters can). Please reduce the length of the "
-                f"{self.prompt_param}.",
-                param=self.prompt_param,
-                code="context_length_exceeded",
-            )
+            raise self.too_long(num_chars)
+
+    def too_long(self, num_chars: int) -> APIError:
+        return bad_request(
+            f"{self.prompt_param}: {num_chars} characters cannot fit in this model's "
+            f"maximum context length of {self.max_model_len} tokens (at most "
+            f"{self.max_prompt_chars} characters can). Please reduce the length of the "
+            f"{self.prompt_param}.",
+            param=self.prompt_param,
+            code="context_length_exceeded",
+        )
 
     def check_batch_chars(self, num_chars: int) -> None:
         """Refuse a batch of prompts longer in all than MAX_BATCH_CONTEXTS contexts could
@@ -204,12 +224,12 @@ class GenerationEndpoint(PromptBounds, abc.ABC):
     async def __call__(self, raw: Request) -> Response:
         body = await read_json_body(raw, self.state.settings.max_request_body_bytes)
         request_id = f"{self.id_prefix}{uuid.uuid4().hex}"
-        request, engine_requests, tools = await self.state.off_loop(
+        request, processed, tools = await self.state.off_loop(
             lambda: self._validate(body, request_id)
         )
-        if not await self._grammar_compiled(raw, engine_requests[0]):
+        if not await self._grammar_compiled(raw, processed):
             return Response(status_code=499)  # the client has gone; nobody reads this
-        generation = Generation(self.state, engine_requests)
+        generation = Generation(self.state, processed.requests)
         run = _Run(
             request_id,
             int(time.time()),
@@ -222,15 +242,16 @@ class GenerationEndpoint(PromptBounds, abc.ABC):
             return SSEResponse(generation, self._stream(run))
         return await self._respond(run, raw)
 
-    async def _grammar_compiled(self, raw: Request, engine_request: EngineRequest) -> bool:
-        """Wait for the constraint the request's prompts share to compile (at once without
-        one or when cached): False if the client left first. 400 when it cannot compile,
-        429 when the compile queue or this client's share of it is full."""
-        client = raw.client.host if raw.client else ""
+    async def _grammar_compiled(self, raw: Request, processed: ProcessedInput) -> bool:
+        """Wait for the core to compile the constraint the request's prompts share (at
+        once without one or when cached): False if the client left first. 400 when it
+        cannot compile, 429 when the compile queue or this client's share of it is full."""
+        if processed.compiled is None:
+            return True
         try:
-            future = self.inputs.grammar_future(engine_request, client)
+            return await _unless_disconnected(raw, self.state.engine.compiled(processed))
         except CompileQueueFull as exc:
-            field = engine_request.params.structured_outputs.field
+            field = processed.requests[0].params.structured_outputs.field
             raise APIError(
                 429,
                 f"{field}: {exc}",
@@ -241,18 +262,10 @@ class GenerationEndpoint(PromptBounds, abc.ABC):
             ) from None
         except ValueError as exc:
             raise value_error(exc, self.request_model) from None
-        if future is None:
-            return True
-        try:
-            return await _unless_disconnected(raw, asyncio.wrap_future(future))
-        except ValueError as exc:
-            raise value_error(exc, self.request_model) from None
-        finally:
-            self.inputs.grammar_compiler.stop_waiting(future)
 
     def _validate(
         self, body: bytes, request_id: str
-    ) -> tuple[_GenerationRequest, list[EngineRequest], ToolPlan | None]:
+    ) -> tuple[_GenerationRequest, ProcessedInput, ToolPlan | None]:
         """Body -> validated engine requests, one per prompt (frontend thread)."""
         if self.state.engine.pooling is not None:
             raise bad_request(
@@ -271,27 +284,26 @@ class GenerationEndpoint(PromptBounds, abc.ABC):
                 param="priority",
             )
         try:
-            prompts, params, tools = self.prepare(request)
-            return (
-                request,
-                [
-                    self.state.engine.make_request(
-                        f"{request_id}-{i}", prompt, params, lora_name, client=current_client()
-                    )
-                    for i, prompt in enumerate(prompts)
-                ],
-                tools,
+            prepared = self.prepare(request)
+            processed = self.state.engine.process_input(
+                {f"{request_id}-{i}": prompt for i, prompt in enumerate(prepared.prompts)},
+                prepared.params,
+                lora_name=lora_name,
+                client=current_client(),
             )
+            return request, processed, prepared.tools
         except ContextLengthError as exc:
             raise self._context_error(exc) from None
+        except PromptTooLongError as exc:
+            raise self.too_long(exc.num_chars) from None
         except ValueError as exc:
             raise value_error(exc, self.request_model) from None
 
     # -- what each endpoint defines ---------------------------------------------------------
     @abc.abstractmethod
-    def prepare(self, request) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
-        """Prompts as token ids (one engine request each), the sampling settings and, for
-        chat with tools, how tool calls are constrained and parsed."""
+    def prepare(self, request) -> _Input:
+        """The prompts (one engine request each), the sampling settings and, for chat with
+        tools, how tool calls are constrained and parsed."""
 
     def opening_chunks(self, run: _Run) -> list[dict]:
         return []
@@ -405,9 +417,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
     chunk_object = "chat.completion.chunk"
     prompt_param = "messages"
 
-    def prepare(
-        self, request: ChatCompletionRequest
-    ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+    def prepare(self, request: ChatCompletionRequest) -> _Input:
         if not request.messages:
             raise bad_request("messages: must not be empty", param="messages")
         if request.top_logprobs is not None and not request.logprobs:
@@ -437,13 +447,13 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
         if max_tokens is None:  # OpenAI's default: whatever the context has left
             max_tokens = max(1, self.max_model_len - len(prompt))
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = request.sampling_params(
             max_tokens, logprobs, tools.constraint, spec, defaults=self.state.sampling_defaults
         )
-        return [prompt], params, tools
+        return _Input([prompt], params, tools)
 
     def opening_chunks(self, run: _Run) -> list[dict]:
         return [

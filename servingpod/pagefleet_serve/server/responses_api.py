@@ -36,12 +36,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag
 
-from pagefleet_serve.messages import Request as EngineRequest
+from pagefleet_serve.frontend.core_client import ProcessedInput
 from pagefleet_serve.outputs import CompletionOutput
-from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.errors import APIError, bad_request
 from pagefleet_serve.server.generation import RequestCancelled, RequestFailed
-from pagefleet_serve.server.openai_api import KEEPALIVE, ChatCompletionsEndpoint, _Run
+from pagefleet_serve.server.openai_api import KEEPALIVE, ChatCompletionsEndpoint, _Input, _Run
 from pagefleet_serve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -67,7 +66,7 @@ from pagefleet_serve.server.responses_output import (
     status_of,
 )
 from pagefleet_serve.server.state import ServerState
-from pagefleet_serve.server.tools import ToolPlan, split_output
+from pagefleet_serve.server.tools import split_output
 
 _CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -287,9 +286,7 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
         )
 
     # -- input -------------------------------------------------------------------------------
-    def prepare(  # type: ignore[override]
-        self, request: ResponsesRequest
-    ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+    def prepare(self, request: ResponsesRequest) -> _Input:  # type: ignore[override]
         history = self._history(request.previous_response_id)
         items = request.input
         if isinstance(items, str):
@@ -333,15 +330,19 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
         )
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise bad_request("top_logprobs: must be in [0, 20]", param="top_logprobs")
+        return super().prepare(chat)
+
+    def _validate(self, body: bytes, request_id: str):
+        # The chat path's errors name chat fields (messages, response_format...).
         try:
-            return super().prepare(chat)
+            return super()._validate(body, request_id)
         except APIError as exc:
             raise _responses_error(exc) from None
 
-    async def _grammar_compiled(self, raw: Request, engine_request: EngineRequest) -> bool:
+    async def _grammar_compiled(self, raw: Request, processed: ProcessedInput) -> bool:
         # The constraint compiles under its chat field's name (response_format).
         try:
-            return await super()._grammar_compiled(raw, engine_request)
+            return await super()._grammar_compiled(raw, processed)
         except APIError as exc:
             raise _responses_error(exc) from None
 

@@ -129,6 +129,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
     )
     flag(
+        "--kv-events-config",
+        "publish KV cache events as vLLM does, for a KV-aware router (llm-d's indexer, "
+        "pagefleet router): vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558"}\' (default: off)',
+        default=None,
+    )
+    flag(
         "--quantization",
         "weights: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks quantized (CPU) and a float8 "
         "checkpoint in float8 (CUDA), none expands them to --dtype, int8 is weight-only int8 "
@@ -453,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             seed=args.seed,
             speculative_config=args.speculative_config,
+            kv_events_config=args.kv_events_config,
             structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
             enable_lora=args.enable_lora,
             lora_modules=tuple(args.lora_modules or ()) + (lora_file[1] if lora_file else ()),
@@ -510,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid configuration: %s", exc)
         return 2
     if args.headless:
-        from pagefleet_serve.engine.parallel import run_headless
+        from pagefleet_serve.engine.executor.headless import run_headless
 
         return run_headless(config)
 
@@ -519,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _progress(f"loading model {config.model} in the engine core process"):
             # The core first: its imports and load run beside this process's imports
-            # below (xgrammar, torch and transformers for the frontend, about 2 s).
+            # below (transformers for the frontend).
             link = ProcessLink(config, placement, args.log_level)
             from pagefleet_serve.frontend.core_client import start_core_process
 

@@ -78,6 +78,7 @@ class ServerState:
             lambda: engine.stats,
             self._gauges,
             engine.startup_seconds,
+            block_size=engine.config.block_size,
         )
 
     @property
@@ -98,7 +99,7 @@ class ServerState:
         name); 404 for a name this server does not serve."""
         if name is None or name in self.settings.served_model_names:
             return None
-        if name in self.engine.lora_adapters:
+        if name in self.engine.lora_adapters:  # the one check: the core only looks it up
             return name
         raise APIError(
             404, f"The model `{name}` does not exist.", param="model", code="model_not_found"

@@ -33,6 +33,11 @@ _PATTERN_LEVELS = {"(": 1, ")": -1}
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
+class CompileQueueFull(Exception):
+    """A client's compile is refused for now: the queue, or the client's budget, is full
+    (raised by the core's compiler, and again by the frontend that asked it to compile)."""
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """Exactly one of: `json` (a JSON Schema, as JSON text), `json_object` (any JSON

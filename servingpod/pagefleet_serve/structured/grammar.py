@@ -3,9 +3,11 @@
 every step, is several times cheaper, and it is vLLM's default engine).
 
 `GrammarCompiler` compiles a `StructuredOutputs` once per distinct constraint and keeps
-the result in an LRU cache: the frontend compiles while it validates a request (so a bad
-schema is a 400 before anything starts) and the engine then finds the grammar compiled; a
-request whose grammar is still compiling waits outside the scheduler, never inside a step.
+the result in an LRU cache. It lives in the engine core, the one place a constraint is
+compiled: the frontend asks the core to compile a request's constraint before it sends
+the request (`compile_requests`: a bad schema is then a 400 before anything starts) and
+the engine finds the grammar compiled when the request comes; a request whose grammar is
+still compiling waits outside the scheduler, never inside a step.
 Each sequence then holds its own `GrammarMatcher`, which advances with the sequence's
 output tokens only, so it stays right when the sequence is recomputed after preemption,
 hits the prefix cache or is prefilled in chunks.
@@ -45,7 +47,7 @@ import xgrammar as xgr
 
 from pagefleet_serve.cpu_placement import available_cpus, cpu_quota, usable_cpus
 from pagefleet_serve.structured.compile_worker import CompileFailed, CompileWorker
-from pagefleet_serve.structured.constraint import StructuredOutputs
+from pagefleet_serve.structured.constraint import CompileQueueFull, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +65,6 @@ DEFAULT_MAX_COMPILES_PER_CLIENT = 4
 _EXCERPT_CHARS = 80
 # xgrammar prefixes its messages with a time and a C++ source location; users need neither.
 _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
-
-
-class CompileQueueFull(Exception):
-    """A client's compile is refused for now: the queue, or the client's budget, is full."""
 
 
 @dataclass(eq=False)

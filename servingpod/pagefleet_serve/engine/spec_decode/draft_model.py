@@ -19,8 +19,8 @@ import torch
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.model_runner import ModelRunner
 from pagefleet_serve.engine.sequence import Sequence
-from pagefleet_serve.model.llama import ModelConfig
-from pagefleet_serve.model.loader import LoadedModel
+from pagefleet_serve.model.config import ModelConfig
+from pagefleet_serve.model.loader.model_loader import LoadedModel
 
 
 class DraftModelProposer:
@@ -48,18 +48,12 @@ class DraftModelProposer:
         return drafts
 
 
-def check_vocabulary(draft: LoadedModel, target: ModelConfig, target_tokenizer) -> None:
-    """Refuse a draft whose token ids do not mean what the target's mean."""
+def check_vocabulary(draft: LoadedModel, target: ModelConfig) -> None:
+    """Refuse a draft whose token ids do not mean what the target's mean (the frontend
+    compares their tokenizers: `frontend.tokenizer.load_engine_tokenizer`)."""
     if draft.config.vocab_size != target.vocab_size:
         raise ValueError(
             f"speculative_config.model: the draft {draft.name} has a vocabulary of "
             f"{draft.config.vocab_size} tokens and the target {target.vocab_size}; a draft "
             "must share the target's tokenizer"
-        )
-    if (draft.tokenizer is None) != (target_tokenizer is None) or (
-        draft.tokenizer is not None and draft.tokenizer.get_vocab() != target_tokenizer.get_vocab()
-    ):
-        raise ValueError(
-            f"speculative_config.model: the draft {draft.name}'s tokenizer differs from the "
-            "target's; a draft must share the target's tokenizer"
         )

@@ -1,6 +1,6 @@
 """Model URIs -> a model on local disk: a GGUF file, a Hugging Face directory, or none for
 builtin://tiny-random (generated, not stored). hf:// models are downloaded on the way
-(`pagefleet_serve.model.hub`: `weights` says whether their weights are downloaded before
+(`pagefleet_serve.model.loader.hub`: `weights` says whether their weights are downloaded before
 the call returns, left to download in the background, or not needed); the URI grammar itself is `pagefleet_serve.model.uri`,
 which imports neither of these.
 """
@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagefleet_serve.model.hub import ArrivingShards, download_model
+from pagefleet_serve.model.loader.hub import ArrivingShards, download_model
 from pagefleet_serve.model.uri import PVC_MOUNT_DIR, ModelURIError, parse_model_uri
 
 _BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,7 +40,7 @@ def resolve_model_uri(
     uri: str, pvc_mount_dir: str = PVC_MOUNT_DIR, weights: str = "now"
 ) -> LocalModel:
     """Where the model of `uri` is on this machine; downloads hf:// models into the cache
-    (`weights`: see `pagefleet_serve.model.hub.WEIGHTS_MODES`)."""
+    (`weights`: see `pagefleet_serve.model.loader.hub.WEIGHTS_MODES`)."""
     parsed = parse_model_uri(uri)
     if parsed.scheme == "hf":
         downloaded = download_model(parsed, weights)

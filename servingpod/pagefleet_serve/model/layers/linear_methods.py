@@ -1,8 +1,8 @@
-"""Linear layers, one class per weight format: y = x W^T (+ bias).
+"""The linear methods, one class per weight format: y = x W^T (+ bias), for a parallel
+linear layer (`layers.linear`) whose weight is not a float matrix as it lies.
 
-- `Linear`: a float weight as it lies (`F.linear`); `LMHead` is the vocabulary matrix's.
-- `PrepackedLinear`: a float weight in oneDNN's blocked layout (CPU), made from a `Linear`
-  by `prepack_linears`.
+- `PrepackedLinear`: a float weight in oneDNN's blocked layout (CPU), made from a float
+  layer by its `prepack`.
 - `Int8RowLinear`: int8 codes with one scale per output row (weight-only int8).
 - `Fp8Linear`: float8 e4m3 weights with a scale per output row (FP8 checkpoints kept in
   float8), multiplied by `torch._scaled_mm`.
@@ -10,8 +10,9 @@
   4-bit parts (see `pagefleet_serve.model.quant`) plus, where the backend multiplies Q8_0
   codes itself, those codes.
 
-The model builds `Linear`s; the loader's quantized matrices become the quantized classes
-(`quantized_linear`), and prepacking replaces float ones. Each class keeps only the
+A layer is built with a float weight; a quantized matrix the loader hands it makes it use
+the quantized class of its format (`quantized_linear`), and prepacking a float one
+`PrepackedLinear`. Each class keeps only the
 layouts its own products read and chooses among its few paths (a few rows, a wide batch)
 by the rows' count and dtype alone; which kernels it calls comes from the
 `pagefleet_kernels.backend.KernelBackend` it was given, read once when it is built or its
@@ -31,9 +32,6 @@ PREPACK_BATCH_HINT = 64
 # Up to this many float32 rows, a prepacked layer multiplies with its weight as it lies
 # through the backend's `linear` (the C++ CPU ops), where it has one (see PrepackedLinear).
 FEW_ROWS_NATIVE = 8
-# Up to this many float32 rows on the CPU, logits are the product with the vocabulary
-# matrix as it lies (see LMHead; measured slower than MKL's GEMM from 12 rows).
-FEW_LOGIT_ROWS = 8
 # From this many rows on, 4-bit weights are dequantized and multiplied as float (see
 # Int4Linear). PyTorch's int4 matmul against dequantize + matmul, bfloat16, two threads
 # (int4 / dequantized, ms): a 3072 x 576 Q4_1 matrix 0.79 / 0.84 at 32 rows, 1.69 / 1.28 at
@@ -63,35 +61,7 @@ def can_prepack(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-# -- float weights ------------------------------------------------------------------------
-class Linear(nn.Linear):
-    """A float weight as it lies, bias-free unless asked. On the CPU a single bfloat16/
-    float16 row is computed as two rows (a broadcast, no copy): PyTorch sends one row to a
-    matrix-vector routine several times slower than a two-row product."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.dtype != torch.float32 and x.device.type == "cpu":
-            return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
-        return F.linear(x, self.weight, self.bias)
-
-
-class LMHead(Linear):
-    """The vocabulary matrix (no bias). MKL's float32 GEMM packs the (transposed) weight on
-    every call: for a few rows of a matrix far larger than the caches that doubles the
-    memory traffic (5 rows of SmolLM2's 49152 x 576: 23-26 ms vs 13-15 ms for the product
-    with the weight as it lies, one row 14 ms either way), so 2 to FEW_LOGIT_ROWS float32
-    rows on the CPU (speculative verification scores 1 + k rows of each sequence) take
-    that product instead."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if 1 < x.shape[0] <= FEW_LOGIT_ROWS and x.dtype == torch.float32 and x.is_cpu:
-            return (self.weight @ x.T).T
-        return super().forward(x)
-
-
+# -- float weights, prepacked --------------------------------------------------------------
 class PrepackedLinear(nn.Module):
     """A float weight reordered once into oneDNN's blocked layout (CPU), multiplied by
     `torch.ops.mkldnn._linear_pointwise` (what inductor's CPU freezing uses; vLLM's CPU
@@ -110,12 +80,12 @@ class PrepackedLinear(nn.Module):
     425 MB; a tied LM head is the embedding itself). Otherwise the weight is not kept (a
     weight another module shares, a tied embedding, lives on there)."""
 
-    def __init__(self, linear: Linear, backend: KernelBackend) -> None:
+    def __init__(self, linear: nn.Module, backend: KernelBackend) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_BATCH_HINT)
-        self.bias = linear.bias
+        self.bias = linear.bias_term
         # The backend's x @ weight.T for a few float32 rows, and the weight it reads.
         self.few_rows = backend.linear if weight.dtype == torch.float32 else None
         self.weight = linear.weight if self.few_rows is not None else None
@@ -126,17 +96,6 @@ class PrepackedLinear(nn.Module):
             if y is not None:
                 return y if self.bias is None else y + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-
-def prepack_linears(model: nn.Module, backend: KernelBackend) -> int:
-    """Replace every `Linear` of `model` by its `PrepackedLinear`; how many. One at a time,
-    so that each replaced weight is freed before the next is packed."""
-    names = [name for name, module in model.named_modules() if isinstance(module, Linear)]
-    for name in names:
-        parent, _, attr = name.rpartition(".")
-        packed = PrepackedLinear(model.get_submodule(name), backend)
-        model.get_submodule(parent).register_module(attr, packed)
-    return len(names)
 
 
 # -- quantized weights (CPU only, float8 everywhere) ------------------------------------------
