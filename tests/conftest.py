@@ -61,3 +61,11 @@ def tools_pod():
         },
         *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
     )
+
+
+@pytest.fixture(scope="session")
+def tools_client(tools_pod):
+    """An `openai` client of the tools pod."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{tools_pod.base_url}/v1", api_key="unused", max_retries=0)

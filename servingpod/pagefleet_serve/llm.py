@@ -84,6 +84,7 @@ class LLM:
             final.finished = delta.finished
             final.num_cached_tokens = delta.num_cached_tokens
             final.metrics = delta.metrics
+            final.prompt_logprobs = final.prompt_logprobs or delta.prompt_logprobs
         return [results[r.request_id] for r in requests]
 
     def embed(

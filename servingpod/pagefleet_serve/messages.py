@@ -15,7 +15,7 @@ from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.constraint import StructuredOutputs
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 # -- the data both sides share ---------------------------------------------------------------

@@ -56,6 +56,8 @@ LORA_ADAPTER_RESIDENT = "pagefleet:lora_adapter_resident"
 
 # The pod's own series.
 REQUESTS_REJECTED = "pagefleet:requests_rejected"
+# Of GENERATION_TOKENS, those a reasoning model spent thinking (its markers included).
+REASONING_TOKENS = "pagefleet:reasoning_tokens"
 KV_CACHE_BLOCKS = "pagefleet:kv_cache_blocks"
 KV_CACHE_USED_BLOCKS = "pagefleet:kv_cache_used_blocks"
 # A hybrid model's state slots (its recurrent layers' per-sequence state): the pool, those

@@ -20,13 +20,21 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # A reasoning model's thinking, split from `text` by the request's reasoning parser,
+    # and how many of `token_ids` it took (its markers included).
+    reasoning: str = ""
+    num_reasoning_tokens: int = 0
+    stop_reason: str | None = None  # the stop string that ended it (vLLM's stop_reason)
 
     def extend(self, delta: "CompletionOutput") -> None:
         self.text += delta.text
+        self.reasoning += delta.reasoning
+        self.num_reasoning_tokens += delta.num_reasoning_tokens
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason or self.stop_reason
 
 
 @dataclass
@@ -50,6 +58,9 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed this request
     # An embedding request's pooled vector (float32 values, normalised as the model says).
     embedding: list[float] | None = None
+    # With prompt_logprobs, in the request's first output: one entry per prompt token, the
+    # first None (nothing comes before it to score it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagefleet_serve.structured.constraint import StructuredOutputs
+from pagefleet_serve.structured.thinking import ThinkingSpec
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this, a temperature is greedy (as vLLM does): dividing logits by it would overflow.
@@ -22,6 +23,10 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+# logit_bias: entries per request, and each bias's bound (OpenAI's: -100 bans a token,
+# 100 all but forces it).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,26 @@ class SamplingParams:
     priority: int = 0  # lower runs first; ties go by arrival
     # What the output must match (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputs | None = None
+    # A reasoning model's thinking: where it ends (the grammar starts after it) and its
+    # budget of tokens; None: the output does not think (or nobody splits it).
+    thinking: ThinkingSpec | None = None
+    # (token id, bias) pairs (or vLLM's {token id: bias}) added to the row's logits before
+    # anything else reads them.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Output tokens before which EOS and the stop token ids cannot be sampled (and stop
+    # strings do not end the output).
+    min_tokens: int = 0
+    # None: off; k: each prompt token's logprob (after the first) plus the top k there.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(e) for e in pairs))
         _int(self, "n", lo=1)
         _int(self, "max_tokens", lo=1)
         _number(self, "temperature", lambda v: v >= 0, "must be >= 0", tiny_ok=True)
@@ -63,11 +82,17 @@ class SamplingParams:
             _int(self, "seed", lo=INT64_MIN)
         if self.logprobs is not None:
             _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+        _int(self, "min_tokens", lo=0, hi=self.max_tokens)
+        _check_logit_bias(self.logit_bias)
         _int(self, "priority", lo=INT64_MIN)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputs
         ):
             raise ValueError("structured_outputs must be a StructuredOutputs")
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingSpec):
+            raise ValueError("thinking must be a ThinkingSpec")
         _capped(self, "stop", MAX_STOP_STRINGS)
         if any(
             not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop
@@ -97,6 +122,26 @@ class SamplingParams:
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
+
+
+def _check_logit_bias(entries: tuple[tuple[int, float], ...]) -> None:
+    if len(entries) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(entries)}"
+        )
+    for entry in entries:
+        token_id, bias = entry if len(entry) == 2 else (None, None)
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {entry!r}")
+        if (
+            not isinstance(bias, (int, float))
+            or isinstance(bias, bool)
+            or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
+        ):
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}"
+            )
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -23,25 +23,29 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
-def save_tiny_llama(path: Path) -> Path:
+def save_tiny_llama(path: Path, **config_overrides) -> Path:
     """A tiny random Llama as save_pretrained writes it (two safetensors shards and their
-    index), with the built-in model's tokenizer and chat template."""
+    index), with the built-in model's tokenizer and chat template; `config_overrides`
+    change its LlamaConfig."""
     import torch
     from pagefleet_serve.frontend.tokenizer import load_tokenizer
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = load_tokenizer("builtin://smollm2-135m")
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        **{
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": True,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        }
+        | config_overrides
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path, max_shard_size="4MB")

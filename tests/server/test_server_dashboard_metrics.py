@@ -1,6 +1,8 @@
 """The Grafana dashboard against what PageFleet really exports: every metric name in every
 panel query and variable exists on a real serving pod's /metrics (after some traffic) or
-on the operator's /metrics; and the JSON is a well-formed Grafana dashboard model."""
+on the operator's /metrics, and every pod series has a sample (at 0) from the pod's start,
+before any request, so that no panel reads "No data"; and the JSON is a well-formed
+Grafana dashboard model."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from pagefleet_operator.reconcile import Outcome
 from pagefleet_operator.spec import AutoscalingSpec
 from pagefleet_operator.telemetry import OperatorMetrics
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.server_harness import ServerProcess
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts/pagefleet/dashboards/pagefleet.json"
 _IDENTIFIER = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\()?")
@@ -115,6 +119,22 @@ def test_every_dashboard_metric_is_exported(server):
     assert len(used) >= 25  # the parser found the dashboard's selectors
     missing = {name: [q for q in queries if name in metric_names(q)] for name in used - exported}
     assert missing == {}, "dashboard queries name metrics nobody exports"
+
+
+def test_every_pod_series_of_the_dashboard_has_a_sample_from_the_pod_s_start():
+    pod = ServerProcess("--max-model-len", "256", "--kv-cache-memory", "32MiB")
+    try:
+        text = httpx.get(f"{pod.wait_ready().base_url}/metrics", timeout=10).text
+    finally:
+        pod.stop()
+    sampled = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    queries = dashboard_queries(json.loads(DASHBOARD.read_text()))
+    used = set().union(*(metric_names(q) for q in queries))
+    pod_series = {name for name in used if not name.startswith("pagefleet_operator_")}
+    assert {"pagefleet:requests_rejected_total", "vllm:time_to_first_token_seconds_bucket"} <= (
+        pod_series
+    )
+    assert pod_series - sampled == set(), "series without a sample before any request"
 
 
 def test_the_dashboard_is_a_grafana_dashboard_model():

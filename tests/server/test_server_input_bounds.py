@@ -86,9 +86,20 @@ REFUSED = [
     ),
     ("/v1/completions", {"prompt": "hi", "n": 10**6}, "n", "max_num_seqs"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of", "does not support"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "does not support"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "use_beam_search": True},
+        "use_beam_search",
+        "does not support",
+    ),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix", "does not support"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 5}}, "logit_bias", "not support"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 101}}, "logit_bias", "[-100, 100]"),
+    (
+        "/v1/chat/completions",
+        CHAT | {"echo": True},
+        "echo",
+        "does not support",
+    ),
     ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools", "field required"),
     ("/v1/chat/completions", CHAT | {"tool_choice": "auto"}, "tool_choice", "needs tools"),
     (

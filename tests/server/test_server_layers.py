@@ -36,6 +36,8 @@ CROSSINGS = {
     # for), loaded while the core loads the model.
     ("pagefleet_serve.frontend.tokenizer", "pagefleet_serve.model.loader.resolve"),
     ("pagefleet_serve.frontend.tokenizer", "pagefleet_serve.model.loader.gguf_file"),
+    # The model's generation_config.json, found (resolved like the model) at start-up.
+    ("pagefleet_serve.frontend.generation_defaults", "pagefleet_serve.model.loader.resolve"),
     # `serve --headless` (a node other than rank 0's) runs engine ranks and no server: the
     # import happens in that process only, after the flags are checked.
     ("pagefleet_serve.server.serve", "pagefleet_serve.engine.executor.headless"),
@@ -47,14 +49,20 @@ def layer(module: str) -> str:
     if parts[0] == "pagefleet_kernels":
         return "kernels"
     sub = parts[1] if len(parts) > 1 else ""
-    if module in ("pagefleet_serve.model_uri", "pagefleet_serve.structured.constraint"):
-        return "base"  # torch-free: the URI parser the operator uses, a constraint's data
+    if module in (
+        "pagefleet_serve.model_uri",
+        "pagefleet_serve.structured.constraint",
+        "pagefleet_serve.structured.thinking",
+    ):
+        # torch-free: the URI parser the operator uses, a constraint's and a thinking's data
+        return "base"
     return {
         "": "top",
         "cli": "top",
         "llm": "top",
         "server": "server",
         "frontend": "frontend",
+        "reasoning": "frontend",  # the output pipeline's split of a reasoning model's text
         "engine": "engine",
         "model": "model",
         "attention": "model",

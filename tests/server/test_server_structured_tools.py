@@ -107,6 +107,18 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
+def forced_call(tool_choice) -> dict:
+    """A greedy chat request for ASK whose tool_choice forces a call of WEATHER or TIME."""
+    return {
+        "model": MODEL_NAME,
+        "messages": ASK,
+        "tools": [WEATHER, TIME],
+        "tool_choice": tool_choice,
+        "max_tokens": 80,
+        "temperature": 0,
+    }
+
+
 @pytest.fixture(scope="module")
 def server(tools_pod):
     """The session's tool-calling pod: served name "smol", MAX_MODEL_LEN tokens, 20
@@ -356,15 +368,8 @@ def test_tool_call_round_trip(client, tool_choice):
     ids=["required", "named"],
 )
 def test_streamed_tool_calls_assemble_into_the_same_calls(client, tool_choice, finish_reason):
-    request = {
-        "model": MODEL_NAME,
-        "messages": ASK,
-        "tools": [WEATHER, TIME],
-        "tool_choice": tool_choice,
-        "max_tokens": 80,
-        "temperature": 0,
-        "logprobs": True,  # marks the chunks that carry newly generated tokens
-    }
+    # logprobs: they mark the chunks that carry newly generated tokens
+    request = forced_call(tool_choice) | {"logprobs": True}
     whole = client.chat.completions.create(**request).choices[0].message
     # Argument fragments per call that came with the tokens they were generated from (a
     # stream that waited for the whole call would send them all after the last token).

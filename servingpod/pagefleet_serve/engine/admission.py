@@ -2,7 +2,9 @@
 not running already, embeddings only on an embed engine, its adapter served), made a
 `Sequence` (its seeded generators on the sampler's device, the model's extra EOS ids as
 stop tokens), then held, without holding up a step, while its grammar compiles and while
-its adapter is read back into host memory (`LoRAManager`); then it joins the scheduler."""
+its adapter is read back into host memory (`LoRAManager`); then it joins the scheduler. A
+reasoning model's sequence gets its constraint behind the thinking (`output_constraint`:
+the grammar starts where the thinking ends, a thinking budget forces that end)."""
 
 from collections.abc import Container
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -18,6 +20,7 @@ from pagefleet_serve.messages import Request
 from pagefleet_serve.model.config import ModelConfig
 from pagefleet_serve.sampling_params import SamplingParams, generator_seed, sample_seed
 from pagefleet_serve.structured.grammar import GrammarCompiler, GrammarMatcher
+from pagefleet_serve.structured.thinking_gate import output_constraint
 
 # A sequence that cannot run, and why (its request fails with that error).
 Failure = tuple[Sequence, str]
@@ -119,6 +122,7 @@ class Admission:
         (failed at once if it is known not to)."""
         constraint = seq.params.structured_outputs
         if constraint is None:
+            seq.grammar = output_constraint(seq.params.thinking, None)  # a thinking budget
             self._to_scheduler(seq)
             return []
         self._awaiting_grammar[seq] = self.grammar_compiler.compile_async(constraint)
@@ -137,10 +141,12 @@ class Admission:
                 continue
             del self._awaiting_grammar[seq]
             try:
-                seq.grammar = GrammarMatcher(future.result())
+                grammar = GrammarMatcher(future.result())
             except ValueError as exc:
                 failed.append((seq, str(exc)))
                 continue
+            # A thinking model's grammar starts where its thinking ends.
+            seq.grammar = output_constraint(seq.params.thinking, grammar)
             self._to_scheduler(seq)
         return failed
 

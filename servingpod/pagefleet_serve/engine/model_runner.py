@@ -32,6 +32,7 @@ from pagefleet_serve.model.layers.state import allocate, bytes_per_sequence
 from pagefleet_serve.model.loader.model_loader import LoadedModel
 from pagefleet_serve.model.lora import LoRAAdapter
 from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, TensorParallel
+from pagefleet_serve.outputs import TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
 
 # The warm-up's decode batch samples with a filter on, so that the sampler's sort is in its
@@ -361,6 +362,8 @@ class ModelRunner:
     def _sample(
         self, plan: "_SamplePlan", logits: torch.Tensor | None, inputs: StepInputs
     ) -> dict[Sequence, list[SampledToken]]:
+        for scoring in plan.prompt_scoring:
+            scoring.score(logits)
         if not plan.sampling:
             return {}
         seeded = {
@@ -427,6 +430,45 @@ class StepPlan:
 
 
 @dataclass
+class _PromptScoring:
+    """A prefill chunk of a sequence that asked for prompt logprobs: the logits rows of its
+    positions `first` .. `first + num_rows - 1`, each scoring the prompt token after it."""
+
+    seq: Sequence
+    first: int
+    rows: list[int]  # into the step's logits
+
+    def score(self, logits: torch.Tensor) -> None:
+        seq, k = self.seq, self.seq.params.prompt_logprobs or 0
+        logprobs = torch.log_softmax(logits[_on_device(logits, self.rows)], dim=-1)
+        targets = seq.token_ids[self.first + 1 : self.first + 1 + len(self.rows)]
+        chosen = logprobs.gather(1, _on_device(logits, targets)[:, None])[:, 0]
+        values, indices = logprobs.topk(k, dim=-1)
+        # One device-to-host copy: float64 holds every token id and float32 logprob.
+        packed = torch.cat([chosen, values.flatten(), indices.flatten()]).double().tolist()
+        num = len(targets)
+        top_values, top_ids = packed[num : num + num * k], packed[num + num * k :]
+        del seq.prompt_logprobs[self.first :]
+        seq.prompt_logprobs.extend(
+            TokenLogprob(
+                token_id,
+                packed[i],
+                [
+                    (int(t), v)
+                    for t, v in zip(
+                        top_ids[i * k : i * k + k], top_values[i * k : i * k + k], strict=True
+                    )
+                ],
+            )
+            for i, token_id in enumerate(targets)
+        )
+
+
+def _on_device(like: torch.Tensor, values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)
+
+
+@dataclass
 class _SamplePlan:
     """Which logits a step samples, known before its forward pass so that the row indices
     go to the device with the rest of the step's metadata."""
@@ -435,6 +477,7 @@ class _SamplePlan:
     rows: list[SampleRow]  # one per draw
     logits_rows: list[int]  # the hidden rows whose logits are computed
     sample_rows: list[int]  # the logits row of each draw; empty when one draw per row
+    prompt_scoring: list[_PromptScoring] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -443,11 +486,24 @@ class _SamplePlan:
         """Logits of each sampling sequence's last position, or of its last 1 + k positions
         when it verifies k drafts; one sample row per position and per sample (the samples
         of one prompt share its penalty counts)."""
-        sampling, scored, rows, row_logits = [], [], [], []
+        sampling, scored, rows, row_logits, prompt_scoring = [], [], [], [], []
         for end, item in zip(ends, step.scheduled, strict=True):
+            seq, drafts = item.seq, item.spec_token_ids
+            first = seq.num_computed_tokens
+            # Positions of this chunk whose next token is a prompt token: the last prompt
+            # position's logits are the first output token's, sampled below.
+            last = min(first + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if seq.params.prompt_logprobs is not None and first < last:
+                start = end - item.num_new_tokens
+                positions = range(start, start + last - first)
+                prompt_scoring.append(
+                    _PromptScoring(
+                        seq, first, list(range(len(scored), len(scored) + len(positions)))
+                    )
+                )
+                scored.extend(positions)
             if not item.samples:
                 continue
-            seq, drafts = item.seq, item.spec_token_ids
             sampling.append(item)
             if drafts:
                 row_logits.extend(range(len(scored), len(scored) + len(drafts) + 1))
@@ -455,9 +511,10 @@ class _SamplePlan:
                 rows.extend(draft_rows(seq, drafts))
                 continue
             counts = seq.penalty_counts(vocab, device)
+            banned = seq.banned_token_ids()
             for generator in [seq.generator, *seq.sibling_generators]:
-                rows.append(SampleRow(seq.params, generator, [], [], seq.grammar, counts))
+                rows.append(SampleRow(seq.params, generator, [], [], seq.grammar, counts, banned))
                 row_logits.append(len(scored))
             scored.append(end - 1)
         one_per_row = row_logits == list(range(len(scored)))
-        return cls(sampling, rows, scored, [] if one_per_row else row_logits)
+        return cls(sampling, rows, scored, [] if one_per_row else row_logits, prompt_scoring)

@@ -18,6 +18,8 @@ class _Request:
     metrics: RequestMetrics
     finished_samples: set[int] = field(default_factory=set)
     num_cached_tokens: int = 0
+    # Prompt logprobs (when asked for) go out once, with the request's first output.
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -50,6 +52,7 @@ class OutputTracker:
     ) -> list[RequestOutput]:
         """This step's outputs, one per request that got tokens."""
         deltas: dict[str, dict[int, CompletionOutput]] = {}
+        prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         # A sequence may get several tokens in a step (accepted drafts): its finish reason
         # belongs to the last of them.
         last = {seq: i for i, (seq, _) in enumerate(new_tokens)}
@@ -57,6 +60,9 @@ class OutputTracker:
             request = self.requests[seq.request_id]
             if seq.sample_index in request.finished_samples:
                 continue  # ended since it was scheduled (a stop string the frontend found)
+            if seq.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                request.prompt_logprobs_sent = True
+                prompt_logprobs[seq.request_id] = [None, *seq.prompt_logprobs]
             delta = deltas.setdefault(seq.request_id, {}).setdefault(
                 seq.sample_index, CompletionOutput(seq.sample_index)
             )
@@ -73,7 +79,10 @@ class OutputTracker:
             request.metrics.num_preemptions = max(
                 request.metrics.num_preemptions, seq.num_preemptions
             )
-        return [self._output(rid, list(samples.values()), now) for rid, samples in deltas.items()]
+        outputs = [self._output(rid, list(s.values()), now) for rid, s in deltas.items()]
+        for output in outputs:
+            output.prompt_logprobs = prompt_logprobs.get(output.request_id)
+        return outputs
 
     def finish(
         self,

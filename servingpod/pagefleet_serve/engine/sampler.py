@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from pagefleet_serve.engine.penalties import TokenCounts
 from pagefleet_serve.sampling_params import SamplingParams
-from pagefleet_serve.structured.grammar import GrammarMatcher, mask_logits
+from pagefleet_serve.structured.grammar import mask_logits
+from pagefleet_serve.structured.thinking_gate import OutputConstraint
 
 # Tokens per block of the two-level inverse CDF (see `_invert_cdf`).
 CDF_BLOCK = 256
@@ -41,8 +42,10 @@ class SampleRow:
     generator: torch.Generator | None  # on the logits' device
     output_token_ids: list[int]  # for the penalties
     prompt_token_ids: list[int]  # repetition penalty covers the prompt too; unread with counts
-    grammar: GrammarMatcher | None = None  # the sequence's structured-output constraint
+    grammar: OutputConstraint | None = None  # the sequence's structured-output constraint
     counts: TokenCounts | None = None
+    # Tokens this draw may not pick: the stop tokens while min_tokens is not reached.
+    banned: tuple[int, ...] = ()
 
 
 class SamplingError(RuntimeError):
@@ -112,20 +115,21 @@ def _sample(
     if logprob_rows:  # the model's distribution: before masks, penalties and filters
         raw_logprobs = torch.log_softmax(logits[_on(logits, logprob_rows)], dim=-1)
 
+    biased = any(r.params.logit_bias or r.banned for r in rows)
+    if biased:  # the request's own edits of its distribution come first, as in vLLM
+        logits = _apply_bias_and_bans(logits.clone(), rows)
     penalized = any(r.params.needs_penalties for r in rows)
     if penalized:
-        logits = _apply_penalties(logits.clone(), rows)
+        logits = _apply_penalties(logits if biased else logits.clone(), rows)
 
     # The mask comes after every logit transform: a transform after it could turn a masked
     # -inf back into a value (a penalty of 0 makes -inf * 0 = NaN, which argmax picks).
     # Only constrained rows are masked; a batch without any pays for this one scan.
     matchers = {
-        i: r.grammar
-        for i, r in enumerate(rows)
-        if r.grammar is not None and not r.grammar.is_terminated
+        i: r.grammar for i, r in enumerate(rows) if r.grammar is not None and r.grammar.masks_next
     }
     if matchers:
-        if not penalized:
+        if not (penalized or biased):
             logits = logits.clone()  # a retry of the step must find the caller's logits intact
         mask_logits(logits, matchers)
 
@@ -272,6 +276,22 @@ def _token(token_id: int) -> SampledToken:
         error="sampling failed: the row's logits hold no distribution (NaN, infinite, or "
         "nothing finite once its penalties and constraint were applied)",
     )
+
+
+def _apply_bias_and_bans(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Each row's logit_bias added and its banned tokens set to -inf, in place, with one
+    host-to-device copy per kind (token ids past the vocabulary were refused upstream)."""
+    vocab = logits.shape[1]
+    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if t < vocab]
+    if bias:
+        at, token_ids, values = zip(*bias, strict=True)
+        index = (_on(logits, list(at)), _on(logits, list(token_ids)))
+        logits.index_put_(index, _on(logits, list(values), logits.dtype), accumulate=True)
+    bans = [(i, t) for i, r in enumerate(rows) for t in r.banned if 0 <= t < vocab]
+    if bans:
+        at, token_ids = zip(*bans, strict=True)
+        logits[_on(logits, list(at)), _on(logits, list(token_ids))] = float("-inf")
+    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

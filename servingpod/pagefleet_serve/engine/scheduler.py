@@ -209,7 +209,9 @@ class Scheduler:
                 continue
             if self.state_slots is not None and not self.state_slots.can_hold(seq):
                 break
-            prefix = self.block_manager.find_cached_prefix(seq)
+            # Prompt logprobs need every prompt position's logits: no cached prefix.
+            wants_prompt = seq.params.prompt_logprobs is not None
+            prefix = [] if wants_prompt else self.block_manager.find_cached_prefix(seq)
             if self.checkpoints is not None:
                 prefix = prefix[: self.checkpoints.resumable(seq, len(prefix))]
             start = len(prefix) * self.block_manager.block_size

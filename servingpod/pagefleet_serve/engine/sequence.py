@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagefleet_serve.engine.penalties import TokenCounts
+from pagefleet_serve.outputs import TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
-from pagefleet_serve.structured.grammar import GrammarMatcher
+from pagefleet_serve.structured.thinking_gate import OutputConstraint
 
 
 class SequenceStatus(enum.Enum):
@@ -54,7 +55,7 @@ class Sequence:
     # token_ids until the target model has accepted them.
     spec_token_ids: list[int] = field(default_factory=list)
     # Advances with output tokens only, so recompute, prefix hits and chunks leave it be.
-    grammar: GrammarMatcher | None = None
+    grammar: OutputConstraint | None = None
     # The penalties' counts on the device, from the first sampling on (`penalty_counts`).
     token_counts: TokenCounts | None = None
     # The LoRA adapter the sequence runs with (its id, unique in the process; None: the
@@ -72,6 +73,9 @@ class Sequence:
     # before an n > 1 fork the slots its siblings take (see engine/state_slots.py).
     state_slot: int | None = None
     sibling_state_slots: list[int] = field(default_factory=list)
+    # With params.prompt_logprobs: [p] scores prompt token p + 1 (from position p's logits),
+    # written chunk by chunk as the prompt is computed (a recompute rewrites its chunk).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -107,6 +111,15 @@ class Sequence:
             self.token_counts = TokenCounts.build(prompt, vocab, device, repetition)
         self.token_counts.catch_up(self.token_ids, self.num_prompt_tokens)
         return self.token_counts
+
+    def banned_token_ids(self, num_drafts_before: int = 0) -> tuple[int, ...]:
+        """The tokens the next draw (after `num_drafts_before` draft tokens) may not pick:
+        EOS and the stop token ids while the output is shorter than min_tokens."""
+        params = self.params
+        if self.num_output_tokens + num_drafts_before >= params.min_tokens:
+            return ()
+        eos = () if self.eos_token_id is None or params.ignore_eos else (self.eos_token_id,)
+        return (*eos, *params.stop_token_ids)
 
     def penalty_token_ids(self) -> tuple[list[int], list[int]]:
         """(output, prompt) token ids as the penalties read them, for the rows that carry

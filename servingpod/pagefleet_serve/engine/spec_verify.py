@@ -23,7 +23,13 @@ def draft_rows(seq: Sequence, draft_token_ids: list[int]) -> list[SampleRow]:
     penalties of position j see the drafts before it as output."""
     output, prompt = seq.penalty_token_ids()
     return [
-        SampleRow(seq.params, seq.generator, output + draft_token_ids[:j], prompt)
+        SampleRow(
+            seq.params,
+            seq.generator,
+            output + draft_token_ids[:j],
+            prompt,
+            banned=seq.banned_token_ids(j),
+        )
         for j in range(len(draft_token_ids) + 1)
     ]
 

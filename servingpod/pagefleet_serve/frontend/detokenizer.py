@@ -11,6 +11,8 @@ held back so a partial stop string is never sent.
 import codecs
 import re
 
+from pagefleet_serve.reasoning.base import REASONING, ReasoningStream
+
 _REPLACEMENT = "\ufffd"
 # How far back into the prompt the first decode's context is looked for.
 CONTEXT_WINDOW = 64
@@ -145,14 +147,19 @@ class StopStringMatcher:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.sent = 0
+        self.matched: str | None = None  # the stop string that ended the text
 
-    def feed(self, new_text: str) -> bool:
-        """Add text; True when a stop string appeared (the text is cut before it)."""
+    def feed(self, new_text: str, search: bool = True) -> bool:
+        """Add text; True when a stop string appeared (the text is cut before it). Not
+        `search`: the text cannot stop the sample yet (min_tokens)."""
         search_from = max(0, len(self.text) - self.holdback)
         self.text += new_text
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not search:
+            return False
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.matched = min(hits)
+            self.text = self.text[:at]
             return True
         return False
 
@@ -165,22 +172,60 @@ class StopStringMatcher:
 
 
 class SampleText:
-    """One sample's text as its tokens arrive: detokenized, cut before the first stop
-    string, with a possible stop string's beginning held back until it is settled."""
+    """One sample's text as its tokens arrive: detokenized, split into thinking and answer
+    by the request's reasoning stream (if it has one), the answer cut before the first
+    stop string, with a possible stop string's beginning held back until it is settled.
+    Stop strings end the answer, never the thinking."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params) -> None:
+    def __init__(
+        self, tokenizer, prompt_token_ids: list[int], params, reasoning: ReasoningStream | None
+    ) -> None:
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.skip_special_tokens
         )
         self.matcher = StopStringMatcher(params.stop)
         self.stopped = False
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
+        self.reasoning = reasoning
+        self.thought = ""  # thinking not yet released
+        self.num_reasoning_tokens = 0  # released
 
     def add(self, token_id: int) -> bool:
-        """Take a token; True once a stop string has appeared (later tokens are ignored)."""
-        if not self.stopped:
-            self.stopped = self.matcher.feed(self.detokenizer.add(token_id))
+        """Take a token; True once a stop string has appeared (later tokens are ignored;
+        none before min_tokens)."""
+        if self.stopped:
+            return True
+        self.num_tokens += 1
+        text = self.detokenizer.add(token_id)
+        if self.reasoning is None:
+            self._answer(text)
+        else:
+            self._route(self.reasoning.feed(token_id, text))
         return self.stopped
 
     def release(self, finished: bool) -> str:
-        """The text that is safe to send now (all of it once the sample is finished)."""
+        """The answer's text that is safe to send now (all of it once the sample is
+        finished); `release_reasoning` after it."""
+        if finished and self.reasoning is not None and not self.stopped:
+            self._route(self.reasoning.finish())
         return self.matcher.release(finished or self.stopped)
+
+    def release_reasoning(self) -> tuple[str, int]:
+        """The thinking's text not sent yet, and the thinking tokens not counted yet."""
+        if self.reasoning is None:
+            return "", 0
+        text, self.thought = self.thought, ""
+        count = self.reasoning.num_reasoning_tokens - self.num_reasoning_tokens
+        self.num_reasoning_tokens += count
+        return text, count
+
+    def _route(self, pieces: list[tuple[str, str]]) -> None:
+        for channel, text in pieces:
+            if channel == REASONING:
+                self.thought += text
+            elif not self.stopped:
+                self._answer(text)
+
+    def _answer(self, text: str) -> None:
+        self.stopped = self.matcher.feed(text, self.num_tokens > self.min_tokens)

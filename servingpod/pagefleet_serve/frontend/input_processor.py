@@ -1,8 +1,9 @@
 """A prompt in, a validated `Request` out: the one place a prompt is templated, tokenized and
 checked before any engine core sees it (`process`).
 
-Chat messages go through the model's own chat template (`render_chat`), text through the
-one tokenization path (`tokenize`, no special tokens: the template wrote them), and the
+Chat messages go through the model's own chat template (`render_chat`; the server's chat
+path calls it itself and hands over the token ids, which a reasoning model's thinking and
+`truncate_prompt_tokens` are read from), text through the one tokenization path (`tokenize`, no special tokens: the template wrote them), and the
 result is checked against the core's limits (context length, vocabulary, n) once; the core
 trusts what comes out. A structured output's constraint is not compiled here: the core
 compiles it, once, when the core client asks it to (see `EngineCoreClient.process_input`).
@@ -13,7 +14,8 @@ unread, so that tokenizing what cannot be served costs nothing.
 """
 
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from pagefleet_serve.frontend.tokenizer import Tokenizer
 from pagefleet_serve.messages import Request, RequestLimits
@@ -79,18 +81,16 @@ class InputProcessor:
         prompt: Prompt,
         params: SamplingParams,
         *,
-        fill_context: bool = False,
         lora_name: str | None = None,
         pooling: bool = False,
         client: str = "",
     ) -> Request:
         """Template, tokenize and validate a prompt (text, token ids or chat messages).
-        `fill_context`: max_tokens is whatever the context leaves after the prompt (OpenAI
-        chat's default), not `params.max_tokens`; `lora_name`: the LoRA adapter it runs
-        with, as its caller resolved it (None: the base model); `pooling`: an embedding
-        request, whose prompt alone must fit the context (text is tokenized with the
-        tokenizer's special tokens, as sentence-transformers does); `client`: who sent it,
-        for the scheduler's fairness between clients. Raises ValueError
+        `lora_name`: the LoRA adapter it runs with, as its caller resolved it (None: the
+        base model); `pooling`: an embedding request, whose prompt alone must fit the
+        context (text is tokenized with the tokenizer's special tokens, as
+        sentence-transformers does); `client`: who sent it, for the scheduler's fairness
+        between clients. Raises ValueError
         (ContextLengthError when it does not fit the context, PromptTooLongError when its
         text is refused unread)."""
         if isinstance(prompt, ChatPrompt):
@@ -105,14 +105,15 @@ class InputProcessor:
         limits = self.limits
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        if fill_context:
-            max_tokens = max(1, limits.max_model_len - len(prompt_token_ids))
-            params = replace(params, max_tokens=max_tokens)
         # cheap: first
         self._check_fits(len(prompt_token_ids), 0 if pooling else params.max_tokens)
         vocab = limits.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.thinking is not None and any(t >= vocab for t in params.thinking.token_ids):
+            raise ValueError(f"thinking: its token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if params.n > limits.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
         return Request(
@@ -126,9 +127,11 @@ class InputProcessor:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, object] | None = None,
     ) -> str:
-        """Chat messages -> prompt text through the model's chat template. ValueError
-        naming `messages` when the model has none or the template rejects them."""
+        """Chat messages -> prompt text through the model's chat template (with the
+        request's `template_kwargs` as variables). ValueError naming `messages` when the
+        model has none or the template rejects them."""
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer or chat template")
         try:
@@ -138,6 +141,7 @@ class InputProcessor:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # noqa: BLE001 - a template raises whatever jinja raises
             raise ValueError(f"messages: the model's chat template rejected them: {exc}") from None

@@ -15,6 +15,8 @@ from pagefleet_serve.frontend.detokenizer import SampleText
 from pagefleet_serve.frontend.tokenizer import Tokenizer
 from pagefleet_serve.messages import Request
 from pagefleet_serve.outputs import CompletionOutput, RequestOutput
+from pagefleet_serve.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream
+from pagefleet_serve.structured.thinking import ThinkingSpec
 
 
 @dataclass
@@ -31,6 +33,7 @@ class OutputProcessor:
         """`tokenizer` None: a model without one; outputs then carry token ids only."""
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestText] = {}
+        self._reasoning_parsers: dict[str, ReasoningParser] = {}
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids -> text at once (a whole sequence, as /detokenize asks)."""
@@ -91,7 +94,8 @@ class OutputProcessor:
             return False
         text = state.texts.get(sample.index)
         if text is None:
-            text = SampleText(self.tokenizer, request.prompt_token_ids, request.params)
+            reasoning = self._reasoning_stream(request.params.thinking)
+            text = SampleText(self.tokenizer, request.prompt_token_ids, request.params, reasoning)
             state.texts[sample.index] = text
         for position, token_id in enumerate(sample.token_ids):
             if text.add(token_id):
@@ -103,5 +107,19 @@ class OutputProcessor:
         if text.stopped and sample.finish_reason != "stop":
             still_running = sample.finish_reason is None
             sample.finish_reason = "stop"
+        if text.stopped:
+            sample.stop_reason = text.matcher.matched
         sample.text = text.release(sample.finish_reason is not None)
+        sample.reasoning, sample.num_reasoning_tokens = text.release_reasoning()
         return still_running
+
+    def _reasoning_stream(self, thinking: ThinkingSpec | None) -> ReasoningStream | None:
+        """A sample's split into thinking and answer, by its request's parser (made once
+        per parser: it looks its markers up in the vocabulary)."""
+        if thinking is None or self.tokenizer is None:
+            return None
+        parser = self._reasoning_parsers.get(thinking.parser)
+        if parser is None:
+            parser = REASONING_PARSERS[thinking.parser](self.tokenizer)
+            self._reasoning_parsers[thinking.parser] = parser
+        return parser.stream(thinking)

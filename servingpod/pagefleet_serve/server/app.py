@@ -7,6 +7,7 @@ by hand. /docs and /openapi.json are off when an API key is set, unless asked fo
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -18,6 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagefleet_serve.server import anthropic_protocol
+from pagefleet_serve.server.anthropic_api import CountTokensEndpoint, MessagesEndpoint
+from pagefleet_serve.server.completions_api import CompletionsEndpoint
 from pagefleet_serve.server.embeddings_api import EmbeddingRequest, EmbeddingsEndpoint
 from pagefleet_serve.server.errors import APIError, server_error, unavailable
 from pagefleet_serve.server.fair_queue import ClientMiddleware
@@ -27,12 +31,7 @@ from pagefleet_serve.server.lora_api import (
     UnloadLoRAAdapterRequest,
 )
 from pagefleet_serve.server.metrics import CONTENT_TYPE
-from pagefleet_serve.server.openai_api import (
-    ChatCompletionsEndpoint,
-    CompletionsEndpoint,
-    list_models,
-    read_json_body,
-)
+from pagefleet_serve.server.openai_api import ChatCompletionsEndpoint, list_models, read_json_body
 from pagefleet_serve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagefleet_serve.server.refusals import RefusalGuard, work_seconds
 from pagefleet_serve.server.responses_api import ResponsesEndpoint, ResponsesRequest
@@ -80,12 +79,17 @@ def build_app(state: ServerState) -> FastAPI:
         key = state.settings.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+        given = request.headers.get("authorization")
+        if given is not None:
+            scheme, _, token = given.partition(" ")
+            token = token if scheme.lower() == "bearer" else ""
+        else:  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not token or not hmac.compare_digest(token.encode(), key.encode()):
             raise APIError(
                 401,
-                "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
+                "Incorrect or missing API key; send 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>'.",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -95,6 +99,8 @@ def build_app(state: ServerState) -> FastAPI:
     chat = ChatCompletionsEndpoint(state)
     embeddings = EmbeddingsEndpoint(state)
     responses = ResponsesEndpoint(state)
+    messages = MessagesEndpoint(state)
+    count_tokens = CountTokensEndpoint(state)
 
     @api.get("/models")
     def models() -> dict:
@@ -111,6 +117,17 @@ def build_app(state: ServerState) -> FastAPI:
     @api.post("/responses", openapi_extra=_json_body(ResponsesRequest))
     async def create_response(raw: Request) -> Response:
         return await responses(raw)
+
+    @api.post("/messages", openapi_extra=_json_body(anthropic_protocol.MessagesRequest))
+    async def create_message(raw: Request) -> Response:
+        return await messages(raw)
+
+    @api.post(
+        "/messages/count_tokens",
+        openapi_extra=_json_body(anthropic_protocol.CountTokensRequest),
+    )
+    async def count_message_tokens(raw: Request) -> Response:
+        return await count_tokens(raw)
 
     @api.get("/responses/{response_id}")
     def retrieve_response(response_id: str, raw: Request) -> Response:
@@ -165,11 +182,24 @@ def build_app(state: ServerState) -> FastAPI:
             ChatCompletionRequest,
             EmbeddingRequest,
             ResponsesRequest,
+            anthropic_protocol.MessagesRequest,
+            anthropic_protocol.CountTokensRequest,
             TokenizeRequest,
             DetokenizeRequest,
             *bodies,
         ),
     )
+
+    _install_probes(app, state)
+    _install_error_handlers(
+        app, RefusalGuard(state.settings.refusals_per_second, state.settings.refusal_delay)
+    )
+    install_tracing(app, state.settings.otlp_traces_endpoint)
+    return app
+
+
+def _install_probes(app: FastAPI, state: ServerState) -> None:
+    """The routes outside the API key: liveness, readiness, version and metrics."""
 
     @app.get("/health")
     def health() -> Response:
@@ -190,15 +220,14 @@ def build_app(state: ServerState) -> FastAPI:
             return unavailable("the engine is not healthy", code="engine_unhealthy").response()
         return JSONResponse({"status": "ready"})
 
+    @app.get("/version")
+    def version() -> dict:
+        # vLLM's route (its clients read it to tell servers apart): the package's version.
+        return {"version": importlib.metadata.version("pagefleet")}
+
     @app.get("/metrics")
     def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    _install_error_handlers(
-        app, RefusalGuard(state.settings.refusals_per_second, state.settings.refusal_delay)
-    )
-    install_tracing(app, state.settings.otlp_traces_endpoint)
-    return app
 
 
 def _install_error_handlers(app: FastAPI, refusals: RefusalGuard) -> None:
@@ -212,7 +241,7 @@ def _install_error_handlers(app: FastAPI, refusals: RefusalGuard) -> None:
             delay = refusals.record(client, work)
             if delay:
                 await asyncio.sleep(delay)
-        return error.response()
+        return _render(request, error)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -233,7 +262,15 @@ def _install_error_handlers(app: FastAPI, refusals: RefusalGuard) -> None:
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return server_error("internal server error").response()
+        return _render(request, server_error("internal server error"))
+
+
+def _render(request: Request, error: APIError) -> Response:
+    """An error in the shape of the API the path belongs to: Anthropic's for /v1/messages,
+    OpenAI's everywhere else."""
+    if request.url.path.startswith("/v1/messages"):
+        return anthropic_protocol.error_response(error)
+    return error.response()
 
 
 def _json_body(model: type[BaseModel]) -> dict:

@@ -5,6 +5,7 @@ keep their `tool_call_id`. A template that does not mention tools (SmolLM2's) le
 out, as it does under transformers and vLLM."""
 
 import json
+from collections.abc import Mapping
 
 from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.server.errors import bad_request
@@ -22,6 +23,9 @@ def _template_message(index: int, message: ChatMessage) -> dict:
     }
     if message.name:
         out["name"] = message.name
+    reasoning = message.reasoning or message.reasoning_content
+    if reasoning:  # templates read either name: Qwen3's reasoning_content, vLLM's reasoning
+        out["reasoning"] = out["reasoning_content"] = reasoning
     if message.role == "tool":
         if not message.tool_call_id:
             raise bad_request(
@@ -60,9 +64,12 @@ def render_chat(
     tools: list[dict] | None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    template_kwargs: Mapping[str, object] | None = None,
 ) -> str:
     """The frontend's chat template, its ValueError a 400 naming `messages`."""
     try:
-        return inputs.render_chat(messages, tools, add_generation_prompt, continue_final_message)
+        return inputs.render_chat(
+            messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+        )
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from pagefleet_serve.frontend.core_client import EngineCoreClient, deliver_to
 from pagefleet_serve.messages import Request
-from pagefleet_serve.outputs import CompletionOutput
+from pagefleet_serve.outputs import CompletionOutput, TokenLogprob
 from pagefleet_serve.server.metrics import RequestTracker
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ class Generation:
         self._closed = False
         # Embedding requests' vectors, by prompt index, as they finish.
         self.embeddings: dict[int, list[float]] = {}
+        # Prompt logprobs (when asked for), by prompt index, from each first output.
+        self.prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
 
     @property
     def num_choices(self) -> int:
@@ -152,6 +154,8 @@ class Generation:
                 raise RequestFailed(f"the engine failed while running this request: {item.error}")
             if item.embedding is not None:
                 self.embeddings[request.prompt_index] = item.embedding
+            if item.prompt_logprobs is not None:
+                self.prompt_logprobs[request.prompt_index] = item.prompt_logprobs
             for sample in item.outputs:
                 index = request.prompt_index * self.params.n + sample.index
                 delta = CompletionOutput(
@@ -160,6 +164,9 @@ class Generation:
                     list(sample.token_ids),
                     sample.logprobs,
                     sample.finish_reason,
+                    sample.reasoning,
+                    sample.num_reasoning_tokens,
+                    sample.stop_reason,
                 )
                 if index in merged:
                     merged[index].extend(delta)

@@ -93,6 +93,12 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
+# The label values a series is exported with from the start, at 0, so that a dashboard's
+# panels read 0 rather than "No data" until the first one counts.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+REJECTION_REASONS = ("queue_full", "draining", "engine_unhealthy")
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -106,15 +112,24 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        per_model: list[Counter | Histogram] = []  # labelled by model_name alone
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels + list(extra), registry=self.registry)
+            metric = Counter(name, doc, labels + list(extra), registry=self.registry)
+            if not extra:
+                per_model.append(metric)
+            return metric
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            metric = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            per_model.append(metric)
+            return metric
 
         self.prompt_tokens = counter(names.PROMPT_TOKENS, "Prefilled prompt tokens.")
         self.generation_tokens = counter(names.GENERATION_TOKENS, "Generated tokens.")
+        self.reasoning_tokens = counter(
+            names.REASONING_TOKENS, "Generated tokens a reasoning model spent thinking."
+        )
         self.request_success = counter(
             names.REQUEST_SUCCESS, "Finished requests by finish reason.", ("finished_reason",)
         )
@@ -163,6 +178,12 @@ class ServerMetrics:
             "Generated tokens of finished requests.",
             _TOKEN_BUCKETS,
         )
+        for metric in per_model:
+            metric.labels(model_name)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model_name, reason)
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(model_name, reason)
         self.registry.register(
             _EngineCollector(model_name, engine_stats, server_gauges, block_size)
         )
@@ -213,6 +234,9 @@ class RequestTracker:
                 m.itl.labels(label).observe(timing.last_token_time - self.last_token_time)
             self.num_generated += num_new
             m.generation_tokens.labels(label).inc(num_new)
+            thought = sum(o.num_reasoning_tokens for o in output.outputs)
+            if thought:
+                m.reasoning_tokens.labels(label).inc(thought)
             if timing:
                 self.last_token_time = timing.last_token_time
         if output.finished:
@@ -417,6 +441,7 @@ def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
         "Accepted draft tokens by position in the draft.",
         labels=["model_name", "position"],
     )
-    for position, value in enumerate(spec.accepted_per_position):
+    # (Off, or before the speculator reports its positions: position 0 at 0.)
+    for position, value in enumerate(spec.accepted_per_position or (0,)):
         per_position.add_metric([*label, str(position)], value)
     yield per_position

@@ -1,11 +1,15 @@
-"""The OpenAI endpoints: /v1/models, /v1/completions and /v1/chat/completions.
+"""The OpenAI endpoints' shared generation path and /v1/chat/completions, /v1/models.
 
-Both generation endpoints share one path (`_Endpoint`): read the body (JSON only, bounded
-in size), then in the frontend thread parse and validate it and hand its prompts to the
-frontend's one entry point (`process_input`: chat template, tokenizer, bounds, the core's
-compile of a constraint), wait for that compile, admit, then either stream SSE chunks or
-collect a JSON response. They differ only in how a prompt is read and how a choice is
-written.
+Every generation endpoint (completions in `completions_api`, chat here, Responses and
+Anthropic's Messages on the chat path) shares one path (`GenerationEndpoint`): read the
+body (JSON only, bounded in size), then in the frontend thread parse and validate it and
+hand its prompts to the frontend's one entry point (`process_input`: tokenizer, bounds,
+the core's compile of a constraint), wait for that compile, admit, then either stream SSE
+chunks or collect a JSON response. They differ only in how a prompt is read and how a
+choice is written. Chat renders its messages here (the model's chat template through the
+frontend's `render_chat`, or a reasoning parser's renderer) and hands the frontend token
+ids: where a reasoning model's thinking ends and vLLM's `truncate_prompt_tokens` are read
+off the templated prompt's tokens.
 
 Nothing that grows with a request's size runs on the event loop: the body is read in
 chunks against a byte limit, and the rest runs in the frontend thread, cheapest checks
@@ -31,7 +35,6 @@ from starlette.requests import ClientDisconnect
 
 from pagefleet_serve.frontend.core_client import ProcessedInput
 from pagefleet_serve.frontend.input_processor import (
-    ChatPrompt,
     ContextLengthError,
     Prompt,
     PromptTooLongError,
@@ -47,23 +50,30 @@ from pagefleet_serve.server.generation import (
     RequestFailed,
 )
 from pagefleet_serve.server.protocol import (
-    MAX_PROMPTS_PER_REQUEST,
     ChatCompletionRequest,
-    CompletionRequest,
     _GenerationRequest,
     parse,
-    too_many_prompts,
     value_error,
+)
+from pagefleet_serve.server.reasoning_api import (
+    reasoning_fields,
+    render_prompt,
+    template_kwargs,
+    thinking,
 )
 from pagefleet_serve.server.refusals import mark_body_read
 from pagefleet_serve.server.state import ServerState
+from pagefleet_serve.server.token_details import (
+    MIN_LOGPROB,
+    TokenLabels,
+    prompt_fields,
+)
 from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, plan_tools, split_output
 from pagefleet_serve.structured.constraint import CompileQueueFull
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"
-_MIN_LOGPROB = -9999.0  # -inf is not JSON
 # A batch of text prompts is read whole only if it holds no more characters than this many
 # full-length prompts (each is read with `max_prompt_chars` at most).
 MAX_BATCH_CONTEXTS = 4
@@ -98,14 +108,42 @@ class _Run:
     tools: ToolPlan | None = None  # chat requests with tools
     text_offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs
     tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # by choice index
+    # Choices whose first entry was written: it carries the prompt (echo, its token ids and
+    # logprobs).
+    opened: set[int] = field(default_factory=set)
 
-    def usage(self, completion_tokens: int) -> dict:
+    def open_choice(self, index: int) -> bool:
+        """True the first time a choice is written."""
+        first = index not in self.opened
+        self.opened.add(index)
+        return first
+
+    def prompt_of(self, index: int) -> tuple[list[int], list | None]:
+        """A choice's prompt token ids and their logprobs (None unless asked for)."""
+        prompt_index = index // self.generation.params.n
+        request = self.generation.requests[prompt_index].request
+        return request.prompt_token_ids, self.generation.prompt_logprobs.get(prompt_index)
+
+    def usage(self, completion_tokens: int, reasoning_tokens: int = 0) -> dict:
         prompt_tokens = self.generation.num_prompt_tokens
-        return {
+        usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+        if self.thinks:  # -- reasoning models (issue 72)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
+
+    @property
+    def thinks(self) -> bool:
+        """The request runs a reasoning model's thinking (its output is split)."""
+        return self.generation.params.thinking is not None
+
+    @property
+    def shows_reasoning(self) -> bool:
+        """The answer carries the thinking (`include_reasoning` is not false)."""
+        return self.thinks and self.request.include_reasoning is not False
 
 
 @dataclass
@@ -115,7 +153,6 @@ class _Input:
     prompts: list[Prompt]  # one engine request each
     params: SamplingParams
     tools: ToolPlan | None = None  # chat requests with tools
-    fill_context: bool = False  # max_tokens: what the context leaves (chat's default)
 
 
 class PromptBounds:
@@ -131,6 +168,11 @@ class PromptBounds:
         self.tokenizer = self.inputs.tokenizer
         self.max_model_len = self.inputs.limits.max_model_len
         self.max_prompt_chars = self.inputs.max_prompt_chars
+
+    def encode(self, text: str) -> list[int]:
+        self.check_tokenizer()
+        self.check_prompt_chars(len(text))
+        return self.inputs.tokenize(text)
 
     def check_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -169,7 +211,7 @@ class PromptBounds:
             )
 
 
-class _Endpoint(PromptBounds, abc.ABC):
+class GenerationEndpoint(PromptBounds, abc.ABC):
     request_model: type[_GenerationRequest]
     id_prefix: str  # with its separator, as OpenAI writes the endpoint's ids
     object_name: str
@@ -246,7 +288,6 @@ class _Endpoint(PromptBounds, abc.ABC):
             processed = self.state.engine.process_input(
                 {f"{request_id}-{i}": prompt for i, prompt in enumerate(prepared.prompts)},
                 prepared.params,
-                fill_context=prepared.fill_context,
                 lora_name=lora_name,
                 client=current_client(),
             )
@@ -282,6 +323,12 @@ class _Endpoint(PromptBounds, abc.ABC):
         """One choice's entry in a whole response."""
 
     # -- shared ---------------------------------------------------------------------------
+    def _labels(self, run: _Run) -> TokenLabels:
+        return TokenLabels(self.token_text, bool(run.request.return_tokens_as_token_ids))
+
+    def _token_ids(self, run: _Run, choice: CompletionOutput) -> dict:
+        return {"token_ids": choice.token_ids} if run.request.return_token_ids else {}
+
     def envelope(self, run: _Run, chunk: bool) -> dict:
         return {
             "id": run.id,
@@ -292,7 +339,7 @@ class _Endpoint(PromptBounds, abc.ABC):
 
     async def _stream(self, run: _Run) -> AsyncIterator[str]:
         usage_field = {"usage": None} if run.request.include_usage else {}
-        completion_tokens = 0
+        completion_tokens = reasoning_tokens = 0
         try:
             for chunk in self.opening_chunks(run):
                 yield sse_event(self.envelope(run, chunk=True) | {"choices": [chunk]} | usage_field)
@@ -301,6 +348,9 @@ class _Endpoint(PromptBounds, abc.ABC):
                     yield KEEPALIVE
                     continue
                 completion_tokens += len(delta.token_ids)
+                reasoning_tokens += delta.num_reasoning_tokens
+                if run.request.continuous_usage:  # vLLM's: the usage so far in every chunk
+                    usage_field = {"usage": run.usage(completion_tokens, reasoning_tokens)}
                 for choice in self.choice_chunks(run, delta):
                     yield sse_event(
                         self.envelope(run, chunk=True) | {"choices": [choice]} | usage_field
@@ -308,7 +358,7 @@ class _Endpoint(PromptBounds, abc.ABC):
             if run.request.include_usage:
                 yield sse_event(
                     self.envelope(run, chunk=True)
-                    | {"choices": [], "usage": run.usage(completion_tokens)}
+                    | {"choices": [], "usage": run.usage(completion_tokens, reasoning_tokens)}
                 )
         except RequestFailed as exc:
             yield sse_event(server_error(str(exc)).body())
@@ -342,9 +392,10 @@ class _Endpoint(PromptBounds, abc.ABC):
     def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
         """The whole (non-stream) response of a finished run."""
         completion_tokens = sum(len(c.token_ids) for c in choices)
+        reasoning_tokens = sum(c.num_reasoning_tokens for c in choices)
         return self.envelope(run, chunk=False) | {
             "choices": [self.final_choice(run, c) for c in choices],
-            "usage": run.usage(completion_tokens),
+            "usage": run.usage(completion_tokens, reasoning_tokens),
         }
 
     def _context_error(self, exc: ContextLengthError) -> APIError:
@@ -359,69 +410,7 @@ class _Endpoint(PromptBounds, abc.ABC):
         )
 
 
-class CompletionsEndpoint(_Endpoint):
-    request_model = CompletionRequest
-    id_prefix = "cmpl-"
-    object_name = "text_completion"
-    chunk_object = "text_completion"
-    prompt_param = "prompt"
-
-    def prepare(self, request: CompletionRequest) -> _Input:
-        prompt = request.prompt
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        prompts: list[Prompt]
-        if isinstance(prompt, str):
-            self.check_tokenizer()
-            prompts = [prompt]
-        elif not prompt:
-            raise bad_request("prompt: must not be empty", param="prompt")
-        elif isinstance(prompt[0], int):
-            prompts = [list(prompt)]
-        elif len(prompt) > MAX_PROMPTS_PER_REQUEST:
-            raise too_many_prompts(len(prompt))
-        elif isinstance(prompt[0], str):
-            self.check_batch_chars(sum(map(len, prompt)))
-            self.check_tokenizer()
-            prompts = list(prompt)  # the frontend stops at the first over the context
-        else:
-            prompts = [list(p) for p in prompt]
-        return _Input(prompts, request.sampling_params(max_tokens, request.logprobs))
-
-    def choice_chunk(self, run: _Run, delta: CompletionOutput) -> dict:
-        return self.final_choice(run, delta)
-
-    def final_choice(self, run: _Run, choice: CompletionOutput) -> dict:
-        return {
-            "index": choice.index,
-            "text": choice.text,
-            "logprobs": self._logprobs(run, choice),
-            "finish_reason": choice.finish_reason,
-        }
-
-    def _logprobs(self, run: _Run, choice: CompletionOutput) -> dict | None:
-        if choice.logprobs is None:
-            return None
-        offset = run.text_offsets.get(choice.index, 0)
-        out: dict[str, list] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
-        for entry in choice.logprobs:
-            text = self.token_text(entry.token_id)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(max(entry.logprob, _MIN_LOGPROB))
-            out["top_logprobs"].append(
-                {self.token_text(t): max(lp, _MIN_LOGPROB) for t, lp in entry.top_logprobs}
-            )
-            out["text_offset"].append(offset)
-            offset += len(text)
-        run.text_offsets[choice.index] = offset
-        return out
-
-
-class ChatCompletionsEndpoint(_Endpoint):
+class ChatCompletionsEndpoint(GenerationEndpoint):
     request_model = ChatCompletionRequest
     id_prefix = "chatcmpl-"
     object_name = "chat.completion"
@@ -449,15 +438,22 @@ class ChatCompletionsEndpoint(_Endpoint):
         tools = plan_tools(request, self.state.settings)
         messages = template_messages(request.messages)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages))
+        # -- reasoning models (issue 72): template kwargs, the parser's prompt, the thinking
+        parser = self.state.reasoning_parser
+        kwargs = template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
+        text = render_prompt(parser, self.inputs, messages, tools.template_tools, kwargs)
+        prompt = request.truncated(self.encode(text), self.max_model_len)
+        spec = thinking(parser, prompt, kwargs, request.thinking_token_budget)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        # Without max_tokens, OpenAI's default: whatever the context has left.
-        given = 1 if max_tokens is None else max_tokens  # None: filled in by the frontend
-        params = request.sampling_params(given, logprobs, tools.constraint)
-        prompt = ChatPrompt(messages, tools.template_tools)
-        return _Input([prompt], params, tools, fill_context=max_tokens is None)
+        if max_tokens is None:  # OpenAI's default: whatever the context has left
+            max_tokens = max(1, self.max_model_len - len(prompt))
+        params = request.sampling_params(
+            max_tokens, logprobs, tools.constraint, spec, defaults=self.state.sampling_defaults
+        )
+        return _Input([prompt], params, tools)
 
     def opening_chunks(self, run: _Run) -> list[dict]:
         return [
@@ -474,11 +470,25 @@ class ChatCompletionsEndpoint(_Endpoint):
         return {
             "index": delta.index,
             "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": self._logprobs(delta),
+            "logprobs": self._logprobs(delta, self._labels(run)),
             "finish_reason": delta.finish_reason,
-        }
+        } | self._token_ids(run, delta)
+
+    def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
+        body = super().response_body(run, choices)
+        return body | prompt_fields(run.request, *run.prompt_of(0), self._labels(run))
 
     def choice_chunks(self, run: _Run, delta: CompletionOutput) -> list[dict]:
+        """A delta's thinking goes out first, in a chunk of its own, then its answer."""
+        reasoning = []
+        if delta.reasoning and run.shows_reasoning:
+            fields = reasoning_fields(delta.reasoning)
+            reasoning = [
+                {"index": delta.index, "delta": fields, "logprobs": None, "finish_reason": None}
+            ]
+        return reasoning + self._answer_chunks(run, delta)
+
+    def _answer_chunks(self, run: _Run, delta: CompletionOutput) -> list[dict]:
         if run.tools is None or run.tools.parser is None:
             return super().choice_chunks(run, delta)
         stream = run.tool_streams.setdefault(delta.index, ToolCallStream(run.tools))
@@ -487,7 +497,7 @@ class ChatCompletionsEndpoint(_Endpoint):
             {"index": delta.index, "delta": d, "logprobs": None, "finish_reason": None}
             for d in stream.feed(delta.text, finished)
         ]
-        logprobs = self._logprobs(delta)
+        logprobs = self._logprobs(delta, self._labels(run))
         if (finished or logprobs) and not chunks:
             chunks.append(
                 {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": None}
@@ -502,6 +512,8 @@ class ChatCompletionsEndpoint(_Endpoint):
 
     def final_choice(self, run: _Run, choice: CompletionOutput) -> dict:
         message = {"role": "assistant", "content": choice.text}
+        if run.shows_reasoning:
+            message |= reasoning_fields(choice.reasoning or None)
         finish_reason = choice.finish_reason
         if run.tools is not None and run.tools.parser is not None:
             content, calls = split_output(run.tools, choice.text)
@@ -512,19 +524,20 @@ class ChatCompletionsEndpoint(_Endpoint):
         return {
             "index": choice.index,
             "message": message,
-            "logprobs": self._logprobs(choice),
+            "logprobs": self._logprobs(choice, self._labels(run)),
             "finish_reason": finish_reason,
-        }
+        } | self._token_ids(run, choice)
 
-    def _logprobs(self, choice: CompletionOutput) -> dict | None:
+    def _logprobs(self, choice: CompletionOutput, label: TokenLabels | None = None) -> dict | None:
         if choice.logprobs is None:
             return None
+        label = label or TokenLabels(self.token_text)
 
         def item(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
+            text = label(token_id)
             return {
                 "token": text,
-                "logprob": max(logprob, _MIN_LOGPROB),
+                "logprob": max(logprob, MIN_LOGPROB),
                 "bytes": list(text.encode("utf-8")),
             }
 

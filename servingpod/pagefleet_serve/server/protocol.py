@@ -9,7 +9,7 @@ something (`tools`, `logit_bias`, ...), so that a client never takes a 200 for a
 
 import json
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -17,6 +17,7 @@ from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.server.body_cost import check_body_cost
 from pagefleet_serve.server.errors import APIError, bad_request
 from pagefleet_serve.structured.constraint import StructuredOutputs, structural_tag_text
+from pagefleet_serve.structured.thinking import ThinkingSpec
 
 _CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 # Request bodies keep unknown fields, so that unimplemented ones can be refused by name.
@@ -50,14 +51,11 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[object], bool]] = {
     "functions": _absent([]),
     "function_call": _absent("none"),
     "best_of": _absent(1),
-    "logit_bias": _absent({}),
-    "echo": _absent(False),
+    "echo": _absent(False),  # declared on completions only
     "suffix": _absent(""),
     "audio": _absent(),
     "modalities": _absent(["text"]),
     "prediction": _absent(),
-    "prompt_logprobs": _absent(),
-    "min_tokens": _absent(0),
     "use_beam_search": _absent(False),
     "include_stop_str_in_output": _absent(False),
 }
@@ -79,6 +77,7 @@ def refuse_unsupported(body: BaseModel, fields: dict[str, Callable[[object], boo
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk
 
 
 class JSONSchemaFormat(BaseModel):
@@ -156,6 +155,12 @@ class _GenerationRequest(BaseModel):
     priority: int | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as text) -> bias
+    min_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
     # What the output must match: OpenAI's response_format, vLLM's structured_outputs, or
     # vLLM's older guided_* fields (one of them per request).
     response_format: ResponseFormat | None = None
@@ -164,15 +169,41 @@ class _GenerationRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # A reasoning model's answer carries its thinking unless this is false (completions
+    # never think: it changes nothing there).
+    include_reasoning: bool | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k == -1:
+            k = max_model_len
+        if not 1 <= k <= max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens: must be -1 or in [1, {max_model_len}] (the maximum "
+                f"context length), got {self.truncate_prompt_tokens}",
+                param="truncate_prompt_tokens",
+            )
+        return prompt[-k:]
+
     def check_supported(self) -> None:
         """400 for a field this server would otherwise ignore although it asks for
         something."""
         refuse_unsupported(self, UNSUPPORTED_FIELDS)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options: only allowed when stream is true", param="stream_options"
+            )
 
     def constraint(self) -> StructuredOutputs | None:
         """The structured-output constraint the request asks for; 400 for more than one."""
@@ -227,8 +258,13 @@ class _GenerationRequest(BaseModel):
         max_tokens: int,
         logprobs: int | None,
         constraint: StructuredOutputs | None = None,
+        thinking: ThinkingSpec | None = None,
+        prompt_logprobs: int | None = None,
+        defaults: dict | None = None,
     ) -> SamplingParams:
-        """`constraint`: one the endpoint sets (tool calls), else the request's own."""
+        """`constraint`: one the endpoint sets (tool calls), else the request's own;
+        `thinking`: where a reasoning model's thinking ends (server/reasoning_api.py);
+        `defaults`: the model's sampling settings for the fields the request left out."""
         if constraint is not None and self.constraint() is not None:
             raise bad_request(
                 f"{self.constraint().field}: cannot be combined with tool_choice "
@@ -236,7 +272,7 @@ class _GenerationRequest(BaseModel):
                 param=self.constraint().field,
             )
         constraint = constraint or self.constraint()
-        given = {
+        given = (defaults or {}) | {
             name: getattr(self, name)
             for name in (
                 "n",
@@ -253,12 +289,20 @@ class _GenerationRequest(BaseModel):
                 "ignore_eos",
                 "priority",
                 "skip_special_tokens",
+                "min_tokens",
             )
             if getattr(self, name) is not None
         }
+        if self.prompt_logprobs is not None or prompt_logprobs is not None:
+            given["prompt_logprobs"] = max(self.prompt_logprobs or 0, prompt_logprobs or 0)
         try:
             return SamplingParams(
-                max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint, **given
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                structured_outputs=constraint,
+                thinking=thinking,
+                logit_bias=_logit_bias(self.logit_bias),
+                **given,
             )
         except ValueError as exc:
             raise value_error(exc, type(self)) from None
@@ -267,6 +311,20 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as JSON keys) -> (token id, bias) pairs."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 19:
+            raise bad_request(
+                f"logit_bias: keys must be token ids (non-negative integers), got {key[:40]!r}",
+                param="logit_bias",
+            )
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _structural_tag_field(text: str | None) -> str | None:
@@ -320,6 +378,9 @@ class ChatMessage(BaseModel):
     name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool's result answers this call
+    # An assistant turn's thinking, for templates that keep it (vLLM's two names).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -362,6 +423,12 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models (server/reasoning_api.py): variables for the chat template, the
+    # effort the template is told, whether the answer carries the thinking, and how many
+    # tokens the thinking may take before its end is forced.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    thinking_token_budget: int | None = None
     metadata: dict[str, str] | None = None  # kept by OpenAI with a stored completion
 
     def check_supported(self) -> None:

@@ -13,18 +13,24 @@ A response is kept (unless `store` is false) for `previous_response_id`, GET and
 error the chat path raises names the Responses field the client sent (`text.format`, not
 `response_format`).
 
+A reasoning model's thinking is a `reasoning` item before the message (streamed with
+`response.reasoning_text.delta` events), its tokens `output_tokens_details.
+reasoning_tokens`; `reasoning.effort` goes to the template, and reasoning items in
+`input` give an earlier turn's thinking back to it.
+
 What this server cannot do is refused by name (400): built-in tools, non-text input
 parts (images, files, audio), items other than messages, function calls and their
-outputs, and fields such as `background`, `reasoning`, `include` or `conversation`.
+outputs and reasoning, `reasoning` for a model whose thinking it does not read, and
+fields such as `background` or `conversation`; of `include`, only
+"message.output_text.logprobs" (the output text's logprobs, `top_logprobs` of them).
 """
 
 import json
 import re
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from itertools import count
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -53,8 +59,16 @@ from pagefleet_serve.server.protocol import (
     refuse_unsupported,
 )
 from pagefleet_serve.server.response_store import ResponseStore
+from pagefleet_serve.server.responses_output import (
+    OutputWriter,
+    function_call_item,
+    message_item,
+    new_id,
+    reasoning_item,
+    status_of,
+)
 from pagefleet_serve.server.state import ServerState
-from pagefleet_serve.server.tools import ToolCallStream, ToolPlan, split_output
+from pagefleet_serve.server.tools import split_output
 
 _CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -63,13 +77,10 @@ _OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 # for nothing; any other value is a 400 naming the field.
 UNSUPPORTED_RESPONSES_FIELDS = {
     "background": _absent(False),
-    "include": _absent([]),
-    "reasoning": _absent(),
     "conversation": _absent(),
     "prompt": _absent(),
     "max_tool_calls": _absent(),
     "truncation": _absent("disabled"),
-    "top_logprobs": _absent(0),
     "context_management": _absent([]),
 }
 # The chat fields a request's own become (see `ResponsesEndpoint.prepare`): the chat path's
@@ -80,7 +91,8 @@ CHAT_FIELDS = {
     "max_tokens": ("max_output_tokens", "max_output_tokens"),
     "messages": ("input", "input"),
 }
-INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` this server fills
 TEXT_PART_TYPES = ("input_text", "output_text")
 
 
@@ -112,6 +124,29 @@ class FunctionCallItem(BaseModel):
     arguments: str
 
 
+class ReasoningText(BaseModel):
+    model_config = _CONFIG
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning model's earlier thinking, given back for the turn it belongs to."""
+
+    model_config = _CONFIG
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+
+class ReasoningConfig(BaseModel):
+    model_config = _CONFIG
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class FunctionCallOutputItem(BaseModel):
     model_config = _CONFIG
     type: Literal["function_call_output"]
@@ -123,6 +158,7 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[_Unsupported, Tag("other")],
     # An item without a type is a message (OpenAI's "easy input message").
     Discriminator(lambda v: _kind(v, INPUT_ITEM_TYPES, "message")),
@@ -179,12 +215,31 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     priority: int | None = None  # vLLM's extra field, as on chat
+    # Reasoning models: the effort, and vLLM's extra fields as chat has them.
+    reasoning: ReasoningConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool | None = None
+    thinking_token_budget: int | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     # The conversation so far (the previous response's and this input, no instructions).
     _conversation: list[ChatMessage] = PrivateAttr(default_factory=list)
 
     def check_supported(self) -> None:
         refuse_unsupported(self, UNSUPPORTED_RESPONSES_FIELDS)
         check_metadata(self.metadata)
+        for name in self.include or []:
+            if name != OUTPUT_LOGPROBS:
+                raise bad_request(
+                    f"include: {name!r} is not supported; this server includes "
+                    f"{OUTPUT_LOGPROBS!r} only",
+                    param="include",
+                    code="unsupported_field",
+                )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or [])
 
 
 @dataclass(frozen=True)
@@ -241,7 +296,20 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             items = [MessageItem(role="user", content=items)]
         if not items:
             raise bad_request("input: must not be empty", param="input")
-        request._conversation = history + _chat_messages(items)
+        thinks = self.state.reasoning_parser is not None
+        if request.reasoning is not None and not thinks:
+            raise bad_request(
+                "reasoning: this server reads no reasoning model's thinking (start it with "
+                "--reasoning-parser); remove reasoning from the request",
+                param="reasoning",
+            )
+        if request.reasoning is not None and request.reasoning.summary is not None:
+            raise bad_request(
+                "reasoning.summary: this server writes no summaries of the thinking; the "
+                "reasoning item carries the thinking itself (remove summary)",
+                param="reasoning",
+            )
+        request._conversation = history + _chat_messages(items, thinks)
         messages = list(request._conversation)
         if request.instructions:
             messages.insert(0, ChatMessage(role="system", content=request.instructions))
@@ -256,7 +324,15 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             parallel_tool_calls=request.parallel_tool_calls,
             response_format=_response_format(request.text),
             priority=request.priority,
+            chat_template_kwargs=request.chat_template_kwargs,
+            reasoning_effort=request.reasoning.effort if request.reasoning else None,
+            include_reasoning=request.include_reasoning,
+            thinking_token_budget=request.thinking_token_budget,
+            logprobs=request.wants_logprobs,
+            top_logprobs=request.top_logprobs if request.wants_logprobs else None,
         )
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise bad_request("top_logprobs: must be in [0, 20]", param="top_logprobs")
         return super().prepare(chat)
 
     def _validate(self, body: bytes, request_id: str):
@@ -286,16 +362,19 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
     # -- output ------------------------------------------------------------------------------
     def response_body(self, run: _Run, choices: list[CompletionOutput]) -> dict:
         [choice] = choices
-        status = _status(choice.finish_reason)
+        status = status_of(choice.finish_reason)
         content, calls = split_output(run.tools, choice.text) if run.tools else (choice.text, [])
         output = []
+        if choice.reasoning and run.shows_reasoning:
+            output.append(reasoning_item(new_id("rs"), choice.reasoning, "completed"))
         if content or not calls:
-            output.append(_message_item(_new_id("msg"), content or "", status))
+            logprobs = (self._logprobs(choice) or {}).get("content", [])
+            output.append(message_item(new_id("msg"), content or "", status, logprobs))
         output += [
-            _function_call_item(_new_id("fc"), c.id, c.name, c.arguments, "completed")
-            for c in calls
+            function_call_item(new_id("fc"), c.id, c.name, c.arguments, "completed") for c in calls
         ]
-        body = self._response(run, status, output, self._usage(run, len(choice.token_ids)))
+        usage = self._usage(run, len(choice.token_ids), choice.num_reasoning_tokens)
+        body = self._response(run, status, output, usage)
         self._keep(run, body)
         return body
 
@@ -307,17 +386,19 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
             return f"event: {kind}\ndata: {data}\n\n"
 
-        writer = _OutputWriter(run.tools)
+        writer = OutputWriter(run.tools, run.shows_reasoning)
         yield event("response.created", response=self._response(run, "in_progress", [], None))
         yield event("response.in_progress", response=self._response(run, "in_progress", [], None))
-        output_tokens = 0
+        output_tokens = reasoning_tokens = 0
         try:
             async for delta in self.stream_deltas(run):
                 if delta is None:
                     yield KEEPALIVE
                     continue
                 output_tokens += len(delta.token_ids)
-                for kind, fields in writer.feed(delta.text, delta.finish_reason):
+                reasoning_tokens += delta.num_reasoning_tokens
+                writer.logprobs += (self._logprobs(delta) or {}).get("content", [])
+                for kind, fields in writer.feed(delta.text, delta.finish_reason, delta.reasoning):
                     yield event(kind, **fields)
             for kind, fields in writer.finish():
                 yield event(kind, **fields)
@@ -326,7 +407,7 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             failed["error"] = {"code": "server_error", "message": str(exc)}
             yield event("response.failed", response=failed)
             return
-        usage = self._usage(run, output_tokens)
+        usage = self._usage(run, output_tokens, reasoning_tokens)
         final = self._response(run, writer.status, writer.items(), usage)
         self._keep(run, final)
         done = "response.completed" if writer.status == "completed" else "response.incomplete"
@@ -338,13 +419,13 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             conversation = request._conversation + _output_messages(response["output"])
             self.store.put(response["id"], _Stored(response, conversation))
 
-    def _usage(self, run: _Run, output_tokens: int) -> dict:
+    def _usage(self, run: _Run, output_tokens: int, reasoning_tokens: int) -> dict:
         input_tokens = run.generation.num_prompt_tokens
         return {
             "input_tokens": input_tokens,
             "input_tokens_details": {"cached_tokens": run.generation.num_cached_tokens},
             "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},  # no reasoning models here
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens,
         }
 
@@ -390,122 +471,17 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
         }
 
 
-class _OutputWriter:
-    """One streamed response's output items as Responses events: text goes into a message
-    item, each tool call (as `ToolCallStream` finds them) into a function_call item whose
-    arguments come in fragments; a message ends where a call begins, everything at the
-    end."""
-
-    def __init__(self, tools: ToolPlan | None) -> None:
-        parser = tools is not None and tools.parser is not None
-        self.calls = ToolCallStream(tools) if parser else None  # type: ignore[arg-type]
-        self.output: list[dict] = []
-        self.open: set[int] = set()  # output indices not yet done
-        self.message: int | None = None  # the index of the message being written
-        self.by_call: dict[int, int] = {}  # tool call index -> output index
-        self.status = "completed"
-
-    def items(self) -> list[dict]:
-        return [dict(item) for item in self.output]
-
-    def feed(self, text: str, finish_reason: str | None) -> Iterator[tuple[str, dict]]:
-        if finish_reason is not None:
-            self.status = _status(finish_reason)
-        if self.calls is None:
-            deltas = [{"content": text}] if text else []
-        else:
-            deltas = self.calls.feed(text, finish_reason is not None)
-        for delta in deltas:
-            if delta.get("content"):
-                yield from self._text(delta["content"])
-            for call in delta.get("tool_calls", ()):
-                yield from self._call(call)
-
-    def finish(self) -> Iterator[tuple[str, dict]]:
-        if not self.output:  # no text, no calls: an empty message, as the whole response
-            yield from self._open_message()
-        for index in sorted(self.open):
-            yield from self._close(index)
-
-    def _text(self, text: str) -> Iterator[tuple[str, dict]]:
-        if self.message is None:
-            yield from self._open_message()
-        assert self.message is not None
-        item = self.output[self.message]
-        item["content"][0]["text"] += text
-        yield (
-            "response.output_text.delta",
-            self._where(self.message) | {"content_index": 0, "delta": text, "logprobs": []},
-        )
-
-    def _open_message(self) -> Iterator[tuple[str, dict]]:
-        index = self._add(_message_item(_new_id("msg"), "", "in_progress"))
-        self.message = index
-        yield (
-            "response.output_item.added",
-            {
-                "output_index": index,
-                "item": _message_item(self.output[index]["id"], "", "in_progress", parts=False),
-            },
-        )
-        yield (
-            "response.content_part.added",
-            self._where(index)
-            | {
-                "content_index": 0,
-                "part": _text_part(""),
-            },
-        )
-
-    def _call(self, call: dict) -> Iterator[tuple[str, dict]]:
-        function = call.get("function", {})
-        if "id" in call:  # a call begins: its name is whole
-            if self.message is not None:
-                yield from self._close(self.message)
-            item = _function_call_item(
-                _new_id("fc"), call["id"], function["name"], "", "in_progress"
-            )
-            index = self._add(item)
-            self.by_call[call["index"]] = index
-            yield "response.output_item.added", {"output_index": index, "item": dict(item)}
-        piece = function.get("arguments", "")
-        if piece:
-            index = self.by_call[call["index"]]
-            self.output[index]["arguments"] += piece
-            yield "response.function_call_arguments.delta", self._where(index) | {"delta": piece}
-
-    def _close(self, index: int) -> Iterator[tuple[str, dict]]:
-        self.open.discard(index)
-        item = self.output[index]
-        if item["type"] == "message":
-            self.message = None
-            text = item["content"][0]["text"]
-            where = self._where(index) | {"content_index": 0}
-            yield "response.output_text.done", where | {"text": text, "logprobs": []}
-            yield "response.content_part.done", where | {"part": _text_part(text)}
-            item["status"] = self.status
-        else:
-            done = self._where(index) | {"arguments": item["arguments"]}
-            yield "response.function_call_arguments.done", done
-            item["status"] = "completed" if self.status == "completed" else "incomplete"
-        yield "response.output_item.done", {"output_index": index, "item": dict(item)}
-
-    def _add(self, item: dict) -> int:
-        self.output.append(item)
-        self.open.add(len(self.output) - 1)
-        return len(self.output) - 1
-
-    def _where(self, index: int) -> dict:
-        return {"item_id": self.output[index]["id"], "output_index": index}
-
-
 # -- Responses shapes <-> chat shapes --------------------------------------------------------
-def _chat_messages(items: list) -> list[ChatMessage]:
+def _chat_messages(items: list, thinks: bool) -> list[ChatMessage]:
     """Input items -> chat messages: a function call joins the assistant turn before it
-    (parallel calls are one turn), its output is a tool message."""
+    (parallel calls are one turn), its output is a tool message; a reasoning item opens
+    the assistant turn it was thought for (`thinks`: the server reads a reasoning
+    model's thinking, else it is refused)."""
     messages: list[ChatMessage] = []
     for index, item in enumerate(items):
         where = f"input[{index}]"
+        if isinstance(item, ReasoningItem) and not thinks:
+            item = _Unsupported(type="reasoning")
         if isinstance(item, _Unsupported):
             raise bad_request(
                 f"{where}: items of type {item.type!r} are not supported; this server takes "
@@ -513,9 +489,23 @@ def _chat_messages(items: list) -> list[ChatMessage]:
                 param="input",
                 code="unsupported_content",
             )
-        if isinstance(item, MessageItem):
+        last = messages[-1] if messages else None
+        if isinstance(item, ReasoningItem):
+            text = "".join(part.text for part in item.content or ())
+            messages.append(ChatMessage(role="assistant", content="", reasoning=text))
+        elif isinstance(item, MessageItem):
             content = _text(item.content, where)
-            messages.append(ChatMessage(role=item.role, content=content))
+            if (
+                item.role == "assistant"
+                and last is not None
+                and last.role == "assistant"
+                and last.reasoning is not None
+                and not last.content
+                and not last.tool_calls
+            ):  # the answer of the turn a reasoning item opened
+                last.content = content
+            else:
+                messages.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, FunctionCallItem):
             try:
                 json.loads(item.arguments)
@@ -524,7 +514,6 @@ def _chat_messages(items: list) -> list[ChatMessage]:
             call = ToolCallMessage(
                 id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
             )
-            last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
@@ -594,6 +583,8 @@ def _output_messages(output: list[dict]) -> list[ChatMessage]:
         [
             MessageItem(role="assistant", content=item["content"][0]["text"])
             if item["type"] == "message"
+            else ReasoningItem.model_validate(item)
+            if item["type"] == "reasoning"
             else FunctionCallItem(
                 type="function_call",
                 call_id=item["call_id"],
@@ -601,7 +592,8 @@ def _output_messages(output: list[dict]) -> list[ChatMessage]:
                 arguments=item["arguments"] or "{}",
             )
             for item in output
-        ]
+        ],
+        thinks=True,
     )
 
 
@@ -618,36 +610,3 @@ def _responses_error(exc: APIError) -> APIError:
     if (param, message) == (exc.param, exc.message):
         return exc
     return APIError(exc.status_code, message, exc.type, param, exc.code, exc.headers)
-
-
-def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _message_item(item_id: str, text: str, status: str, parts: bool = True) -> dict:
-    return {
-        "id": item_id,
-        "type": "message",
-        "role": "assistant",
-        "status": status,
-        "content": [_text_part(text)] if parts else [],
-    }
-
-
-def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "status": status,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-    }

@@ -29,6 +29,7 @@ from pagefleet_serve.cpu_placement import (
     place_frontend,
     plan_placement,
 )
+from pagefleet_serve.reasoning import REASONING_PARSERS
 from pagefleet_serve.server import lora_file_watcher
 from pagefleet_serve.server.settings import SCHEDULING_POLICIES, ServerSettings
 from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -386,6 +387,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         choices=tuple(TOOL_CALL_PARSERS),
     )
+    flag(
+        "--reasoning-parser",
+        "how the model's thinking is split from its answer (message.reasoning); default: "
+        "the model family's, chosen by its tokenizer and template; none: no split",
+        default=None,
+        choices=(*REASONING_PARSERS, "none"),
+    )
+    flag(
+        "--generation-config",
+        "where a request's left-out temperature, top_p, top_k, min_p and repetition_penalty "
+        "come from: auto (the model's generation_config.json), vllm (none: SamplingParams' "
+        "defaults) or a directory holding a generation_config.json",
+        default=server("generation_config"),
+    )
+    flag(
+        "--override-generation-config",
+        "JSON of those defaults, added to or replacing the generation config's, e.g. "
+        "'{\"temperature\": 0.5}'",
+        default=None,
+    )
     _add_parallel_flags(flag, engine)
     flag("--log-level", "log level", default="info", choices=_LOG_LEVELS)
     parser.set_defaults(handler=run)
@@ -506,10 +527,13 @@ def run(args: argparse.Namespace) -> int:
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             allowed_lora_root=args.allowed_lora_root,
             responses_store_max_entries=args.responses_store_max_entries,
             responses_store_max_age=args.responses_store_max_age,
+            generation_config=args.generation_config,
+            override_generation_config=args.override_generation_config,
         )
         placement = plan_placement(
             args.cpu_threads_bind, available_cpus(), cpu_quota(), omp_num_threads()
@@ -551,7 +575,12 @@ def run(args: argparse.Namespace) -> int:
         watcher = lora_file_watcher.LoRAFileWatcher(
             args.lora_modules_file, engine, *lora_file, args.lora_modules_file_poll_interval
         )
-    server = create_server(settings, engine, args.log_level, watcher)
+    try:
+        server = create_server(settings, engine, args.log_level, watcher)
+    except ValueError as exc:  # a bad --reasoning-parser or generation config for the model
+        logger.error("invalid configuration: %s", exc)
+        engine.shutdown()
+        return 2
     try:
         server.run()
     finally:

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from pagefleet_serve.reasoning import REASONING_PARSERS
 from pagefleet_serve.server.tool_parsers import TOOL_CALL_PARSERS
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -59,6 +60,10 @@ class ServerSettings:
     # --enable-auto-tool-choice and --tool-call-parser).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # How a reasoning model's thinking is split from its answer (vLLM's
+    # --reasoning-parser); None: the parser of the model's family, if it has one
+    # (`reasoning.reasoning_parser`); "none": no split.
+    reasoning_parser: str | None = None
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, the adapters are those of --lora-modules.
     allow_runtime_lora_updating: bool = False
@@ -69,6 +74,11 @@ class ServerSettings:
     # `previous_response_id`, each for at most this many seconds; 0 entries: none kept.
     responses_store_max_entries: int = 1024
     responses_store_max_age: float = 3600.0
+    # Where a request's left-out temperature, top_p, top_k, min_p and repetition_penalty
+    # come from (vLLM's --generation-config: auto, vllm or a directory), and JSON text
+    # that adds to or replaces them (frontend/generation_defaults.py).
+    generation_config: str = "auto"
+    override_generation_config: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -114,6 +124,11 @@ class ServerSettings:
             raise ValueError(
                 f"tool_call_parser must be one of {tuple(TOOL_CALL_PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
+            )
+        known_reasoning = (*REASONING_PARSERS, "none")
+        if self.reasoning_parser is not None and self.reasoning_parser not in known_reasoning:
+            raise ValueError(
+                f"reasoning_parser must be one of {known_reasoning}, got {self.reasoning_parser!r}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")

@@ -10,6 +10,8 @@ from typing import TypeVar
 
 from pagefleet_serve import metric_names as names
 from pagefleet_serve.frontend.core_client import EngineCoreClient
+from pagefleet_serve.frontend.generation_defaults import read_generation_defaults
+from pagefleet_serve.reasoning import reasoning_parser
 from pagefleet_serve.server.errors import APIError, unavailable
 from pagefleet_serve.server.fair_queue import FairExecutor, current_client
 from pagefleet_serve.server.metrics import ServerMetrics
@@ -49,6 +51,9 @@ class ServerState:
     def __init__(self, settings: ServerSettings, engine: EngineCoreClient) -> None:
         self.settings = settings
         self.engine = engine
+        # A reasoning model's parser (server/reasoning_api.py); ValueError when the one
+        # --reasoning-parser names cannot read this model's tokenizer.
+        self.reasoning_parser = reasoning_parser(settings.reasoning_parser, engine.tokenizer)
         self.draining = False
         self.num_queued = 0
         self.admissions: set[Admission] = set()
@@ -57,6 +62,17 @@ class ServerState:
         # One thread: parsing, chat templates and tokenizers run there in turn (a fast
         # tokenizer must not be used by two threads at once), one job of each client's.
         self._frontend = FairExecutor("frontend")
+        # What a request that leaves a sampling field out gets (ValueError: a bad config).
+        self.sampling_defaults = read_generation_defaults(
+            settings.generation_config, engine.config.model, settings.override_generation_config
+        )
+        if self.sampling_defaults:
+            logger.info(
+                "sampling defaults for requests that leave them out (--generation-config "
+                "%s, --override-generation-config): %s",
+                settings.generation_config,
+                self.sampling_defaults,
+            )
         self.metrics = ServerMetrics(
             settings.model_name,
             lambda: engine.stats,

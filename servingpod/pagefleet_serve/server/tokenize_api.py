@@ -3,13 +3,17 @@ template, so that clients count and cut prompts exactly as the server will see t
 
 /tokenize takes a `prompt` (completions style) or `messages` (chat style, rendered by the
 same template as /v1/chat/completions) and answers `{count, max_model_len, tokens,
-token_strs}`; /detokenize takes `tokens` and answers `{prompt}`."""
+token_strs}`, with the chat path's `chat_template_kwargs` and prompt renderer;
+/detokenize takes `tokens` and answers `{prompt}`."""
+
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from pagefleet_serve.server.chat_template import render_chat, template_messages
+from pagefleet_serve.server.chat_template import template_messages
 from pagefleet_serve.server.errors import bad_request
 from pagefleet_serve.server.protocol import _CONFIG, ChatMessage, Tool, parse
+from pagefleet_serve.server.reasoning_api import render_prompt, template_kwargs
 from pagefleet_serve.server.state import ServerState
 
 
@@ -23,6 +27,8 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # as on /v1/chat/completions
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -80,10 +86,12 @@ class TokenizeEndpoints:
                     param="continue_final_message",
                 )
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
-            text = render_chat(
+            text = render_prompt(
+                self.state.reasoning_parser,
                 self.inputs,
                 template_messages(request.messages),
                 tools,
+                template_kwargs(request.chat_template_kwargs, request.reasoning_effort),
                 request.add_generation_prompt,
                 request.continue_final_message,
             )

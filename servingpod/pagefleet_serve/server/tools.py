@@ -102,8 +102,9 @@ def plan_tools(request, settings: ServerSettings) -> ToolPlan:
         parser = TOOL_CALL_PARSERS[settings.tool_call_parser]()
         return ToolPlan(parser, None, template_tools, parallel)
     if choice == "required":
-        items = [_call_schema(t.function.name, t.function.parameters) for t in tools]
+        items = [_call_schema(t.function.name) for t in tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        schema["$defs"] = {t.function.name: _rooted_at(t.function) for t in tools}
         if not parallel:
             schema["maxItems"] = 1
         return ToolPlan(RequiredToolCalls(), _tools_constraint(schema), template_tools, parallel)
@@ -126,24 +127,68 @@ def _tools_constraint(schema: dict) -> StructuredOutputs:
         raise bad_request(str(exc), param="tools") from None
 
 
-def _call_schema(name: str, parameters: dict | None) -> dict:
+def _call_schema(name: str) -> dict:
     return {
         "type": "object",
         "properties": {
             "name": {"type": "string", "enum": [name]},
-            "parameters": parameters or _NO_PARAMETERS,
+            "parameters": {"$ref": f"#/$defs/{name}"},
         },
         "required": ["name", "parameters"],
         "additionalProperties": False,
     }
 
 
+# Keywords whose values are JSON data, not schemas (a "$ref" there is data), and those
+# whose values map names to schemas (a name there is no keyword).
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+def _rooted_at(function) -> dict:
+    """A function's parameters schema as it reads when placed at `#/$defs/<name>` of the
+    "required" wrapper: its local references ("#/$defs/X", what pydantic writes for nested
+    models, or "#" for itself) would resolve against the wrapper's root, so each is
+    rewritten to point into the schema's new place (the names are unique, pointer-safe)."""
+    base = f"#/$defs/{function.name}"
+
+    def schema(node: object) -> object:
+        if isinstance(node, list):
+            return [schema(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        rebased = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                value = base + value[1:]
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                value = {name: schema(sub) for name, sub in value.items()}
+            elif key not in _DATA_KEYWORDS:
+                value = schema(value)
+            rebased[key] = value
+        return rebased
+
+    return schema(function.parameters or _NO_PARAMETERS)  # type: ignore[return-value]
+
+
 def split_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole choice's text -> (content, tool calls)."""
+    """A whole choice's text -> (content, tool calls). A forced call (a grammar's) that
+    does not parse was cut short (max_tokens): its calls as far as they go, as a stream
+    sends them, and no content."""
     if plan.parser is None:
         return text, []
     content, calls = plan.parser.parse(text)
+    if not calls and plan.constraint is not None:
+        content, calls = None, _partial_calls(plan.parser, text)
     return content, calls if plan.parallel else calls[:1]
+
+
+def _partial_calls(parser: ToolParser, text: str) -> list[ToolCall]:
+    try:
+        prefixes = parser.call_prefixes(text)
+    except (ValueError, KeyError, TypeError):
+        return []
+    return [ToolCall(p.name, p.arguments, parser.new_id()) for p in prefixes if p.name]
 
 
 @dataclass
@@ -235,3 +280,16 @@ class ToolCallStream:
                 deltas.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
                 call.arguments = prefix.arguments
         return deltas
+
+
+def answer_stream(plan: ToolPlan | None) -> ToolCallStream | None:
+    """A streamed choice's tool-call reader where its calls are parsed; None: its answer
+    is all content."""
+    return ToolCallStream(plan) if plan is not None and plan.parser is not None else None
+
+
+def answer_deltas(calls: ToolCallStream | None, text: str, finished: bool) -> list[dict]:
+    """New answer text -> its `delta` objects (content, tool-call fragments)."""
+    if calls is None:
+        return [{"content": text}] if text else []
+    return calls.feed(text, finished)

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 SPAN_NAME = "llm_request"
 # Only generation requests are traced; health probes and scrapes would be noise.
-TRACED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+TRACED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 INSTALL_HINT = "pip install 'pagefleet[tracing]' (opentelemetry-sdk and its OTLP/HTTP exporter)"
 
 

@@ -37,8 +37,10 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import xgrammar as xgr
@@ -111,8 +113,19 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
+    @property
+    def masks_next(self) -> bool:
+        """Whether the next token is constrained (a thinking model's gate may say no)."""
+        return not self.is_terminated
 
-def mask_logits(logits: torch.Tensor, matchers: dict[int, GrammarMatcher]) -> None:
+
+class RowMask(Protocol):
+    """What masks a row: a grammar's matcher, or a thinking model's gate."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+
+
+def mask_logits(logits: torch.Tensor, matchers: Mapping[int, RowMask]) -> None:
     """Set to -inf, in place, the logits of tokens each row's grammar forbids next;
     `matchers` maps row -> matcher and only those rows are touched."""
     # Uninitialized: each masked row is written whole by its matcher, and the other rows
