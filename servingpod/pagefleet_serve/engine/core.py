@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 1.0
 
 
-@dataclass(frozen=True)
 def core_ready(engine: LLMEngine) -> CoreReady:
     """What a frontend needs to know of an engine: its first message."""
     limits = RequestLimits(
@@ -66,6 +65,7 @@ def core_ready(engine: LLMEngine) -> CoreReady:
     )
 
 
+@dataclass(frozen=True)
 class _AdapterRead:
     """The loop's own message: a LoRA adapter's files have been read (or failed to be)."""
 
