@@ -256,7 +256,7 @@ def start_router(pods: list[str], env: dict[str, str], *flags: str) -> tuple[Pro
 
 def precise_flags(sockets: Path) -> list[str]:
     """The precise router's flags: the pods' sockets and the model's tokenizer.json."""
-    from pagefleet_serve.model.loader import load_tokenizer
+    from pagefleet_serve.frontend.tokenizer import load_tokenizer
 
     tokenizer = sockets / "tokenizer.json"
     load_tokenizer("builtin://smollm2-135m").backend_tokenizer.save(str(tokenizer))

@@ -28,7 +28,7 @@ from pagefleet_serve.kv_event_messages import (
     KVCacheEvent,
     hash_block,
 )
-from pagefleet_serve.model.uri import ModelURIError, parse_model_uri
+from pagefleet_serve.model_uri import ModelURIError, parse_model_uri
 
 _CHAT_PATHS = ("/v1/chat/completions", "/v1/responses")
 
