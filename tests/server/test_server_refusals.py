@@ -139,10 +139,11 @@ def costly_server():
 
 
 def test_an_expensive_refusal_spends_the_allowance_of_many(costly_server):
-    """20,000 chat messages are validated before their count is refused (tens of ms or
-    more: many refusals' worth): the client's next cheap refusal waits, another client's
-    does not. Charged one refusal each, the client would have three left."""
-    many = {"messages": [{"role": "user", "content": "hi"}] * 20_000, "max_tokens": 2}
+    """12,000 chat messages (about as many as the body-cost bound lets through) are
+    validated before their count is refused (tens of ms or more: many refusals' worth):
+    the client's next cheap refusal waits, another client's does not. Charged one refusal
+    each, the client would have three left."""
+    many = {"messages": [{"role": "user", "content": "hi"}] * 12_000, "max_tokens": 2}
     bad = {"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e300}
 
     async def scenario() -> None:
