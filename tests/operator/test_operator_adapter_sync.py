@@ -13,6 +13,7 @@ import pytest
 from pagefleet_operator.adapter_sync import plan_adapters, read_api_key, sync_pod
 from pagefleet_operator.env import get_env
 from pagefleet_operator.spec import parse_spec
+from pagefleet_serve.model_uri import PVC_MOUNT_DIR
 
 from tests.operator.operator_samples import DEFAULT_IMAGE, make_body
 from tests.server.server_harness import ServerProcess
@@ -40,6 +41,20 @@ def test_the_pods_open_their_runtime_api_only_with_adapters_changed_at_runtime()
     assert "PAGEFLEET_ALLOW_RUNTIME_LORA_UPDATING" not in env()
     rollout = env(adapters=adapters, engine={"runtimeLoraUpdating": False})
     assert "PAGEFLEET_ALLOW_RUNTIME_LORA_UPDATING" not in rollout
+
+
+def test_the_pods_read_adapters_on_the_claim_when_the_operator_loads_them():
+    """A pod's runtime API reads a local adapter only under --allowed-lora-root: the
+    operator sets it to the claim's mount when an adapter lies there, and not otherwise."""
+
+    def env(model: str, uri: str) -> dict[str, str]:
+        body = make_body({"model": {"uri": model}, "adapters": [{"name": "sql", "uri": uri}]})
+        parsed = parse_spec(body["spec"], default_image=DEFAULT_IMAGE)
+        return {e["name"]: e.get("value") for e in get_env(parsed)}
+
+    on_claim = env("pvc://models/llama", "pvc://models/sql")
+    assert on_claim["PAGEFLEET_ALLOWED_LORA_ROOT"] == PVC_MOUNT_DIR
+    assert "PAGEFLEET_ALLOWED_LORA_ROOT" not in env("hf://org/m", "hf://org/sql")
 
 
 class SecretsOnly:
@@ -70,13 +85,17 @@ def test_the_api_key_is_read_from_its_secret_and_a_missing_one_is_named():
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: write_adapter(root / name, 4, seed) for seed, name in enumerate("abc")}
+def adapters_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("adapters")
 
 
 @pytest.fixture(scope="module")
-def pod(adapters):
+def adapters(adapters_root):
+    return {name: write_adapter(adapters_root / name, 4, seed) for seed, name in enumerate("abc")}
+
+
+@pytest.fixture(scope="module")
+def pod(adapters, adapters_root):
     process = ServerProcess(
         "--host",
         "127.0.0.1",
@@ -90,6 +109,8 @@ def pod(adapters):
             "PAGEFLEET_KV_CACHE_MEMORY": "32MiB",
             "PAGEFLEET_ENABLE_LORA": "true",
             "PAGEFLEET_ALLOW_RUNTIME_LORA_UPDATING": "true",
+            # As the operator starts a pod whose adapters lie on its claim.
+            "PAGEFLEET_ALLOWED_LORA_ROOT": str(adapters_root),
         },
     ).wait_ready()
     try:
