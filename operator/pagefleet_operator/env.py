@@ -75,11 +75,11 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         # starting pod reads, and what a pod the operator cannot reach follows.
         flags["lora-modules-file"] = ADAPTERS_FILE_PATH
         flags["allow-runtime-lora-updating"] = True
-        on_claim = f"file://{PVC_MOUNT_DIR}/"
-        if any(adapter.uri.startswith(on_claim) for adapter in spec.adapters):
+        if spec.pvc_claim:
             # The runtime API reads a local adapter only under --allowed-lora-root: the
-            # claim's mount, where a pvc:// adapter lies (spec.py made it a file:// uri
-            # there; another file:// one reaches the pod through the mounted file).
+            # claim's mount, where a pvc:// adapter lies (another file:// one reaches the
+            # pod through the mounted file). Set by the claim, not by the adapters, so
+            # that changing them keeps the template.
             flags["allowed-lora-root"] = PVC_MOUNT_DIR
     if spec.router.enabled:
         # Every request comes from a router pod, whose addresses are not known here: the

@@ -45,7 +45,8 @@ def test_the_pods_open_their_runtime_api_only_with_adapters_changed_at_runtime()
 
 def test_the_pods_read_adapters_on_the_claim_when_the_operator_loads_them():
     """A pod's runtime API reads a local adapter only under --allowed-lora-root: the
-    operator sets it to the claim's mount when an adapter lies there, and not otherwise."""
+    operator sets it to the claim's mount when the model is on a claim (where pvc://
+    adapters lie), and not otherwise."""
 
     def env(model: str, uri: str) -> dict[str, str]:
         body = make_body({"model": {"uri": model}, "adapters": [{"name": "sql", "uri": uri}]})
@@ -54,6 +55,7 @@ def test_the_pods_read_adapters_on_the_claim_when_the_operator_loads_them():
 
     on_claim = env("pvc://models/llama", "pvc://models/sql")
     assert on_claim["PAGEFLEET_ALLOWED_LORA_ROOT"] == PVC_MOUNT_DIR
+    assert env("pvc://models/llama", "hf://org/sql") == on_claim  # the template stays
     assert "PAGEFLEET_ALLOWED_LORA_ROOT" not in env("hf://org/m", "hf://org/sql")
 
 
