@@ -164,6 +164,17 @@ class ThreadServer:
         gc.collect()
 
 
+def probe_health(base_url: str, into: list[float], until: threading.Event, interval: float) -> None:
+    """/health's latencies into `into`, one probe each `interval` seconds, until `until`
+    is set (each must answer 200)."""
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        while not until.is_set():
+            started = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            into.append(time.perf_counter() - started)
+            time.sleep(interval)
+
+
 def read_metrics(base_url: str) -> dict[str, float]:
     """/metrics as {'name{label="value",...}': value}, labels sorted, model_name left out."""
     response = httpx.get(f"{base_url}/metrics", timeout=10)
