@@ -25,6 +25,7 @@ HF_MODEL_TYPES = (
     "gemma2",
     "gemma3_text",
     "gpt_oss",
+    "granitemoehybrid",
     "lfm2",
     "llama",
     "mamba2",

@@ -50,6 +50,9 @@ class CausalLM(nn.Module):
     reads_mxfp4 = False
     # Why the family cannot be split over tensor-parallel ranks (None: it can).
     unsplit_reason: str | None = None
+    # (the checkpoint's, ours): parts of tensor names a family's checkpoints spell
+    # otherwise, replaced in this order by `checkpoint_name`.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # The family's decoder layer: (config, the model's layer index) -> module.
     layer_class: type[nn.Module]
 
@@ -137,7 +140,10 @@ class CausalLM(nn.Module):
         the model reads)."""
         if name.endswith("rotary_emb.inv_freq"):
             return None
-        return name.removeprefix("model.")
+        name = name.removeprefix("model.")
+        for theirs, ours in self.checkpoint_renames:
+            name = name.replace(theirs, ours)
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Hand every checkpoint tensor this stage holds to its parameter's weight loader;

@@ -63,6 +63,12 @@ register("OlmoeForCausalLM", _ours("olmoe"), "OlmoeForCausalLM", ("olmoe",))
 register("GptOssForCausalLM", _ours("gpt_oss"), "GptOssForCausalLM", ("gpt_oss",))
 register("Lfm2ForCausalLM", _ours("lfm2"), "Lfm2ForCausalLM", ("lfm2",))
 register("Mamba2ForCausalLM", _ours("mamba2"), "Mamba2ForCausalLM", ("mamba2",))
+register(
+    "GraniteMoeHybridForCausalLM",
+    _ours("granite_hybrid"),
+    "GraniteMoeHybridForCausalLM",
+    ("granitemoehybrid",),
+)
 
 
 def model_types() -> tuple[str, ...]:

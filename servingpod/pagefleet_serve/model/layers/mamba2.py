@@ -8,6 +8,8 @@ groups of channels; the output projection.
 Per sequence it keeps "conv" (intermediate + 2 n_groups state_size channels, kernel - 1)
 and "ssm" (heads, head dim, state size)."""
 
+from dataclasses import dataclass
+
 import torch
 from pagefleet_kernels.state_batch import StateMetadata
 from torch import nn
@@ -17,6 +19,36 @@ from pagefleet_serve.model.layers.conv import CausalConv1d
 from pagefleet_serve.model.layers.gated_norm import GatedRMSNorm
 from pagefleet_serve.model.layers.linear import ReplicatedLinear, default_weight_loader, parameter
 from pagefleet_serve.model.layers.state import LayerState, StateSpec, require_one_rank
+
+
+@dataclass(frozen=True)
+class MixerShape:
+    """A hybrid family's Mamba2 mixers, as its configuration names them (see `Mamba2Mixer`)."""
+
+    heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int
+    use_bias: bool
+    use_conv_bias: bool
+    time_step_limit: tuple[float, float]
+
+    def mixer(self, hidden_size: int, eps: float) -> "Mamba2Mixer":
+        return Mamba2Mixer(
+            hidden_size,
+            self.heads,
+            self.head_dim,
+            self.n_groups,
+            self.state_size,
+            self.conv_kernel,
+            self.chunk_size,
+            eps,
+            self.use_bias,
+            self.use_conv_bias,
+            self.time_step_limit,
+        )
 
 
 class Mamba2Mixer(nn.Module):

@@ -22,6 +22,7 @@ from pagefleet_serve.model.models.qwen3 import Qwen3DecoderLayer
 
 # The checkpoint's names -> ours (Llama's, which the shared parts and mappings use).
 _NAMES = (
+    ("embedding_norm.", "norm."),
     (".operator_norm.", ".input_layernorm."),
     (".ffn_norm.", ".post_attention_layernorm."),
     (".feed_forward.w1.", ".mlp.gate_proj."),
@@ -108,13 +109,4 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     layer_class = staticmethod(_lfm2_layer)  # type: ignore[assignment]
     config_class = Lfm2Config
     unsplit_reason = "LFM2's short convolutions are not split over tensor-parallel ranks"
-
-    def checkpoint_name(self, name: str) -> str | None:
-        name = super().checkpoint_name(name)
-        if name is None:
-            return None
-        if name.startswith("embedding_norm."):
-            return "norm." + name.removeprefix("embedding_norm.")
-        for theirs, ours in _NAMES:
-            name = name.replace(theirs, ours)
-        return name
+    checkpoint_renames = _NAMES

@@ -48,11 +48,11 @@ class Mamba2Config(ModelConfig):
             "chunk_size": hf.get("chunk_size", 256),
             "use_bias": bool(hf.get("use_bias", False)),
             "use_conv_bias": bool(hf.get("use_conv_bias", True)),
-            "time_step_limit": tuple(map(_json_float, hf.get("time_step_limit") or (0, "inf"))),
+            "time_step_limit": tuple(map(json_float, hf.get("time_step_limit") or (0, "inf"))),
         }
 
 
-def _json_float(value) -> float:
+def json_float(value) -> float:
     """A float of config.json: transformers writes infinity as {"__float__": "Infinity"}
     (JSON has no such number)."""
     return float(value["__float__"] if isinstance(value, dict) else value)

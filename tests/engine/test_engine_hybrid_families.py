@@ -1,0 +1,94 @@
+"""The hybrid families beyond LFM2 and Mamba2, each served over the state slots and
+token-exact against transformers' own class: a tiny random checkpoint (hidden 64, random
+norm weights so that every layer changes the next token) with every layer kind of its
+family. A short and a 300-token prompt served in one batch (the long one prefilled in
+chunks, the state carried across them) give transformers' greedy tokens; the 300-token
+prompt again resumes from a state checkpoint (288 tokens skipped) with the same tokens.
+
+The engine paths themselves (preemption, forks, aborts, the full pool) are the business of
+`test_engine_hybrid.py`; here each family's maths over them."""
+
+import pytest
+
+from tests.engine.test_engine_hybrid import (
+    GREEDY,
+    LONG,
+    SHORT,
+    TINY,
+    assert_released,
+    reference,
+    save,
+    serve,
+)
+
+
+def _granite(**overrides):
+    """Granite 4.0-H: Mamba2, attention, Mamba2 (2 groups, state 16, chunks of 32), the
+    multipliers away from 1."""
+    import transformers
+
+    settings = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba"],
+        mamba_n_heads=8,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_d_head=16,
+        mamba_chunk_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=2.0,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return transformers.GraniteMoeHybridConfig(**(settings | overrides))
+
+
+FAMILIES = {
+    # The experts and the shared MLP; attention without positions (Granite 4.0-H's).
+    "granite-moe": lambda: _granite(),
+    # No experts (granite-4.0-h-micro's shape): the shared MLP alone; rotary attention.
+    "granite-dense": lambda: _granite(num_local_experts=0, position_embedding_type="rope"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(transformers model, engine) of one family's tiny checkpoint."""
+    path, model = save(FAMILIES[request.param](), tmp_path_factory.mktemp(request.param))
+    llm = serve(path)
+    yield model, llm
+    del llm
+
+
+def test_greedy_parity_short_and_long_prompts_in_one_batch(family):
+    model, llm = family
+    runner = llm.engine.runner
+    kinds = [bool(specs) for specs in runner.state_specs]
+    assert any(kinds), "no recurrent layer"
+    assert runner.kv_layers == [i for i, recurrent in enumerate(kinds) if not recurrent]
+    outs = llm.generate([SHORT, LONG, TINY], GREEDY)
+    for prompt, out in zip([SHORT, LONG, TINY], outs, strict=True):
+        assert out.outputs[0].token_ids == reference(model, prompt)
+    assert_released(llm)
+
+
+def test_the_long_prompt_again_resumes_from_a_state_checkpoint(family):
+    model, llm = family
+    llm.generate([LONG], GREEDY)  # its checkpoint, whatever ran before
+    before = llm.stats().prefix_cache_hits
+    (out,) = llm.generate([LONG], GREEDY)
+    assert llm.stats().prefix_cache_hits - before == 288
+    assert out.outputs[0].token_ids == reference(model, LONG)
+    assert_released(llm)
