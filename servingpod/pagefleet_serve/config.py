@@ -20,7 +20,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # The model_types of Hugging Face directories the loader reads (config.json), and the
 # llama.cpp architectures of the GGUF files it reads (Mistral's GGUFs are `llama` files).
-# Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE and gpt-oss are mixtures of experts.
+# Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE and gpt-oss are mixtures of experts; LFM2, Mamba2,
+# Granite 4.0-H, Qwen3-Next and Qwen3.5 are hybrids (recurrent layers beside attention).
 HF_MODEL_TYPES = (
     "gemma2",
     "gemma3_text",
@@ -36,7 +37,10 @@ HF_MODEL_TYPES = (
     "qwen2",
     "qwen2_moe",
     "qwen3",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
     "qwen3_moe",
+    "qwen3_next",
 )
 GGUF_ARCHITECTURE_NAMES = (
     "gemma2",

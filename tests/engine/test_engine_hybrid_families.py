@@ -21,20 +21,29 @@ from tests.engine.test_engine_hybrid import (
     serve,
 )
 
+# Every family's: 3 layers, hidden 64, 4 attention heads over 2 K/V heads, weights far from
+# uniform logits (no greedy near-ties).
+_COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
 
 def _granite(**overrides):
     """Granite 4.0-H: Mamba2, attention, Mamba2 (2 groups, state 16, chunks of 32), the
     multipliers away from 1."""
     import transformers
 
-    settings = dict(
-        vocab_size=320,
-        hidden_size=64,
+    settings = _COMMON | dict(
         intermediate_size=32,
         shared_intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         layer_types=["mamba", "attention", "mamba"],
         mamba_n_heads=8,
         mamba_n_groups=2,
@@ -47,19 +56,44 @@ def _granite(**overrides):
         residual_multiplier=0.5,
         attention_multiplier=0.2,
         logits_scaling=2.0,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
     return transformers.GraniteMoeHybridConfig(**(settings | overrides))
 
+
+def _qwen3_next(model_type: str, **overrides):
+    """Qwen3-Next's shape: Gated DeltaNet (2 key heads of 16, 4 value heads of 24),
+    gated attention (heads of 16, rope on the first quarter), DeltaNet."""
+    from transformers import AutoConfig
+
+    settings = _COMMON | dict(
+        intermediate_size=96,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        max_position_embeddings=512,
+    )
+    return AutoConfig.for_model(model_type, **(settings | overrides))
+
+
+_EXPERTS = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
 
 FAMILIES = {
     # The experts and the shared MLP; attention without positions (Granite 4.0-H's).
     "granite-moe": lambda: _granite(),
     # No experts (granite-4.0-h-micro's shape): the shared MLP alone; rotary attention.
     "granite-dense": lambda: _granite(num_local_experts=0, position_embedding_type="rope"),
+    # Experts and a shared expert on the first two layers, a dense MLP on the last.
+    "qwen3-next": lambda: _qwen3_next("qwen3_next", **_EXPERTS, mlp_only_layers=[2]),
+    "qwen3.5": lambda: _qwen3_next("qwen3_5_text"),
+    "qwen3.5-moe": lambda: _qwen3_next("qwen3_5_moe_text", **_EXPERTS),
 }
 
 

@@ -85,7 +85,7 @@ class CausalLM(nn.Module):
         if parallel.last_stage:
             self.norm = self.make_norm(config.hidden_size)
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
         self.windows = {
             layer.self_attn.attn.sliding_window
             for layer, specs in zip(self.layers, self.state_specs(), strict=True)

@@ -7,6 +7,9 @@ the registry's entry the model is built from.
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from pagefleet_serve.model_uri import UnsupportedModelError
 
 # The gated MLP activations `layers.activation` computes, by config.json's `hidden_act`.
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
@@ -43,6 +46,10 @@ class ModelConfig:
     hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (GeGLU)
     # The registry's name of the model class (a Hugging Face `architectures` entry).
     architecture: str = "LlamaForCausalLM"
+    # The share of each head's dimensions rope rotates (the first ones), in families that
+    # say `partial_rotary`; the others rotate whole heads and refuse anything else.
+    partial_rotary_factor: float = 1.0
+    partial_rotary: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -59,6 +66,11 @@ class ModelConfig:
                 f"sliding_layers has {len(self.sliding_layers)} entries for "
                 f"{self.num_layers} layers"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head that rope rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_sliding_window(self, layer: int) -> int | None:
         if self.sliding_layers is not None and not self.sliding_layers[layer]:
@@ -77,6 +89,12 @@ class ModelConfig:
         `layers.rotary.rope_scaling`, `tie_word_embeddings` set by the loader)."""
         num_heads = hf["num_attention_heads"]
         bias = bool(hf.get("attention_bias", False))
+        rotary = float(hf.get("partial_rotary_factor", 1.0))
+        if rotary != 1.0 and not cls.partial_rotary:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor {rotary} is not supported by {architecture} (rope on "
+                "whole heads only)"
+            )
         common = {
             "vocab_size": hf["vocab_size"],
             "hidden_size": hf["hidden_size"],
@@ -96,6 +114,7 @@ class ModelConfig:
             "qkv_bias": bias,
             "o_bias": bias,
             "architecture": architecture,
+            "partial_rotary_factor": rotary,
         }
         return cls(**(common | cls.sliding_fields(hf) | cls.family_fields(hf)))
 

@@ -69,6 +69,11 @@ register(
     "GraniteMoeHybridForCausalLM",
     ("granitemoehybrid",),
 )
+register("Qwen3NextForCausalLM", _ours("qwen3_next"), "Qwen3NextForCausalLM", ("qwen3_next",))
+register("Qwen3_5ForCausalLM", _ours("qwen3_next"), "Qwen3NextForCausalLM", ("qwen3_5_text",))
+register(
+    "Qwen3_5MoeForCausalLM", _ours("qwen3_next"), "Qwen3NextForCausalLM", ("qwen3_5_moe_text",)
+)
 
 
 def model_types() -> tuple[str, ...]:

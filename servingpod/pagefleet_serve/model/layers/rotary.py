@@ -146,11 +146,11 @@ def rope_scaling(hf: dict, path) -> RopeScaling:
         if local.get("rope_type", "default") != "default":
             raise UnsupportedModelError(f"{path}: scaled rope on sliding layers is not supported")
         scaling = scaling["full_attention"]
-    rotary = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if rotary != 1.0:
-        raise UnsupportedModelError(
-            f"{path}: partial_rotary_factor {rotary} is not supported (rope on whole heads only)"
-        )
+    # The share of each head rope turns: `ModelConfig.partial_rotary_factor` (refused by
+    # the families that rotate whole heads).
+    hf["partial_rotary_factor"] = float(
+        (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    )
     if not scaling:
         return None
     scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
