@@ -85,33 +85,66 @@ _EXPERTS = dict(
     shared_expert_intermediate_size=48,
 )
 
+
+def _nemotron_h():
+    """Nemotron-H: Mamba2, MLP, attention, MLP (relu2 MLPs, 2 groups, chunks of 32)."""
+    import transformers
+
+    settings = _COMMON | dict(
+        intermediate_size=96,
+        head_dim=16,
+        layer_types=["mamba", "mlp", "attention", "mlp"],
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        chunk_size=32,
+    )
+    del settings["num_hidden_layers"]  # the layer types' count
+    return transformers.NemotronHConfig(**settings)
+
+
+# name -> (the config, the layers with K/V, the layers with state slots)
 FAMILIES = {
     # The experts and the shared MLP; attention without positions (Granite 4.0-H's).
-    "granite-moe": lambda: _granite(),
+    "granite-moe": (_granite, [1], [0, 2]),
     # No experts (granite-4.0-h-micro's shape): the shared MLP alone; rotary attention.
-    "granite-dense": lambda: _granite(num_local_experts=0, position_embedding_type="rope"),
+    "granite-dense": (
+        lambda: _granite(num_local_experts=0, position_embedding_type="rope"),
+        [1],
+        [0, 2],
+    ),
     # Experts and a shared expert on the first two layers, a dense MLP on the last.
-    "qwen3-next": lambda: _qwen3_next("qwen3_next", **_EXPERTS, mlp_only_layers=[2]),
-    "qwen3.5": lambda: _qwen3_next("qwen3_5_text"),
-    "qwen3.5-moe": lambda: _qwen3_next("qwen3_5_moe_text", **_EXPERTS),
+    "qwen3-next": (
+        lambda: _qwen3_next("qwen3_next", **_EXPERTS, mlp_only_layers=[2]),
+        [1],
+        [0, 2],
+    ),
+    "qwen3.5": (lambda: _qwen3_next("qwen3_5_text"), [1], [0, 2]),
+    "qwen3.5-moe": (lambda: _qwen3_next("qwen3_5_moe_text", **_EXPERTS), [1], [0, 2]),
+    # The MLP blocks keep nothing: no K/V, no state.
+    "nemotron-h": (_nemotron_h, [2], [0]),
 }
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     """(transformers model, engine) of one family's tiny checkpoint."""
-    path, model = save(FAMILIES[request.param](), tmp_path_factory.mktemp(request.param))
+    config, kv_layers, state_layers = FAMILIES[request.param]
+    path, model = save(config(), tmp_path_factory.mktemp(request.param))
     llm = serve(path)
-    yield model, llm
+    yield model, llm, kv_layers, state_layers
     del llm
 
 
 def test_greedy_parity_short_and_long_prompts_in_one_batch(family):
-    model, llm = family
+    model, llm, kv_layers, state_layers = family
     runner = llm.engine.runner
-    kinds = [bool(specs) for specs in runner.state_specs]
-    assert any(kinds), "no recurrent layer"
-    assert runner.kv_layers == [i for i, recurrent in enumerate(kinds) if not recurrent]
+    assert runner.kv_layers == kv_layers
+    assert [i for i, specs in enumerate(runner.state_specs) if specs] == state_layers
+    caches = runner.kv_caches
+    assert [i for i, cache in enumerate(caches) if isinstance(cache, dict)] == state_layers
+    assert runner.kv_cache.shape[0] == len(kv_layers)  # the K/V of these layers alone
     outs = llm.generate([SHORT, LONG, TINY], GREEDY)
     for prompt, out in zip([SHORT, LONG, TINY], outs, strict=True):
         assert out.outputs[0].token_ids == reference(model, prompt)
@@ -119,7 +152,7 @@ def test_greedy_parity_short_and_long_prompts_in_one_batch(family):
 
 
 def test_the_long_prompt_again_resumes_from_a_state_checkpoint(family):
-    model, llm = family
+    model, llm, _, _ = family
     llm.generate([LONG], GREEDY)  # its checkpoint, whatever ran before
     before = llm.stats().prefix_cache_hits
     (out,) = llm.generate([LONG], GREEDY)

@@ -74,10 +74,10 @@ class ModelRunner:
         loaded.model = None
         self.model.to(device=device, dtype=dtype).eval()
         # A hybrid model's recurrent layers keep per-sequence state rows (in the dtypes
-        # they declare once in the runner's dtype) instead of K/V: the KV cache holds its
-        # attention layers only.
+        # they declare once in the runner's dtype) instead of K/V, and its MLP-only layers
+        # (Nemotron-H's) nothing: the KV cache holds its attention layers only.
         self.state_specs = self.model.state_specs()
-        self.kv_layers = [i for i, specs in enumerate(self.state_specs) if not specs]
+        self.kv_layers = self.model.kv_layers()
         # Its stage's layers with K/V (the first stage holds the most).
         self.num_layers = len(self.kv_layers)
         if config.activation_quantization == "int8":
@@ -94,8 +94,8 @@ class ModelRunner:
             None  # (layers, 2, blocks, block_size, kv_heads), int8/fp8
         )
         # Per layer its cache: K/V views for an attention layer, state tensors by name
-        # (num_state_slots, ...) for a recurrent one.
-        self.kv_caches: list[LayerKVCache | dict[str, torch.Tensor]] = []
+        # (num_state_slots, ...) for a recurrent one, None for one that keeps nothing.
+        self.kv_caches: list[LayerKVCache | dict[str, torch.Tensor] | None] = []
         self.num_state_slots = 0
         self.lora: LoRAWeights | None = None
         if config.max_loras:
@@ -150,9 +150,12 @@ class ModelRunner:
             self.kv_caches = [LayerKVCache(layer[0], layer[1]) for layer in self.kv_cache]
         self.num_state_slots = num_state_slots
         paged = iter(self.kv_caches)
+        kv_layers = set(self.kv_layers)
         self.kv_caches = [
-            allocate(specs, num_state_slots, self.device) if specs else next(paged)
-            for specs in self.state_specs
+            allocate(specs, num_state_slots, self.device)
+            if specs
+            else (next(paged) if i in kv_layers else None)
+            for i, specs in enumerate(self.state_specs)
         ]
 
     def free_kv_cache(self) -> None:

@@ -86,14 +86,16 @@ class CausalLM(nn.Module):
             self.norm = self.make_norm(config.hidden_size)
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
-        self.windows = {
-            layer.self_attn.attn.sliding_window
-            for layer, specs in zip(self.layers, self.state_specs(), strict=True)
-            if not specs
-        }
+        self.windows = {self.layers[i].self_attn.attn.sliding_window for i in self.kv_layers()}
 
     def make_norm(self, size: int) -> RMSNorm:
         return RMSNorm(size, self.config.rms_norm_eps)
+
+    def kv_layers(self) -> list[int]:
+        """The layers (indices of this stage's) that keep K/V in the paged cache: the
+        attention layers. A recurrent layer keeps its state slots instead, a layer of an
+        MLP alone (Nemotron-H's) nothing at all."""
+        return [i for i, layer in enumerate(self.layers) if layer.keeps_kv]
 
     def state_specs(self) -> list[tuple[StateSpec, ...]]:
         """Per layer, the per-sequence state of a recurrent layer (a hybrid model's
@@ -107,7 +109,8 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
         # Per layer its cache: a pagefleet_kernels.kv_cache.LayerKVCache for an attention
-        # layer, its state tensors by name for a recurrent one (rows: `attn.state`'s slots).
+        # layer, its state tensors by name for a recurrent one (rows: `attn.state`'s slots),
+        # None for a layer that keeps nothing.
         kv_caches: list,
         attn: AttentionMetadata,
         hidden: torch.Tensor | None = None,  # (T, H): a later pipeline stage's input

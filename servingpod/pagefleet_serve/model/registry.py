@@ -69,6 +69,7 @@ register(
     "GraniteMoeHybridForCausalLM",
     ("granitemoehybrid",),
 )
+register("NemotronHForCausalLM", _ours("nemotron_h"), "NemotronHForCausalLM", ("nemotron_h",))
 register("Qwen3NextForCausalLM", _ours("qwen3_next"), "Qwen3NextForCausalLM", ("qwen3_next",))
 register("Qwen3_5ForCausalLM", _ours("qwen3_next"), "Qwen3NextForCausalLM", ("qwen3_5_text",))
 register(

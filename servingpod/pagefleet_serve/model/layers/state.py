@@ -65,6 +65,7 @@ class RecurrentDecoderLayer(nn.Module):
     fusable = False
     compiled = False
     fused = None
+    keeps_kv = False  # its state slots instead (see `CausalLM.kv_layers`)
 
     def compile_around_attention(self) -> None:
         """Nothing to compile (see the class)."""

@@ -110,17 +110,6 @@ class GraniteAttention(LlamaAttention):
     def attention_options(self, config: GraniteHybridConfig) -> dict:
         return {"scale": config.attention_multiplier}
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        if self.rotary:
-            return super().project(x, cos, sin)
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        d = self.head_dim
-        return (
-            q.view(-1, self.num_heads, d),
-            k.view(-1, self.num_kv_heads, d),
-            v.view(-1, self.num_kv_heads, d),
-        )
-
 
 class GraniteAttentionLayer(LlamaDecoderLayer):
     attention_class = GraniteAttention

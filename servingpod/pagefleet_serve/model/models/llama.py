@@ -31,6 +31,9 @@ from pagefleet_serve.model.loader.gguf_names import GGUFLayout
 class LlamaAttention(nn.Module):
     # Whether the backend's fused decoder layer computes this attention's projections.
     fusable = True
+    # Whether q and k turn by their positions (Granite 4.0-H's and Nemotron-H's attention
+    # has no positions of its own: the recurrent layers before it order the tokens).
+    rotary = True
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -64,7 +67,9 @@ class LlamaAttention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         qk, v = self.normalize_qk(qkv, qk, v)
         # q and k side by side: rotated in one pass, then split (views).
-        q, k = self.backend.rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        if self.rotary:
+            qk = self.backend.rope(qk, cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         return q, k, v
 
     def normalize_qk(self, qkv: torch.Tensor, qk: torch.Tensor, v: torch.Tensor):
@@ -96,6 +101,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self.attention_class(config, layer)
         self.post_attention_layernorm = self.make_norm(config)
         self.mlp = self.make_mlp(config, layer)
+
+    keeps_kv = True  # its attention's K/V, in the paged cache
 
     # The backend's fused form of the work around attention, bound to this layer's weights
     # (see layers.fused); None: the ops run one by one.

@@ -117,6 +117,7 @@ class Qwen3NextDecoderLayer(RecurrentDecoderLayer):
             )
         else:
             self.self_attn = GatedAttention(config, layer)
+        self.keeps_kv = self.linear_attn is None
         self.post_attention_layernorm = centred_norm(config.hidden_size, config)
         self.mlp = (
             SharedExpertMoEBlock(config) if config.layer_is_sparse(layer) else LlamaMLP(config)
