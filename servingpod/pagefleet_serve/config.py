@@ -20,15 +20,16 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # The model_types of Hugging Face directories the loader reads (config.json), and the
 # llama.cpp architectures of the GGUF files it reads (Mistral's GGUFs are `llama` files).
-# Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE and gpt-oss are mixtures of experts; LFM2, Mamba2,
-# Granite 4.0-H, Nemotron-H, Qwen3-Next and Qwen3.5 are hybrids (recurrent layers beside
-# attention).
+# Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE and gpt-oss are mixtures of experts; LFM2, LFM2-MoE,
+# Mamba2, Granite 4.0-H, Nemotron-H, Qwen3-Next and Qwen3.5 are hybrids (recurrent layers
+# beside attention).
 HF_MODEL_TYPES = (
     "gemma2",
     "gemma3_text",
     "gpt_oss",
     "granitemoehybrid",
     "lfm2",
+    "lfm2_moe",
     "llama",
     "mamba2",
     "mistral",

@@ -34,7 +34,9 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
 def save(config, path):
-    """A transformers model of `config`, its norm weights random (around 1), saved."""
+    """A transformers model of `config`, its norm weights random (around 1) and its expert
+    biases (LFM2-MoE's, which move the experts' choice; zeros as initialized) random too,
+    saved."""
     import transformers
 
     torch.manual_seed(0)
@@ -44,6 +46,9 @@ def save(config, path):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 param.copy_(1 + 0.5 * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
     model.save_pretrained(path)
     return path, model
 

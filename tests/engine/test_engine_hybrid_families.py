@@ -104,6 +104,25 @@ def _nemotron_h():
     return transformers.NemotronHConfig(**settings)
 
 
+def _lfm2_moe():
+    """LFM2-MoE: convolution, attention, convolution; a dense MLP on the first, experts
+    (sigmoid router, a random expert bias that moves the choice) on the others."""
+    import transformers
+
+    settings = _COMMON | dict(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_dense_layers=1,
+        routed_scaling_factor=1.5,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        max_position_embeddings=512,
+    )
+    return transformers.Lfm2MoeConfig(**settings)
+
+
 # name -> (the config, the layers with K/V, the layers with state slots)
 FAMILIES = {
     # The experts and the shared MLP; attention without positions (Granite 4.0-H's).
@@ -122,6 +141,7 @@ FAMILIES = {
     ),
     "qwen3.5": (lambda: _qwen3_next("qwen3_5_text"), [1], [0, 2]),
     "qwen3.5-moe": (lambda: _qwen3_next("qwen3_5_moe_text", **_EXPERTS), [1], [0, 2]),
+    "lfm2-moe": (_lfm2_moe, [1], [0, 2]),
     # The MLP blocks keep nothing: no K/V, no state.
     "nemotron-h": (_nemotron_h, [2], [0]),
 }

@@ -62,6 +62,7 @@ register(
 register("OlmoeForCausalLM", _ours("olmoe"), "OlmoeForCausalLM", ("olmoe",))
 register("GptOssForCausalLM", _ours("gpt_oss"), "GptOssForCausalLM", ("gpt_oss",))
 register("Lfm2ForCausalLM", _ours("lfm2"), "Lfm2ForCausalLM", ("lfm2",))
+register("Lfm2MoeForCausalLM", _ours("lfm2"), "Lfm2MoeForCausalLM", ("lfm2_moe",))
 register("Mamba2ForCausalLM", _ours("mamba2"), "Mamba2ForCausalLM", ("mamba2",))
 register(
     "GraniteMoeHybridForCausalLM",

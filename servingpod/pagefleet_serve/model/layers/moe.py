@@ -270,9 +270,14 @@ class MoEBlock(nn.Module):
         y = self.partial_output(x)
         return y if self.all_reduce is None else self.all_reduce(y)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts: (weights (T, k) float32, ids (T, k)), by the router's
+        scores (a family with its own rule overrides this)."""
+        return moe.route(self.gate(x), self.top_k, self.renormalize, self.scoring)
+
     def partial_output(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the output: its part of every expert's."""
-        weights, ids = moe.route(self.gate(x), self.top_k, self.renormalize, self.scoring)
+        weights, ids = self.route(x)
         if self.record_expert_load:
             self.expert_load = moe.expert_load(ids, self.experts.num_experts)
         experts, weights = self.experts, weights.to(x.dtype)
