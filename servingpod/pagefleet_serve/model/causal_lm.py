@@ -50,6 +50,10 @@ class CausalLM(nn.Module):
     reads_mxfp4 = False
     # Why the family cannot be split over tensor-parallel ranks (None: it can).
     unsplit_reason: str | None = None
+    # Checkpoint tensors the model does not read, by name prefix (Qwen3-Next's and
+    # Nemotron-H's multi-token-prediction layers, `mtp.`, for speculation this engine does
+    # not do with them).
+    unused_prefixes: tuple[str, ...] = ()
     # (the checkpoint's, ours): parts of tensor names a family's checkpoints spell
     # otherwise, replaced in this order by `checkpoint_name`.
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
@@ -141,7 +145,7 @@ class CausalLM(nn.Module):
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as this model's modules hold it (None: not a weight
         the model reads)."""
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq") or name.startswith(self.unused_prefixes):
             return None
         name = name.removeprefix("model.")
         for theirs, ours in self.checkpoint_renames:

@@ -145,4 +145,5 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
     layer_class = NemotronHBlock
     config_class = NemotronHConfig
     unsplit_reason = "Nemotron-H's Mamba2 mixers are not split over tensor-parallel ranks"
+    unused_prefixes = ("mtp.",)
     checkpoint_renames = ((".mixer.up_proj.", ".mixer.up."), (".mixer.down_proj.", ".mixer.down."))

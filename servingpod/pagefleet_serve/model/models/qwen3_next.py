@@ -140,6 +140,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     layer_class = Qwen3NextDecoderLayer
     config_class = Qwen3NextConfig
     unsplit_reason = "the Gated DeltaNet layers are not split over tensor-parallel ranks"
+    unused_prefixes = ("mtp.",)
 
     def make_norm(self, size: int) -> RMSNorm:
         return centred_norm(size, self.config)
