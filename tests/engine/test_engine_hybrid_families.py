@@ -191,3 +191,34 @@ def test_the_long_prompt_again_resumes_from_a_state_checkpoint(family):
     assert llm.stats().prefix_cache_hits - before == 288
     assert out.outputs[0].token_ids == reference(model, LONG)
     assert_released(llm)
+
+
+def test_qwen3_next_configs_without_layer_types_follow_the_attention_interval():
+    """The released Qwen3-Next config.json files predate `layer_types`: every
+    `full_attention_interval`-th layer is attention, as transformers reads them."""
+    import transformers
+    from pagefleet_serve.model.models.qwen3_next import Qwen3NextConfig
+
+    for interval in (4, 3):
+        theirs = transformers.Qwen3NextConfig(num_hidden_layers=8, full_attention_interval=interval)
+        hf = theirs.to_dict()
+        del hf["layer_types"]
+        hf["full_attention_interval"] = interval
+        assert Qwen3NextConfig.family_fields(hf)["layer_types"] == tuple(theirs.layer_types)
+
+
+def test_nemotron_h_configs_with_the_pattern_string_read_alike():
+    """Older Nemotron-H config.json files give the layers as `hybrid_override_pattern`
+    (M Mamba2, * attention, - MLP): the same layers as transformers' layer types."""
+    import transformers
+    from pagefleet_serve.model.models.nemotron_h import NemotronHConfig
+
+    theirs = transformers.NemotronHConfig(hybrid_override_pattern="M-M*-M")
+    hf = theirs.to_dict()
+    ours = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+    expected = tuple(ours[kind] for kind in theirs.layer_types)
+    assert expected == ("mamba", "mlp", "mamba", "attention", "mlp", "mamba")
+    for key in ("layer_types", "layers_block_type"):
+        hf.pop(key, None)
+    hf["hybrid_override_pattern"] = "M-M*-M"
+    assert NemotronHConfig.family_fields(hf)["layer_types"] == expected

@@ -50,7 +50,7 @@ class Qwen3NextConfig(Qwen2MoeConfig):
             "o_bias": bias,
             # Qwen3.5's MoE renormalizes always (its config has no switch).
             "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-            "layer_types": tuple(hf["layer_types"]),
+            "layer_types": _layer_types(hf),
             "linear_key_heads": hf["linear_num_key_heads"],
             "linear_value_heads": hf["linear_num_value_heads"],
             "linear_key_head_dim": hf["linear_key_head_dim"],
@@ -58,6 +58,16 @@ class Qwen3NextConfig(Qwen2MoeConfig):
             "linear_conv_kernel": hf.get("linear_conv_kernel_dim", 4),
             "interleaved_deltanet": hf.get("model_type") == "qwen3_next",
         }
+
+
+def _layer_types(hf: dict) -> tuple[str, ...]:
+    """`layer_types`, or where config.json predates it every `full_attention_interval`-th
+    layer attention (the released Qwen3-Next configs: every 4th)."""
+    if hf.get("layer_types"):
+        return tuple(hf["layer_types"])
+    interval = hf.get("full_attention_interval", 4)
+    kinds = ("full_attention", "linear_attention")
+    return tuple(kinds[bool((i + 1) % interval)] for i in range(hf["num_hidden_layers"]))
 
 
 def centred_norm(size: int, config: ModelConfig) -> RMSNorm:
