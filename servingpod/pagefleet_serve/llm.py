@@ -20,11 +20,19 @@ from pagefleet_serve.frontend.input_processor import ChatPrompt, InputProcessor,
 from pagefleet_serve.frontend.tokenizer import load_engine_tokenizer
 from pagefleet_serve.messages import EngineStats, Request
 from pagefleet_serve.outputs import CompletionOutput, RequestOutput
+from pagefleet_serve.reasoning import NONE
+from pagefleet_serve.reasoning import reasoning_parser as choose_reasoning_parser
 from pagefleet_serve.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **config) -> None:
+    def __init__(
+        self, model: str | None = None, reasoning_parser: str | None = NONE, **config
+    ) -> None:
+        """`config`: `EngineConfig`'s fields. `reasoning_parser`: a reasoning model's, by
+        the server's `--reasoning-parser` names (None: the one the model's tokenizer and
+        template point to, as the server chooses); with one, `chat` renders as the server
+        does and each output's thinking is in `CompletionOutput.reasoning`."""
         if model is not None:
             config["model"] = model
         engine_config = EngineConfig(**config)
@@ -34,6 +42,7 @@ class LLM:
         self.engine = LLMEngine(engine_config, tokenizer=tokenizer)
         self._link = InlineLink(self.engine)
         self.client = EngineCoreClient(engine_config, self._link, tokenizer)
+        self.client.inputs.reasoning_parser = choose_reasoning_parser(reasoning_parser, tokenizer)
         self._ids = itertools.count()
         # What the core delivered since the last step was handed out.
         self._delivered: list[RequestOutput | BaseException] = []
@@ -120,8 +129,28 @@ class LLM:
                 results[output.request_id] = output
         return [results[r.request_id] for r in requests]
 
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        thinking_token_budget: int | None = None,
+        lora_name: str | list[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` for one conversation or a list of them, each rendered as the server
+        renders a chat request (the reasoning parser's renderer or the model's chat
+        template, with `tools` and `chat_template_kwargs`; `thinking_token_budget` for a
+        reasoning model)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [
+            ChatPrompt(list(c), tools, chat_template_kwargs, thinking_token_budget)  # type: ignore[arg-type]
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, lora_name)
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The model's chat template applied, ready for generation."""
+        """The prompt text a conversation is rendered to, ready for generation."""
         return self.inputs.render_chat(messages)
 
     # -- one request at a time, one step at a time -------------------------------------

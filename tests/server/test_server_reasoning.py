@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from pagefleet_serve import LLM, SamplingParams
 
 from tests.engine.scripted_models import Script, build
 from tests.engine.test_engine_thinking import JSON_ANSWER, QWEN3, SCHEMA
@@ -165,6 +166,36 @@ def test_the_parser_is_chosen_and_the_split_is_whole(case, client):
     details = response.usage.completion_tokens_details
     assert details.reasoning_tokens == case.reasoning_tokens
     assert response.usage.completion_tokens > case.reasoning_tokens
+
+
+def test_the_offline_llm_renders_and_splits_the_chat_as_the_server(case, client):
+    """One chat path: the offline `LLM.chat`, with the server's parser, renders the prompt
+    the server renders (harmony for gpt_oss) and splits the same thinking off."""
+    _, case, server = case
+    offline = LLM(
+        server.core.config.model,
+        reasoning_parser=case.flag,
+        max_model_len=512,
+        kv_cache_memory_bytes=8 << 20,
+    )
+    assert offline.inputs.reasoning_parser.name == server.state.reasoning_parser.name
+    params = SamplingParams(temperature=0, max_tokens=40)
+    [output] = offline.chat(QUESTION, params, chat_template_kwargs=case.on)
+    tokens = httpx.post(
+        f"{server.base_url}/tokenize",
+        json={"messages": QUESTION, "chat_template_kwargs": case.on},
+        timeout=30,
+    ).json()["tokens"]
+    assert output.prompt_token_ids == tokens
+    [sample] = output.outputs
+    assert (sample.reasoning, sample.text) == (case.reasoning, case.content)
+    assert sample.num_reasoning_tokens == case.reasoning_tokens
+    [budgeted] = offline.chat(
+        QUESTION, params, chat_template_kwargs=case.on, thinking_token_budget=case.budget
+    )
+    assert budgeted.outputs[0].reasoning == case.budgeted_reasoning
+    with pytest.raises(ValueError, match="thinking_token_budget: must be an integer"):
+        offline.chat(QUESTION, params, thinking_token_budget=-1)
 
 
 def test_streamed_reasoning_comes_first_and_joins_into_the_whole(case, client):

@@ -1,11 +1,14 @@
 """A prompt in, a validated `Request` out: the one place a prompt is templated, tokenized and
 checked before any engine core sees it (`process`).
 
-Chat messages go through the model's own chat template (`render_chat`; the server's chat
-path calls it itself and hands over the token ids, which a reasoning model's thinking and
-`truncate_prompt_tokens` are read from), text through the one tokenization path (`tokenize`, no special tokens: the template wrote them), and the
-result is checked against the core's limits (context length, vocabulary, n) once; the core
-trusts what comes out. A structured output's constraint is not compiled here: the core
+Chat messages are rendered in one place (`render_chat`: a reasoning parser's own renderer,
+harmony for gpt-oss, else the model's chat template), and a reasoning model's thinking is
+read off the rendered token ids in one place (`thinking`): the offline `LLM` calls them
+through `process` with a `ChatPrompt`, the server's endpoints call them themselves (their
+requests also truncate the prompt, `truncate_prompt_tokens`, between the two) and hand
+over the token ids. Text goes through the one tokenization path (`tokenize`, no special
+tokens: the template wrote them), and the result is checked against the core's limits
+(context length, vocabulary, n) once; the core trusts what comes out. A structured output's constraint is not compiled here: the core
 compiles it, once, when the core client asks it to (see `EngineCoreClient.process_input`).
 
 Text is refused by its length before any tokenizer sees it: a prompt of more than
@@ -13,13 +16,16 @@ Text is refused by its length before any tokenizer sees it: a prompt of more tha
 unread, so that tokenizing what cannot be served costs nothing.
 """
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagefleet_serve.frontend.tokenizer import Tokenizer
 from pagefleet_serve.messages import Request, RequestLimits
+from pagefleet_serve.reasoning import ReasoningParser
 from pagefleet_serve.sampling_params import SamplingParams
+from pagefleet_serve.structured.thinking import ThinkingSpec
 
 # Characters a token of the context may stand for, on average, in a prompt the server
 # reads: text averages 3 to 5, code and whitespace runs a few more. A prompt past this is
@@ -54,24 +60,46 @@ class PromptTooLongError(ValueError):
         )
 
 
+class ChatPromptError(ValueError):
+    """A chat prompt that cannot be rendered or whose thinking cannot be read; `param`:
+    the request field at fault, for the API's error."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Chat messages (the template's dicts), rendered by the model's chat template with the
-    tools it is told of."""
+    """Chat messages (the template's dicts), rendered as `InputProcessor.render_chat`
+    renders them, with the tools the model is told of and the template's variables
+    (`template_kwargs`, e.g. `enable_thinking`); `thinking_token_budget`: the most tokens
+    a reasoning model may think before it must answer."""
 
     messages: list[dict]
     tools: list[dict] | None = None
+    template_kwargs: Mapping[str, object] | None = None
+    thinking_token_budget: int | None = None
 
 
 Prompt = str | list[int] | ChatPrompt
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, model_name: str, limits: RequestLimits) -> None:
-        """`tokenizer` None: a model without one (token ids only)."""
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        model_name: str,
+        limits: RequestLimits,
+        reasoning_parser: ReasoningParser | None = None,
+    ) -> None:
+        """`tokenizer` None: a model without one (token ids only); `reasoning_parser`: a
+        reasoning model's (`pagefleet_serve.reasoning.reasoning_parser`), which renders
+        its prompts where it has its own renderer and reads where their thinking ends."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
+        self.reasoning_parser = reasoning_parser
         self.max_prompt_chars = _max_prompt_chars(tokenizer, limits.max_model_len)
 
     # -- the one entry point -------------------------------------------------------------
@@ -94,7 +122,13 @@ class InputProcessor:
         (ContextLengthError when it does not fit the context, PromptTooLongError when its
         text is refused unread)."""
         if isinstance(prompt, ChatPrompt):
-            prompt = self.render_chat(prompt.messages, prompt.tools)
+            chat = prompt
+            prompt = self.tokenize(
+                self.render_chat(chat.messages, chat.tools, template_kwargs=chat.template_kwargs)
+            )
+            spec = self.thinking(prompt, chat.template_kwargs or {}, chat.thinking_token_budget)
+            if spec is not None:
+                params = dataclasses.replace(params, thinking=spec)
         if (
             isinstance(prompt, str)
             and self.tokenizer is not None
@@ -129,11 +163,25 @@ class InputProcessor:
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, object] | None = None,
     ) -> str:
-        """Chat messages -> prompt text through the model's chat template (with the
-        request's `template_kwargs` as variables). ValueError naming `messages` when the
-        model has none or the template rejects them."""
+        """Chat messages -> prompt text: the reasoning parser's own renderer where it has
+        one (harmony for gpt-oss), else the model's chat template (with the request's
+        `template_kwargs` as variables). ChatPromptError naming the field at fault."""
+        parser = self.reasoning_parser
+        if parser is not None and parser.prompt_renderer is not None:
+            if continue_final_message or not add_generation_prompt:
+                raise ChatPromptError(
+                    f"continue_final_message: the {parser.name} prompt always ends with the "
+                    "assistant's turn opened; send add_generation_prompt true",
+                    "continue_final_message",
+                )
+            try:
+                return parser.prompt_renderer(messages, tools, template_kwargs or {})
+            except ValueError as exc:  # its message starts with the field at fault
+                raise ChatPromptError(str(exc), str(exc).split(":", 1)[0]) from None
         if self.tokenizer is None:
-            raise ValueError("messages: this model has no tokenizer or chat template")
+            raise ChatPromptError(
+                "messages: this model has no tokenizer or chat template", "messages"
+            )
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
@@ -144,7 +192,36 @@ class InputProcessor:
                 **(template_kwargs or {}),
             )
         except Exception as exc:  # noqa: BLE001 - a template raises whatever jinja raises
-            raise ValueError(f"messages: the model's chat template rejected them: {exc}") from None
+            raise ChatPromptError(
+                f"messages: the model's chat template rejected them: {exc}", "messages"
+            ) from None
+
+    def thinking(
+        self,
+        prompt_token_ids: list[int],
+        template_kwargs: Mapping[str, object],
+        budget: int | None,
+    ) -> ThinkingSpec | None:
+        """Where a rendered chat prompt's thinking ends, for the engine core; None: it does
+        not think. ChatPromptError (on `thinking_token_budget`) for a budget out of range
+        or one this model cannot honour (no reasoning parser)."""
+        param = "thinking_token_budget"
+        if budget is not None and not 0 <= budget < 2**31:
+            raise ChatPromptError(
+                f"{param}: must be an integer in [0, {2**31 - 1}], got {budget}", param
+            )
+        if self.reasoning_parser is None:
+            if budget is not None:
+                raise ChatPromptError(
+                    f"{param}: this server reads no reasoning model's thinking "
+                    "(start it with --reasoning-parser)",
+                    param,
+                )
+            return None
+        try:
+            return self.reasoning_parser.thinking(prompt_token_ids, template_kwargs, budget)
+        except ValueError as exc:
+            raise ChatPromptError(str(exc), param) from None
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
         """A prompt as token ids (token ids pass through). ValueError."""

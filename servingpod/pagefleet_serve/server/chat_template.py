@@ -1,13 +1,12 @@
-"""Chat messages (the API's models) -> the template's message dicts, rendered by the
-frontend's `InputProcessor.render_chat` as transformers' `apply_chat_template` renders them: tool definitions go in as `tools=`, assistant turns
+"""Chat messages (the API's models) -> the template's message dicts, which the frontend's
+`InputProcessor.render_chat` renders as transformers' `apply_chat_template` renders them
+(or a reasoning parser's own renderer): tool definitions go in as `tools=`, assistant turns
 keep their `tool_calls` (arguments as objects, as templates expect them) and tool results
 keep their `tool_call_id`. A template that does not mention tools (SmolLM2's) leaves them
 out, as it does under transformers and vLLM."""
 
 import json
-from collections.abc import Mapping
 
-from pagefleet_serve.frontend.input_processor import InputProcessor
 from pagefleet_serve.server.errors import bad_request
 from pagefleet_serve.server.protocol import ChatMessage
 
@@ -56,20 +55,3 @@ def _template_call(index: int, position: int, call) -> dict:
         "type": "function",
         "function": {"name": call.function.name, "arguments": arguments},
     }
-
-
-def render_chat(
-    inputs: InputProcessor,
-    messages: list[dict],
-    tools: list[dict] | None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    template_kwargs: Mapping[str, object] | None = None,
-) -> str:
-    """The frontend's chat template, its ValueError a 400 naming `messages`."""
-    try:
-        return inputs.render_chat(
-            messages, tools, add_generation_prompt, continue_final_message, template_kwargs
-        )
-    except ValueError as exc:
-        raise bad_request(str(exc), param="messages") from None

@@ -6,10 +6,10 @@ body (JSON only, bounded in size), then in the frontend thread parse and validat
 hand its prompts to the frontend's one entry point (`process_input`: tokenizer, bounds,
 the core's compile of a constraint), wait for that compile, admit, then either stream SSE
 chunks or collect a JSON response. They differ only in how a prompt is read and how a
-choice is written. Chat renders its messages here (the model's chat template through the
-frontend's `render_chat`, or a reasoning parser's renderer) and hands the frontend token
-ids: where a reasoning model's thinking ends and vLLM's `truncate_prompt_tokens` are read
-off the templated prompt's tokens.
+choice is written. Chat has its messages rendered by the frontend (`render_chat`: the
+model's chat template or a reasoning parser's renderer, as for the offline `LLM`),
+truncates the tokens (vLLM's `truncate_prompt_tokens`), has the frontend read where a
+reasoning model's thinking ends off them, and hands the frontend the token ids.
 
 Nothing that grows with a request's size runs on the event loop: the body is read in
 chunks against a byte limit, and the rest runs in the frontend thread, cheapest checks
@@ -439,11 +439,10 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
         messages = template_messages(request.messages)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages))
         # -- reasoning models (issue 72): template kwargs, the parser's prompt, the thinking
-        parser = self.state.reasoning_parser
         kwargs = template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
-        text = render_prompt(parser, self.inputs, messages, tools.template_tools, kwargs)
+        text = render_prompt(self.inputs, messages, tools.template_tools, kwargs)
         prompt = request.truncated(self.encode(text), self.max_model_len)
-        spec = thinking(parser, prompt, kwargs, request.thinking_token_budget)
+        spec = thinking(self.inputs, prompt, kwargs, request.thinking_token_budget)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens

@@ -6,17 +6,15 @@ gpt-oss); where the thinking ends (`thinking`, with `thinking_token_budget`); an
 fields an answer carries (`reasoning` and its older name `reasoning_content`, the
 reasoning tokens in the usage).
 
-The parser is the server's (`--reasoning-parser`, or the one the model's tokenizer and
-template point to); a model without one thinks nothing the server knows of, so asking
+The parser is the frontend's, chosen by the server (`--reasoning-parser`, or the one the
+model's tokenizer and template point to); a model without one thinks nothing the server knows of, so asking
 for a budget is refused rather than ignored.
 """
 
 import json
 from collections.abc import Mapping
 
-from pagefleet_serve.frontend.input_processor import InputProcessor
-from pagefleet_serve.reasoning import ReasoningParser
-from pagefleet_serve.server.chat_template import render_chat
+from pagefleet_serve.frontend.input_processor import ChatPromptError, InputProcessor
 from pagefleet_serve.server.errors import bad_request
 from pagefleet_serve.structured.thinking import ThinkingSpec
 
@@ -72,7 +70,6 @@ def template_kwargs(
 
 
 def render_prompt(
-    parser: ReasoningParser | None,
     inputs: InputProcessor,
     messages: list[dict],
     tools: list[dict] | None,
@@ -80,50 +77,29 @@ def render_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> str:
-    """The prompt text: the parser's own rendering where it has one, else the model's chat
-    template with `kwargs`."""
-    renderer = parser.prompt_renderer if parser is not None else None
-    if renderer is None:
-        return render_chat(
-            inputs, messages, tools, add_generation_prompt, continue_final_message, kwargs
-        )
-    if continue_final_message or not add_generation_prompt:
-        raise bad_request(
-            f"continue_final_message: the {parser.name} prompt always ends with the "  # type: ignore[union-attr]
-            "assistant's turn opened; send add_generation_prompt true",
-            param="continue_final_message",
-        )
+    """The prompt text, as the frontend renders it (the reasoning parser's own renderer
+    where it has one, else the model's chat template with `kwargs`); a 400 naming the
+    field at fault."""
     try:
-        return renderer(messages, tools, kwargs)
-    except ValueError as exc:
-        field = str(exc).split(":", 1)[0]
-        raise bad_request(str(exc), param=field) from None
+        return inputs.render_chat(
+            messages, tools, add_generation_prompt, continue_final_message, kwargs
+        )
+    except ChatPromptError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
 
 
 def thinking(
-    parser: ReasoningParser | None,
+    inputs: InputProcessor,
     prompt_token_ids: list[int],
     kwargs: Mapping[str, object],
     budget: int | None,
 ) -> ThinkingSpec | None:
-    """Where the request's thinking ends, for the engine core; None: it does not think."""
-    if budget is not None and not 0 <= budget < 2**31:
-        raise bad_request(
-            f"thinking_token_budget: must be an integer in [0, {2**31 - 1}], got {budget}",
-            param="thinking_token_budget",
-        )
-    if parser is None:
-        if budget is not None:
-            raise bad_request(
-                "thinking_token_budget: this server reads no reasoning model's thinking "
-                "(start it with --reasoning-parser)",
-                param="thinking_token_budget",
-            )
-        return None
+    """Where the request's thinking ends, for the engine core (the frontend reads it);
+    None: it does not think."""
     try:
-        return parser.thinking(prompt_token_ids, kwargs, budget)
-    except ValueError as exc:
-        raise bad_request(str(exc), param="thinking_token_budget") from None
+        return inputs.thinking(prompt_token_ids, kwargs, budget)
+    except ChatPromptError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
 
 
 def reasoning_fields(text: str | None) -> dict:

@@ -11,7 +11,7 @@ from typing import TypeVar
 from pagefleet_serve import metric_names as names
 from pagefleet_serve.frontend.core_client import EngineCoreClient
 from pagefleet_serve.frontend.generation_defaults import read_generation_defaults
-from pagefleet_serve.reasoning import reasoning_parser
+from pagefleet_serve.reasoning import ReasoningParser, reasoning_parser
 from pagefleet_serve.server.errors import APIError, unavailable
 from pagefleet_serve.server.fair_queue import FairExecutor, current_client
 from pagefleet_serve.server.metrics import ServerMetrics
@@ -51,9 +51,12 @@ class ServerState:
     def __init__(self, settings: ServerSettings, engine: EngineCoreClient) -> None:
         self.settings = settings
         self.engine = engine
-        # A reasoning model's parser (server/reasoning_api.py); ValueError when the one
-        # --reasoning-parser names cannot read this model's tokenizer.
-        self.reasoning_parser = reasoning_parser(settings.reasoning_parser, engine.tokenizer)
+        # A reasoning model's parser, the frontend's (it renders prompts and reads where
+        # their thinking ends); ValueError when the one --reasoning-parser names cannot
+        # read this model's tokenizer.
+        engine.inputs.reasoning_parser = reasoning_parser(
+            settings.reasoning_parser, engine.tokenizer
+        )
         self.draining = False
         self.num_queued = 0
         self.admissions: set[Admission] = set()
@@ -154,6 +157,10 @@ class ServerState:
             while self.admissions and loop.time() < deadline:
                 await asyncio.sleep(0.05)
         logger.info("drain complete")
+
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        return self.engine.inputs.reasoning_parser
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
         return {

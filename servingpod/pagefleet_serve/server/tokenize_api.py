@@ -87,7 +87,6 @@ class TokenizeEndpoints:
                 )
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
             text = render_prompt(
-                self.state.reasoning_parser,
                 self.inputs,
                 template_messages(request.messages),
                 tools,
