@@ -58,6 +58,8 @@ LORA_ADAPTER_RESIDENT = "pagefleet:lora_adapter_resident"
 REQUESTS_REJECTED = "pagefleet:requests_rejected"
 # Of GENERATION_TOKENS, those a reasoning model spent thinking (its markers included).
 REASONING_TOKENS = "pagefleet:reasoning_tokens"
+# Streams aborted because their client read nothing for --stream-write-timeout seconds.
+STREAM_WRITE_TIMEOUTS = "pagefleet:stream_write_timeouts"
 KV_CACHE_BLOCKS = "pagefleet:kv_cache_blocks"
 KV_CACHE_USED_BLOCKS = "pagefleet:kv_cache_used_blocks"
 # A hybrid model's state slots (its recurrent layers' per-sequence state): the pool, those

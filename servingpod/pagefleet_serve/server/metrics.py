@@ -138,6 +138,10 @@ class ServerMetrics:
             "Requests turned away before reaching the engine.",
             ("reason",),
         )
+        self.stream_write_timeouts = counter(
+            names.STREAM_WRITE_TIMEOUTS,
+            "Streams aborted because their client read nothing for --stream-write-timeout seconds.",
+        )
         self.ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS, "Arrival to first generated token.", _TTFT_BUCKETS
         )

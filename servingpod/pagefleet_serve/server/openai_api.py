@@ -24,9 +24,10 @@ compile nobody waits for any more is dropped.
 import abc
 import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -78,22 +79,56 @@ DONE = "data: [DONE]\n\n"
 # full-length prompts (each is read with `max_prompt_chars` at most).
 MAX_BATCH_CONTEXTS = 4
 
+logger = logging.getLogger(__name__)
+
 
 def sse_event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+class _Stalled(Exception):
+    """The client took no bytes of the stream for the write timeout."""
+
+
 class SSEResponse(StreamingResponse):
     """An event stream that closes its generation however the response ends, even when
-    the client leaves before the body starts."""
+    the client leaves before the body starts. A write the client does not take within
+    `write_timeout` seconds (it holds the connection open and reads nothing, so the
+    socket's buffers are full) ends the stream and aborts its request: unread output
+    stops piling up and the request's KV blocks go back (`on_stall` counts it)."""
 
-    def __init__(self, generation: Generation, body: AsyncIterator[str]) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        body: AsyncIterator[str],
+        write_timeout: float,
+        on_stall: Callable[[], None],
+    ) -> None:
         super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
         self.generation = generation
+        self.write_timeout = write_timeout
+        self.on_stall = on_stall
+        self.stalled = False
 
     async def __call__(self, scope, receive, send) -> None:
+        async def bounded_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout or None)
+            except TimeoutError:
+                self.stalled = True
+                raise _Stalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded_send)
+        except BaseException:
+            if not self.stalled:
+                raise
+            # The exception may come wrapped (starlette's task group): the flag says.
+            logger.warning(
+                "a stream's client took no bytes for %.0f s: its request is aborted",
+                self.write_timeout,
+            )
+            self.on_stall()
         finally:
             self.generation.close()
 
@@ -239,7 +274,12 @@ class GenerationEndpoint(PromptBounds, abc.ABC):
             tools,
         )
         if request.stream:
-            return SSEResponse(generation, self._stream(run))
+            return SSEResponse(
+                generation,
+                self._stream(run),
+                self.state.settings.stream_write_timeout,
+                self.state.metrics.stream_write_timeouts.labels(self.state.settings.model_name).inc,
+            )
         return await self._respond(run, raw)
 
     async def _grammar_compiled(self, raw: Request, processed: ProcessedInput) -> bool:

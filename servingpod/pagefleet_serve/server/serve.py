@@ -209,6 +209,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=server("sse_keepalive_interval"),
     )
     flag(
+        "--stream-write-timeout",
+        "seconds a stream's client may take no bytes (it stopped reading) before the "
+        "stream and its request are aborted (0: never)",
+        type=float,
+        default=server("stream_write_timeout"),
+    )
+    flag(
         "--max-request-body-bytes",
         "request bodies larger than this get 413, e.g. 4MiB",
         type=parse_bytes,
@@ -514,6 +521,7 @@ def run(args: argparse.Namespace) -> int:
             shutdown_timeout=args.shutdown_timeout,
             stream_coalesce_interval=args.stream_coalesce_interval,
             sse_keepalive_interval=args.sse_keepalive_interval,
+            stream_write_timeout=args.stream_write_timeout,
             max_request_body_bytes=args.max_request_body_bytes,
             header_read_timeout=args.header_read_timeout,
             body_read_timeout=args.body_read_timeout,

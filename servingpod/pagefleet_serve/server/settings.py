@@ -27,6 +27,10 @@ class ServerSettings:
     # for proxies with idle timeouts. 0: never (the default): some SSE readers, vLLM's
     # benchmark client among them, lose the event that follows a comment.
     sse_keepalive_interval: float = 0.0
+    # A stream whose client takes no bytes for this many seconds (its socket's buffers are
+    # full: it connected and stopped reading) is aborted, its request with it, so that
+    # nobody's unread output piles up in the server. 0: never.
+    stream_write_timeout: float = 60.0
     # Request bodies above this get 413, checked while the body is read.
     max_request_body_bytes: int = 4 * 2**20
     # A connection must send a request's headers, then its body, within these many seconds
@@ -93,6 +97,7 @@ class ServerSettings:
             "shutdown_timeout",
             "stream_coalesce_interval",
             "sse_keepalive_interval",
+            "stream_write_timeout",
             "refusal_delay",
         ):
             if getattr(self, name) < 0:
