@@ -41,7 +41,7 @@ from pagefleet_serve.frontend.input_processor import (
 )
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
-from pagefleet_serve.server.chat_template import template_messages
+from pagefleet_serve.server.chat_template import content_chars, template_messages
 from pagefleet_serve.server.errors import APIError, bad_request, server_error, unavailable
 from pagefleet_serve.server.fair_queue import current_client
 from pagefleet_serve.server.generation import (
@@ -49,6 +49,7 @@ from pagefleet_serve.server.generation import (
     RequestCancelled,
     RequestFailed,
 )
+from pagefleet_serve.server.media import read_images
 from pagefleet_serve.server.protocol import (
     ChatCompletionRequest,
     _GenerationRequest,
@@ -436,8 +437,9 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
                 code="context_length_exceeded",
             )
         tools = plan_tools(request, self.state.settings)
+        read_images(request.messages, self.state.media, self.state.settings.model_name)
         messages = template_messages(request.messages)
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages))
+        self.check_prompt_chars(content_chars(messages))
         # -- reasoning models (issue 72): template kwargs, the parser's prompt, the thinking
         parser = self.state.reasoning_parser
         kwargs = template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
