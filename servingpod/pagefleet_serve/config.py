@@ -23,6 +23,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE and gpt-oss are mixtures of experts.
 HF_MODEL_TYPES = (
     "gemma2",
+    "gemma3",
     "gemma3_text",
     "gpt_oss",
     "lfm2",

@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect
 from pagefleet_serve.frontend.core_client import ProcessedInput
 from pagefleet_serve.frontend.input_processor import (
     ContextLengthError,
+    ImagePrompt,
     Prompt,
     PromptTooLongError,
 )
@@ -437,13 +438,16 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
                 code="context_length_exceeded",
             )
         tools = plan_tools(request, self.state.settings)
-        read_images(request.messages, self.state.media, self.state.settings.model_name)
+        images = read_images(request.messages, self.state.media, self.state.settings.model_name)
         messages = template_messages(request.messages)
         self.check_prompt_chars(content_chars(messages))
         # -- reasoning models (issue 72): template kwargs, the parser's prompt, the thinking
         parser = self.state.reasoning_parser
         kwargs = template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
         text = render_prompt(parser, self.inputs, messages, tools.template_tools, kwargs)
+        vision = self.state.image_processing
+        if images and vision is not None:  # read_images refuses images for a text-only model
+            text = vision.expand(text, len(images))
         prompt = request.truncated(self.encode(text), self.max_model_len)
         spec = thinking(parser, prompt, kwargs, request.thinking_token_budget)
         max_tokens = request.max_completion_tokens
@@ -455,6 +459,8 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
         params = request.sampling_params(
             max_tokens, logprobs, tools.constraint, spec, defaults=self.state.sampling_defaults
         )
+        if images and vision is not None:
+            return _Input([ImagePrompt(prompt, vision.inputs(prompt, images))], params, tools)
         return _Input([prompt], params, tools)
 
     def opening_chunks(self, run: _Run) -> list[dict]:

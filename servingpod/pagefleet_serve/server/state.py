@@ -12,7 +12,7 @@ from pagefleet_serve import metric_names as names
 from pagefleet_serve.frontend.core_client import EngineCoreClient
 from pagefleet_serve.frontend.generation_defaults import read_generation_defaults
 from pagefleet_serve.frontend.images import MediaLimits, parse_limit_mm_per_prompt
-from pagefleet_serve.frontend.vision import takes_images
+from pagefleet_serve.frontend.vision import load_image_processing
 from pagefleet_serve.reasoning import reasoning_parser
 from pagefleet_serve.server.errors import APIError, unavailable
 from pagefleet_serve.server.fair_queue import FairExecutor, current_client
@@ -97,7 +97,9 @@ class ServerState:
                 settings.generation_config,
                 self.sampling_defaults,
             )
-        self.media = media_limits(settings, takes_images(engine.config.model))
+        # A vision-language model's image preprocessing (None: the model takes no images).
+        self.image_processing = load_image_processing(engine.config.model, engine.tokenizer)
+        self.media = media_limits(settings, self.image_processing is not None)
         self.metrics = ServerMetrics(
             settings.model_name,
             lambda: engine.stats,
