@@ -9,6 +9,9 @@ images get a 400 naming the part and leave the server serving."""
 
 import base64
 import io
+import os
+import struct
+import zlib
 
 import httpx
 import numpy as np
@@ -89,7 +92,13 @@ def reference(checkpoint):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     running = ThreadServer(
-        {"served_model_names": ("served",), "max_image_bytes": 64 << 10},
+        # Refusals unthrottled: the memory test sends 200 of them.
+        {
+            "served_model_names": ("served",),
+            "max_image_bytes": 64 << 10,
+            "refusals_per_second": 10_000.0,
+            "refusal_delay": 0.0,
+        },
         model=str(checkpoint),
         max_num_seqs=4,
         max_model_len=128,
@@ -161,16 +170,34 @@ def test_greedy_tokens_equal_transformers_and_the_prefix_cache_knows_the_image(s
     assert chat(client, picture(1)) == reference[1]
 
 
-@pytest.mark.parametrize(
-    ("url", "words"),
-    [
-        ("data:image/png;base64," + base64.b64encode(b"\x89PNG broken").decode(), "not an image"),
-        ("data:image/png;base64," + "A" * 100_000, "bytes; at most 65536"),
-        ("http://10.0.0.1/cat.png", "not fetched by this server"),
-    ],
-)
-def test_unreadable_images_get_a_400_and_the_server_serves_on(server, url, words):
-    body = {
+def claimed_png(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height pixels, its body a few bytes."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+def base64_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+UNREADABLE = [
+    (base64_url(b"\x89PNG broken"), "not an image"),
+    (base64_url(claimed_png(100_000, 100_000)), "too many pixels"),
+    (base64_url(claimed_png(5000, 5000)), "5000 x 5000 pixels"),
+    ("data:image/png;base64," + "A" * 100_000, "bytes; at most 65536"),
+    ("http://10.0.0.1/cat.png", "not fetched by this server"),
+]
+
+
+def image_body(url: str) -> dict:
+    return {
         "messages": [
             {
                 "role": "user",
@@ -182,8 +209,39 @@ def test_unreadable_images_get_a_400_and_the_server_serves_on(server, url, words
         ],
         "max_tokens": 2,
     }
+
+
+@pytest.mark.parametrize(("url", "words"), UNREADABLE)
+def test_unreadable_images_get_a_400_and_the_server_serves_on(server, url, words):
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
-        error = assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages")
+        reply = http.post("/v1/chat/completions", json=image_body(url))
+        error = assert_error(reply, 400, param="messages")
         assert error["message"].startswith("messages[0].content[1].image_url: ")
         assert words in error["message"]
         assert http.get("/health").status_code == 200
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_memory_stays_flat_over_200_refused_images(server):
+    """The server runs in this process: its resident memory after 200 refused images is
+    within a generous bound of where it was after the first 40."""
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+
+        def refuse(count: int) -> None:
+            for i in range(count):
+                url, _ = UNREADABLE[i % len(UNREADABLE)]
+                assert http.post("/v1/chat/completions", json=image_body(url)).status_code == 400
+
+        refuse(40)  # allocator pools and caches warmed
+        before = rss_bytes()
+        refuse(200)
+        assert rss_bytes() - before < 32 << 20
+        served = http.post(
+            "/v1/chat/completions",
+            json={"messages": messages(picture(1)), "max_tokens": 2, "temperature": 0},
+        )
+        assert served.status_code == 200, served.text
