@@ -80,6 +80,16 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class EncoderStats:
+    """A vision-language model's encoder: images asked of its cache (by hash), those it
+    held, and the seconds the tower and projector ran for the others."""
+
+    queries: int
+    hits: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class StateStats:
     """A hybrid model's state slots (see engine/state_slots.py): the running sequences'
     and those in use, the prefix cache's checkpoints and those holding a state, and what
@@ -119,7 +129,10 @@ class EngineStats:
     spec_decode: SpecDecodeStats = SpecDecodeStats()
     lora: LoRAStats | None = None  # None: the engine serves no adapters
     state: StateStats | None = None  # None: the model keeps no per-sequence state
-    kv_events_dropped: int | None = None  # None: no KV events published
+    kv_events_dropped: int | None = None
+    encoder: EncoderStats | None = (
+        None  # None: the model takes no images  # None: no KV events published
+    )
 
 
 # -- frontend -> core ------------------------------------------------------------------------

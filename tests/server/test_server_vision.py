@@ -24,6 +24,7 @@ from tests.server import vision_checkpoint
 from tests.server.server_harness import ThreadServer, assert_error
 
 QUESTION = "what is it?"
+OTHER_QUESTION = "and the colours?"
 MAX_TOKENS = 8
 
 
@@ -60,11 +61,11 @@ def reference(checkpoint):
     processor = AutoProcessor.from_pretrained(checkpoint, backend="pil")
     model = Gemma3ForConditionalGeneration.from_pretrained(checkpoint).eval()
     out = {}
-    for seed in (1, 2):
+    for seed, question in ((1, QUESTION), (2, QUESTION), (1, OTHER_QUESTION)):
         chat = [
             {"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image"}]}
         ]
-        chat[0]["content"].append({"type": "text", "text": " " + QUESTION})
+        chat[0]["content"].append({"type": "text", "text": " " + question})
         text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         inputs = processor(text=text, images=[picture(seed)], return_tensors="pt")
         with torch.no_grad():
@@ -76,6 +77,9 @@ def reference(checkpoint):
                 return_dict_in_generate=True,
             )
         prompt = inputs["input_ids"].shape[1]
+        if question == OTHER_QUESTION:
+            out["other"] = (prompt, generated.sequences[0, prompt:].tolist())
+            continue
         out[seed] = (prompt, generated.sequences[0, prompt:].tolist())
         # the first token's log-probabilities: where attention over the image's tokens
         # both ways (not causal) shows, by about 3e-3 in this checkpoint
@@ -124,12 +128,14 @@ def test_the_pixels_equal_transformers_pil_image_processor(checkpoint, reference
         np.testing.assert_allclose(ours, theirs["pixel_values"][0], rtol=0, atol=1e-6)
 
 
-def chat(client: OpenAI, image: Image.Image | None, reference=None) -> tuple[int, list[int]]:
+def chat(
+    client: OpenAI, image: Image.Image | None, reference=None, text: str = QUESTION
+) -> tuple[int, list[int]]:
     """The prompt's token count and the greedy tokens; with `reference` (transformers'
     first-token log-probabilities by token id) the first token's are checked against it."""
     reply = client.chat.completions.create(
         model="served",
-        messages=messages(image),
+        messages=messages(image, text),
         max_tokens=MAX_TOKENS,
         temperature=0,
         logprobs=True,
@@ -168,6 +174,18 @@ def test_greedy_tokens_equal_transformers_and_the_prefix_cache_knows_the_image(s
     assert reference[1][1] != reference[2][1]  # the image moves the tokens
     # the first image once more: its blocks are still the first image's
     assert chat(client, picture(1)) == reference[1]
+    # the image's embeddings come from the encoder cache when its blocks cannot: another
+    # text after the same image (a block boundary inside the image makes the prefix
+    # cache stop before it)
+    encoder = stats().encoder
+    assert chat(client, picture(1), text=OTHER_QUESTION) == reference["other"]
+    assert stats().encoder.hits == encoder.hits + 1
+    assert stats().encoder.queries == encoder.queries + 1
+    metrics = httpx.get(server.base_url + "/metrics").text
+    assert 'pagefleet:request_images_count{model_name="served"} 5.0' in metrics
+    assert (
+        f'pagefleet:encoder_cache_hits_total{{model_name="served"}} {encoder.hits + 1}.0' in metrics
+    )
 
 
 def claimed_png(width: int, height: int) -> bytes:

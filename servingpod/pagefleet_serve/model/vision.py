@@ -4,6 +4,7 @@ cache of encoder outputs by image hash (`EncoderCache`), so that an image's towe
 projector run once for all its chunks, its repeats and the requests that send it again.
 A family takes them as `images=` in its `forward` (`models/gemma3_vl.py`)."""
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -86,16 +87,19 @@ class EncoderCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._outputs: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.hits = self.misses = 0
+        self.queries = self.hits = 0
+        self.seconds = 0.0  # the encoder's, for the images it held not
 
     def get(self, image: ImageInput, encode: Callable[[ImageInput], torch.Tensor]) -> torch.Tensor:
+        self.queries += 1
         out = self._outputs.get(image.digest)
         if out is not None:
             self.hits += 1
             self._outputs.move_to_end(image.digest)
             return out
-        self.misses += 1
+        started = time.perf_counter()
         out = encode(image)
+        self.seconds += time.perf_counter() - started
         self._outputs[image.digest] = out
         while len(self._outputs) > self.capacity:
             self._outputs.popitem(last=False)

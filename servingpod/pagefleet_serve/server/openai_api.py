@@ -460,7 +460,11 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
             max_tokens, logprobs, tools.constraint, spec, defaults=self.state.sampling_defaults
         )
         if images and vision is not None:
-            return _Input([ImagePrompt(prompt, vision.inputs(prompt, images))], params, tools)
+            image_prompt = ImagePrompt(prompt, vision.inputs(prompt, images))
+            self.state.metrics.request_images.labels(self.state.settings.model_name).observe(
+                len(images)
+            )
+            return _Input([image_prompt], params, tools)
         return _Input([prompt], params, tools)
 
     def opening_chunks(self, run: _Run) -> list[dict]:
