@@ -263,3 +263,32 @@ def test_memory_stays_flat_over_200_refused_images(server):
             json={"messages": messages(picture(1)), "max_tokens": 2, "temperature": 0},
         )
         assert served.status_code == 200, served.text
+
+
+def test_the_responses_api_takes_input_image_as_chat_does(server, reference):
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    chat_reply = client.chat.completions.create(
+        model="served", messages=messages(picture(2)), max_tokens=MAX_TOKENS, temperature=0
+    )
+    content = [
+        {"type": "input_text", "text": "look: "},
+        {"type": "input_image", "image_url": data_url(picture(2)), "detail": "auto"},
+        {"type": "input_text", "text": " " + QUESTION},
+    ]
+    response = client.responses.create(
+        model="served",
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        store=False,
+    )
+    assert response.usage.input_tokens == reference[2][0]
+    assert response.output_text == chat_reply.choices[0].message.content
+    broken = [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        reply = http.post(
+            "/v1/responses",
+            json={"model": "served", "input": [{"role": "user", "content": broken}]},
+        )
+        error = assert_error(reply, 400, param="input")
+        assert error["message"].startswith("input[0].content[0].image_url: not an image")

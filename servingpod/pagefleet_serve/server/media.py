@@ -18,7 +18,8 @@ def read_images(
         return []
     if limits.max_images == 0:
         raise bad_request(
-            f"{urls[0][1]}: model {model_name} takes no images; send text content only",
+            f"{urls[0][1]}: model {model_name} takes no images (image_url or input_image "
+            "parts); send text content only",
             param="messages",
         )
     if len(urls) > limits.max_images:
