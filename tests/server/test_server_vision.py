@@ -292,3 +292,14 @@ def test_the_responses_api_takes_input_image_as_chat_does(server, reference):
         )
         error = assert_error(reply, 400, param="input")
         assert error["message"].startswith("input[0].content[0].image_url: not an image")
+
+
+def test_tokenize_counts_an_image_s_tokens(server, reference):
+    body = {"model": "served", "messages": messages(picture(1)), "add_generation_prompt": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        reply = http.post("/tokenize", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["count"] == reference[1][0]
+        body["messages"][0]["content"][1]["image_url"]["url"] = "data:image/png;base64,AAAA"
+        error = assert_error(http.post("/tokenize", json=body), 400, param="messages")
+        assert "not an image" in error["message"]
