@@ -27,6 +27,16 @@ class AttentionMetadata:
     # A hybrid model's step: each sequence's row of its recurrent layers' state (None where
     # the model has no recurrent layer).
     state: StateMetadata | None = None
+    # Rows whose queries see keys past their own position (a bidirectional span: Gemma 3's
+    # image tokens see their whole image), with their own layout: each such row a
+    # one-token query whose context ends where its span does. None: every row is causal.
+    bidirectional: "BidirectionalRows | None" = None
+
+
+@dataclass
+class BidirectionalRows:
+    rows: torch.Tensor  # (R,) int64: the rows of the step's batch
+    attn: AttentionMetadata  # R one-token queries, their contexts to their spans' ends
 
 
 @dataclass

@@ -25,6 +25,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # beside attention).
 HF_MODEL_TYPES = (
     "gemma2",
+    "gemma3",
     "gemma3_text",
     "gpt_oss",
     "granitemoehybrid",

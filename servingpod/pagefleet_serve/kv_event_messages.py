@@ -19,11 +19,14 @@ from array import array
 import msgspec
 
 
-def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: list[int], extra_keys: bytes = b"") -> bytes:
     """A full block's name in a pod's prefix cache: its parent's and its own tokens'
-    (int64) sha256, so that equal names mean equal prefixes."""
+    (int64) sha256, so that equal names mean equal prefixes. `extra_keys`: what else its
+    K/V depends on, the hashes of the images whose tokens it holds (two images behind the
+    same placeholder tokens never share a block)."""
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(array("q", token_ids).tobytes())
+    digest.update(extra_keys)
     return digest.digest()
 
 

@@ -15,10 +15,24 @@ from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.constraint import StructuredOutputs
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 # -- the data both sides share ---------------------------------------------------------------
+@dataclass(frozen=True)
+class ImageInput:
+    """An image of a prompt, preprocessed by the frontend: its pixels (float32, C order,
+    `shape` as the family's vision tower takes them), the SHA-256 of its encoded bytes
+    (what the prefix cache and the encoder cache know it by), and the `length` prompt
+    tokens from `offset` that its embeddings replace."""
+
+    digest: str
+    offset: int
+    length: int
+    pixels: bytes
+    shape: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class Request:
     """A validated request (the frontend's `InputProcessor` made it; the core trusts it)."""
@@ -35,6 +49,8 @@ class Request:
     # Who sent it (the server: the peer's address; "" offline): the scheduler shares the
     # batch's seats between clients (see engine/scheduler.py).
     client: str = ""
+    # A vision-language model's images, in prompt order.
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,16 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose token i was accepted
+
+
+@dataclass(frozen=True)
+class EncoderStats:
+    """A vision-language model's encoder: images asked of its cache (by hash), those it
+    held, and the seconds the tower and projector ran for the others."""
+
+    queries: int
+    hits: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -103,7 +129,10 @@ class EngineStats:
     spec_decode: SpecDecodeStats = SpecDecodeStats()
     lora: LoRAStats | None = None  # None: the engine serves no adapters
     state: StateStats | None = None  # None: the model keeps no per-sequence state
-    kv_events_dropped: int | None = None  # None: no KV events published
+    kv_events_dropped: int | None = None
+    encoder: EncoderStats | None = (
+        None  # None: the model takes no images  # None: no KV events published
+    )
 
 
 # -- frontend -> core ------------------------------------------------------------------------

@@ -75,6 +75,12 @@ DRAINING = "pagefleet:draining"
 # KV event batches the publisher's full queue dropped (--kv-events-config): vLLM's
 # publisher blocks its step instead, and has no such counter.
 KV_EVENTS_DROPPED = "pagefleet:kv_events_dropped"
+# A vision-language model's: images per accepted request; images whose embeddings were
+# asked of the encoder cache, those it held, and the seconds the vision encoder ran.
+REQUEST_IMAGES = "pagefleet:request_images"
+ENCODER_CACHE_QUERIES = "pagefleet:encoder_cache_queries"
+ENCODER_CACHE_HITS = "pagefleet:encoder_cache_hits"
+ENCODER_SECONDS = "pagefleet:encoder_seconds"
 # Seconds each start-up phase took (label `phase`: imports, download, kernel_load,
 # weight_load, kv_cache, warm_up, and total: the process's start to the engine ready).
 STARTUP_SECONDS = "pagefleet:startup_seconds"

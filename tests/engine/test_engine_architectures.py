@@ -287,7 +287,7 @@ def test_generation_config_eos_list_ends_generation(tmp_path):
         (
             {"model_type": "falcon"},
             r"model_type 'falcon' is not Llama-family; supported: .*"
-            r"gemma2, gemma3_text, gpt_oss, granitemoehybrid, lfm2, lfm2_moe, llama, mamba2, mistral, mixtral, "
+            r"gemma2, gemma3, gemma3_text, gpt_oss, granitemoehybrid, lfm2, lfm2_moe, llama, mamba2, mistral, mixtral, "
             r"nemotron_h, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
             r"qwen3_next",
         ),

@@ -38,6 +38,8 @@ CROSSINGS = {
     ("pagefleet_serve.frontend.tokenizer", "pagefleet_serve.model.loader.gguf_file"),
     # The model's generation_config.json, found (resolved like the model) at start-up.
     ("pagefleet_serve.frontend.generation_defaults", "pagefleet_serve.model.loader.resolve"),
+    # A vision-language model's preprocessor configs, found the same way at start-up.
+    ("pagefleet_serve.frontend.vision", "pagefleet_serve.model.loader.resolve"),
     # `serve --headless` (a node other than rank 0's) runs engine ranks and no server: the
     # import happens in that process only, after the flags are checked.
     ("pagefleet_serve.server.serve", "pagefleet_serve.engine.executor.headless"),

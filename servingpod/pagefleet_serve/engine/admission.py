@@ -106,6 +106,7 @@ class Admission:
             lora_id=self.loras.lora_id(request.lora_name),
             pooling=request.pooling,
             client=request.client,
+            images=request.images,
         )
 
     def _with_model_eos(self, params: SamplingParams) -> SamplingParams:

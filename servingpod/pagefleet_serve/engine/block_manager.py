@@ -3,7 +3,9 @@
 A full block is named by sha256(parent block's hash + its token ids), so a hit means the
 whole prefix up to and including that block is the same; a sequence's first block has the
 hash of its LoRA adapter as parent (none for the base model), so that two adapters never
-share K/V computed for the same tokens. Freed blocks keep their hash and
+share K/V computed for the same tokens; a block holding an image's tokens has the image's
+hash in its name too, so that two images behind the same placeholder tokens never share
+K/V. Freed blocks keep their hash and
 stay in the prefix cache until the allocator reuses them; the free queue is least recently
 used first, and a sequence frees its blocks tail-first so that chain tails go first.
 With `record_events`, naming and evicting blocks (and a reset) are recorded as vLLM's KV
@@ -133,7 +135,13 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else lora_hash_seed(seq.lora_id)
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+            start, end = i * bs, (i + 1) * bs
+            images = b"".join(
+                bytes.fromhex(image.digest)
+                for image in seq.images
+                if image.offset < end and start < image.offset + image.length
+            )
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[start:end], images))
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
         """The longest run of cached blocks that starts the sequence. At least one token is

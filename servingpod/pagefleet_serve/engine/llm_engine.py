@@ -37,6 +37,7 @@ from pagefleet_serve.engine.spec_decode.speculator import Speculator
 from pagefleet_serve.engine.startup import start_model
 from pagefleet_serve.engine.state_checkpoints import state_cache, state_stats
 from pagefleet_serve.messages import (
+    EncoderStats,
     EngineStats,
     Request,
     SpecDecodeStats,
@@ -281,4 +282,13 @@ class LLMEngine:
                 self.state_slots, self.state_checkpoints, self.runner.state_bytes_per_slot
             ),
             kv_events_dropped=self.kv_events.num_dropped if self.kv_events else None,
+            encoder=self._encoder_stats(),
         )
+
+    def _encoder_stats(self) -> EncoderStats | None:
+        """A vision-language model's encoder cache (rank 0's model: every rank encodes
+        the same images)."""
+        cache = getattr(self.runner.model, "encoder_cache", None)
+        if cache is None:
+            return None
+        return EncoderStats(cache.queries, cache.hits, cache.seconds)

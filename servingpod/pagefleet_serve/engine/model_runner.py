@@ -32,6 +32,7 @@ from pagefleet_serve.model.layers.state import allocate, bytes_per_sequence
 from pagefleet_serve.model.loader.model_loader import LoadedModel
 from pagefleet_serve.model.lora import LoRAAdapter
 from pagefleet_serve.model.tensor_parallel import NO_PARALLEL, TensorParallel
+from pagefleet_serve.model.vision import ImageRows, image_rows
 from pagefleet_serve.outputs import TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
 
@@ -254,11 +255,12 @@ class ModelRunner:
         return self.run(self.buffers.build(input_ids, starts, query_lens, tables))
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, images: list[ImageRows] | None = None) -> torch.Tensor:
         """The model over a batch whose metadata is already on the device: this runner's
         own, or its target's (a draft runs over the target's batch as built, without the
         target's adapters). A pipeline stage takes the previous stage's output rows and
-        hands its own to the next."""
+        hands its own to the next. `images`: the rows a vision-language model's images
+        fill."""
         if self.lora is not None:
             self.adapters.batch = None
             if inputs.lora is not None:
@@ -267,7 +269,10 @@ class ModelRunner:
         if not self.tp.first_stage:
             num_tokens, size = inputs.input_ids.shape[0], self.config.hidden_size
             hidden = self.tp.receive_hidden(num_tokens, size, self.dtype, self.device)
-        out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, hidden)
+        extra = {"images": images} if images else {}
+        out = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, hidden, **extra
+        )
         if not self.tp.last_stage:
             self.tp.send_hidden(out)
         return out
@@ -279,7 +284,11 @@ class ModelRunner:
         input_ids: list[int] = []
         query_lens, starts, tables, lora_slots = [], [], [], []
         state_slots, state_initial = [], []
-        for item in step.scheduled:
+        images: list[ImageRows] = []
+        for i, item in enumerate(step.scheduled):
+            if item.seq.images:
+                start, row = item.seq.num_computed_tokens, len(input_ids)
+                images += image_rows(item.seq.images, i, row, start, item.num_new_tokens)
             input_ids.extend(item.input_token_ids)
             starts.append(item.seq.num_computed_tokens)
             query_lens.append(item.num_new_tokens)
@@ -305,6 +314,7 @@ class ModelRunner:
             state_slots,
             state_initial,
             step.state_copies,
+            images,
         )
         return StepPlan(batch, step.scheduled, ends, sampling)
 
@@ -349,7 +359,7 @@ class ModelRunner:
                 torch.tensor(batch.state_slots, dtype=torch.int64, device=self.device),
                 torch.tensor(batch.state_initial, dtype=torch.bool, device=self.device),
             )
-        hidden = self.run(inputs)
+        hidden = self.run(inputs, batch.images)
         if self.draft is not None:
             self.draft.copy_blocks(batch.block_copies)
             self.draft.run(inputs)
@@ -419,6 +429,8 @@ class StepBatch:
     state_slots: list[int] = field(default_factory=list)
     state_initial: list[bool] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # A vision-language model's: the rows its images' embeddings fill.
+    images: list[ImageRows] = field(default_factory=list)
 
 
 @dataclass

@@ -161,7 +161,7 @@ class Scheduler:
             self.running, key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens, s.sort_key)
         )
         for seq in decodes_first:
-            if budget == 0:
+            if budget <= 0:  # an image's chunk may pass it
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -266,7 +266,16 @@ class Scheduler:
 
     def _to_checkpoint(self, seq: Sequence, start: int, num_new: int) -> int:
         """A hybrid prompt's chunk from `start` ends at the boundary a repeat of the prompt
-        resumes from, where its state is checkpointed (see `StateCheckpoints`)."""
+        resumes from, where its state is checkpointed (see `StateCheckpoints`); and no
+        chunk ends inside an image, whose tokens attend to each other both ways: it ends
+        before the image, or, starting in it, takes the rest of it (past the budget by
+        less than an image)."""
+        end = start + num_new
+        for image in seq.images:
+            image_end = image.offset + image.length
+            if image.offset < end < image_end:
+                end = image.offset if image.offset > start else image_end
+        num_new = end - start
         if self.checkpoints is None:
             return num_new
         boundary = self.checkpoints.boundary(seq)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagefleet_serve.engine.penalties import TokenCounts
+from pagefleet_serve.messages import ImageInput
 from pagefleet_serve.outputs import TokenLogprob
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.thinking_gate import OutputConstraint
@@ -76,6 +77,9 @@ class Sequence:
     # With params.prompt_logprobs: [p] scores prompt token p + 1 (from position p's logits),
     # written chunk by chunk as the prompt is computed (a recompute rewrites its chunk).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # A vision-language model's images (their pixels, hashes and the prompt tokens each
+    # one's embeddings replace), in prompt order.
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -164,4 +168,5 @@ class Sequence:
             token_counts=None if self.token_counts is None else self.token_counts.fork(),
             lora_id=self.lora_id,
             client=self.client,
+            images=self.images,
         )

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagefleet_serve.frontend.tokenizer import Tokenizer
-from pagefleet_serve.messages import Request, RequestLimits
+from pagefleet_serve.messages import ImageInput, Request, RequestLimits
 from pagefleet_serve.reasoning import ReasoningParser
 from pagefleet_serve.sampling_params import SamplingParams
 from pagefleet_serve.structured.thinking import ThinkingSpec
@@ -82,7 +82,16 @@ class ChatPrompt:
     thinking_token_budget: int | None = None
 
 
-Prompt = str | list[int] | ChatPrompt
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A vision-language model's prompt: its token ids (each image's tokens expanded) and
+    its preprocessed images (see `frontend/vision.py`)."""
+
+    token_ids: list[int]
+    images: tuple[ImageInput, ...]
+
+
+Prompt = str | list[int] | ChatPrompt | ImagePrompt
 
 
 class InputProcessor:
@@ -121,6 +130,10 @@ class InputProcessor:
         between clients. Raises ValueError
         (ContextLengthError when it does not fit the context, PromptTooLongError when its
         text is refused unread)."""
+        images: tuple[ImageInput, ...] = ()
+        if isinstance(prompt, ImagePrompt):
+            images = prompt.images
+            prompt = prompt.token_ids
         if isinstance(prompt, ChatPrompt):
             chat = prompt
             prompt = self.tokenize(
@@ -150,8 +163,10 @@ class InputProcessor:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if params.n > limits.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({limits.max_num_seqs})")
+        if any(image.offset + image.length > len(prompt_token_ids) for image in images):
+            raise ValueError("messages: an image's tokens were cut off the prompt")
         return Request(
-            request_id, prompt_token_ids, params, time.time(), lora_name, pooling, client
+            request_id, prompt_token_ids, params, time.time(), lora_name, pooling, client, images
         )
 
     # -- text -> token ids ---------------------------------------------------------------

@@ -119,6 +119,12 @@ class ModelConfig:
         return cls(**(common | cls.sliding_fields(hf) | cls.family_fields(hf)))
 
     @classmethod
+    def language_config(cls, hf: dict) -> dict:
+        """The config.json dict the language model's fields are read from: the whole
+        of it, a vision-language family's `text_config` (with what else it needs)."""
+        return hf
+
+    @classmethod
     def family_fields(cls, hf: dict) -> dict:
         """A family's own fields (and the common ones it sets otherwise), from config.json."""
         return {}

@@ -52,6 +52,12 @@ register("Qwen3ForCausalLM", _ours("qwen3"), "Qwen3ForCausalLM", ("qwen3",), ("q
 register("Phi3ForCausalLM", _ours("phi3"), "Phi3ForCausalLM", ("phi3",), ("phi3",))
 register("Gemma2ForCausalLM", _ours("gemma2"), "Gemma2ForCausalLM", ("gemma2",), ("gemma2",))
 register("Gemma3ForCausalLM", _ours("gemma3"), "Gemma3ForCausalLM", ("gemma3_text",), ("gemma3",))
+register(
+    "Gemma3ForConditionalGeneration",
+    _ours("gemma3_vl"),
+    "Gemma3ForConditionalGeneration",
+    ("gemma3",),
+)
 register("MixtralForCausalLM", _ours("mixtral"), "MixtralForCausalLM", ("mixtral",))
 register(
     "Qwen2MoeForCausalLM", _ours("qwen2_moe"), "Qwen2MoeForCausalLM", ("qwen2_moe",), ("qwen2moe",)

@@ -18,7 +18,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 def _template_message(index: int, message: ChatMessage) -> dict:
     out = {
         "role": "system" if message.role == "developer" else message.role,
-        "content": message.text(),
+        "content": _content(message),
     }
     if message.name:
         out["name"] = message.name
@@ -40,6 +40,29 @@ def _template_message(index: int, message: ChatMessage) -> dict:
             )
         out["tool_calls"] = [_template_call(index, j, c) for j, c in enumerate(message.tool_calls)]
     return out
+
+
+def _content(message: ChatMessage) -> str | list[dict]:
+    """A message's text; one with images as the content parts templates read (an image
+    is `{"type": "image"}` where it stood, its pixels travel beside the prompt)."""
+    if isinstance(message.content, str) or not any(
+        part.type == "image_url" for part in message.content or ()
+    ):
+        return message.text()
+    return [
+        {"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+        for part in message.content or ()
+    ]
+
+
+def content_chars(messages: list[dict]) -> int:
+    """The characters of the messages' text (their images not counted)."""
+    return sum(
+        len(m["content"])
+        if isinstance(m["content"], str)
+        else sum(len(part.get("text") or "") for part in m["content"])
+        for m in messages
+    )
 
 
 def _template_call(index: int, position: int, call) -> dict:

@@ -91,6 +91,7 @@ _LATENCY_BUCKETS = (
     7680.0,
 )
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+_IMAGE_BUCKETS = (0, 1, 2, 4, 8, 16)
 
 
 # The label values a series is exported with from the start, at 0, so that a dashboard's
@@ -181,6 +182,9 @@ class ServerMetrics:
             names.REQUEST_GENERATION_TOKENS,
             "Generated tokens of finished requests.",
             _TOKEN_BUCKETS,
+        )
+        self.request_images = histogram(
+            names.REQUEST_IMAGES, "Images of chat requests that carry images.", _IMAGE_BUCKETS
         )
         for metric in per_model:
             metric.labels(model_name)
@@ -358,6 +362,15 @@ class _EngineCollector:
             "KV cache blocks held by live sequences.",
             stats.num_used_blocks,
         )
+        if stats.encoder is not None:
+            encoder = stats.encoder
+            yield counter(
+                names.ENCODER_CACHE_QUERIES,
+                "Images whose embeddings were asked of the encoder cache.",
+                encoder.queries,
+            )
+            yield counter(names.ENCODER_CACHE_HITS, "Images the encoder cache held.", encoder.hits)
+            yield counter(names.ENCODER_SECONDS, "Seconds the vision encoder ran.", encoder.seconds)
         if stats.state is not None:
             state = stats.state
             yield gauge(names.STATE_SLOTS, "State slots of running sequences.", state.num_slots)

@@ -37,12 +37,13 @@ from starlette.requests import ClientDisconnect
 from pagefleet_serve.frontend.core_client import ProcessedInput
 from pagefleet_serve.frontend.input_processor import (
     ContextLengthError,
+    ImagePrompt,
     Prompt,
     PromptTooLongError,
 )
 from pagefleet_serve.outputs import CompletionOutput
 from pagefleet_serve.sampling_params import SamplingParams
-from pagefleet_serve.server.chat_template import template_messages
+from pagefleet_serve.server.chat_template import content_chars, template_messages
 from pagefleet_serve.server.errors import APIError, bad_request, server_error, unavailable
 from pagefleet_serve.server.fair_queue import current_client
 from pagefleet_serve.server.generation import (
@@ -50,6 +51,7 @@ from pagefleet_serve.server.generation import (
     RequestCancelled,
     RequestFailed,
 )
+from pagefleet_serve.server.media import read_images
 from pagefleet_serve.server.protocol import (
     ChatCompletionRequest,
     _GenerationRequest,
@@ -476,11 +478,15 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
                 code="context_length_exceeded",
             )
         tools = plan_tools(request, self.state.settings)
+        images = read_images(request.messages, self.state.media, self.state.settings.model_name)
         messages = template_messages(request.messages)
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages))
+        self.check_prompt_chars(content_chars(messages))
         # -- reasoning models (issue 72): template kwargs, the parser's prompt, the thinking
         kwargs = template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
         text = render_prompt(self.inputs, messages, tools.template_tools, kwargs)
+        vision = self.state.image_processing
+        if images and vision is not None:  # read_images refuses images for a text-only model
+            text = vision.expand(text, len(images))
         prompt = request.truncated(self.encode(text), self.max_model_len)
         spec = thinking(self.inputs, prompt, kwargs, request.thinking_token_budget)
         max_tokens = request.max_completion_tokens
@@ -492,6 +498,12 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
         params = request.sampling_params(
             max_tokens, logprobs, tools.constraint, spec, defaults=self.state.sampling_defaults
         )
+        if images and vision is not None:
+            image_prompt = ImagePrompt(prompt, vision.inputs(prompt, images))
+            self.state.metrics.request_images.labels(self.state.settings.model_name).observe(
+                len(images)
+            )
+            return _Input([image_prompt], params, tools)
         return _Input([prompt], params, tools)
 
     def opening_chunks(self, run: _Run) -> list[dict]:

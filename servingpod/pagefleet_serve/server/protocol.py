@@ -352,10 +352,17 @@ def _constraint(field: str, **kinds) -> StructuredOutputs:
         raise bad_request(str(exc), param=field) from None
 
 
+class ImageURL(BaseModel):
+    model_config = _CONFIG
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; every image is read whole
+
+
 class ContentPart(BaseModel):
     model_config = _CONFIG
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None  # type "image_url"
 
 
 class FunctionCall(BaseModel):
@@ -388,6 +395,25 @@ class ChatMessage(BaseModel):
         if any(part.type != "text" or part.text is None for part in self.content):
             raise bad_request("messages: only text content parts are supported", param="messages")
         return "\n".join(part.text for part in self.content)
+
+    def image_urls(self, index: int) -> list[tuple[str, str]]:
+        """The URLs of this message's image parts, each with where it sits
+        (`messages[i].content[j].image_url`); a 400 for a part that is neither text nor
+        an image."""
+        if self.content is None or isinstance(self.content, str):
+            return []
+        urls = []
+        for j, part in enumerate(self.content):
+            where = f"messages[{index}].content[{j}]"
+            if part.type == "image_url" and part.image_url is not None:
+                urls.append((part.image_url.url, f"{where}.image_url"))
+            elif part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"{where}: a content part is text (type text, text) or an image "
+                    "(type image_url, image_url.url)",
+                    param="messages",
+                )
+        return urls
 
 
 class FunctionDefinition(BaseModel):

@@ -48,6 +48,7 @@ from pagefleet_serve.server.protocol import (
     ContentPart,
     FunctionCall,
     FunctionDefinition,
+    ImageURL,
     JSONSchemaFormat,
     NamedFunction,
     NamedToolChoice,
@@ -109,11 +110,22 @@ class _Unsupported(BaseModel):
     type: str
 
 
+class MessagePart(BaseModel):
+    """A message's content part: text (`input_text`, `output_text`) or an image
+    (`input_image`, its `image_url` a data: URL; see docs/multimodal.md)."""
+
+    model_config = _CONFIG
+    type: str
+    text: str | None = None
+    image_url: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; images are read whole
+
+
 class MessageItem(BaseModel):
     model_config = _CONFIG
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+    content: str | list[MessagePart]
 
 
 class FunctionCallItem(BaseModel):
@@ -494,7 +506,7 @@ def _chat_messages(items: list, thinks: bool) -> list[ChatMessage]:
             text = "".join(part.text for part in item.content or ())
             messages.append(ChatMessage(role="assistant", content="", reasoning=text))
         elif isinstance(item, MessageItem):
-            content = _text(item.content, where)
+            content = _message_content(item.content, where)
             if (
                 item.role == "assistant"
                 and last is not None
@@ -524,14 +536,29 @@ def _chat_messages(items: list, thinks: bool) -> list[ChatMessage]:
     return messages
 
 
-def _text(content: str | list[ContentPart], where: str) -> str:
+def _message_content(content: str | list[MessagePart], where: str) -> str | list[ContentPart]:
+    """A message's text; one with images as chat content parts (`image_url`), which the
+    chat path reads (`server/media.py`)."""
+    if isinstance(content, str) or not any(part.type == "input_image" for part in content):
+        return _text(content, where)
+    parts = []
+    for position, part in enumerate(content):
+        if part.type == "input_image" and part.image_url is not None:
+            parts.append(ContentPart(type="image_url", image_url=ImageURL(url=part.image_url)))
+        else:
+            parts.append(ContentPart(type="text", text=_text([part], where, position)))
+    return parts
+
+
+def _text(content: str | list[ContentPart] | list[MessagePart], where: str, first: int = 0) -> str:
     if isinstance(content, str):
         return content
-    for position, part in enumerate(content):
+    for position, part in enumerate(content, first):
         if part.type not in TEXT_PART_TYPES or part.text is None:
             raise bad_request(
                 f"{where}.content[{position}]: content parts of type {part.type!r} are not "
-                f"supported; this server reads {' and '.join(TEXT_PART_TYPES)} parts",
+                f"supported; this server reads {', '.join(TEXT_PART_TYPES)} and "
+                "input_image (image_url) parts",
                 param="input",
                 code="unsupported_content",
             )

@@ -376,6 +376,30 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=server("allowed_lora_root"),
     )
     flag(
+        "--limit-mm-per-prompt",
+        'images one prompt may carry, as vLLM\'s JSON ({"image": 2}); default: none for a '
+        "text-only model, 4 for one with a vision tower",
+        default=server("limit_mm_per_prompt"),
+    )
+    flag(
+        "--allowed-local-media-path",
+        "the directory image_url's file:// URLs may name (symlinks followed; default: none, "
+        "images come as data: URLs only)",
+        default=server("allowed_local_media_path"),
+    )
+    flag(
+        "--max-image-bytes",
+        "an image's encoded size beyond which it is refused unread",
+        type=int,
+        default=server("max_image_bytes"),
+    )
+    flag(
+        "--max-image-pixels",
+        "an image's width x height (read from its header) beyond which it is refused undecoded",
+        type=int,
+        default=server("max_image_pixels"),
+    )
+    flag(
         "--responses-store-max-entries",
         "recent /v1/responses responses kept in this process for previous_response_id "
         "(least recently used out first; 0: none kept, store is then always false)",
@@ -542,6 +566,10 @@ def run(args: argparse.Namespace) -> int:
             responses_store_max_age=args.responses_store_max_age,
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config,
+            limit_mm_per_prompt=args.limit_mm_per_prompt,
+            allowed_local_media_path=args.allowed_local_media_path,
+            max_image_bytes=args.max_image_bytes,
+            max_image_pixels=args.max_image_pixels,
         )
         placement = plan_placement(
             args.cpu_threads_bind, available_cpus(), cpu_quota(), omp_num_threads()

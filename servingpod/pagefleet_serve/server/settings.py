@@ -83,6 +83,15 @@ class ServerSettings:
     # that adds to or replaces them (frontend/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: str | None = None
+    # Images one prompt may carry (vLLM's --limit-mm-per-prompt JSON, {"image": N});
+    # None: 0 for a text-only model, DEFAULT_MAX_IMAGES for one with a vision tower.
+    limit_mm_per_prompt: str | None = None
+    # The directory image_url's file:// URLs may name (vLLM's flag); None: data: URLs only.
+    allowed_local_media_path: str | None = None
+    # An image's encoded bytes and its width x height (read from its header before any
+    # pixel is decoded) beyond which it is refused.
+    max_image_bytes: int = 20 * 2**20
+    max_image_pixels: int = 4096 * 4096
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -108,6 +117,8 @@ class ServerSettings:
             "max_request_body_bytes",
             "limit_concurrency",
             "refusals_per_second",
+            "max_image_bytes",
+            "max_image_pixels",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

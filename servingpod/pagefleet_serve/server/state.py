@@ -11,6 +11,8 @@ from typing import TypeVar
 from pagefleet_serve import metric_names as names
 from pagefleet_serve.frontend.core_client import EngineCoreClient
 from pagefleet_serve.frontend.generation_defaults import read_generation_defaults
+from pagefleet_serve.frontend.images import MediaLimits, parse_limit_mm_per_prompt
+from pagefleet_serve.frontend.vision import load_image_processing
 from pagefleet_serve.reasoning import ReasoningParser, reasoning_parser
 from pagefleet_serve.server.errors import APIError, unavailable
 from pagefleet_serve.server.fair_queue import FairExecutor, current_client
@@ -47,6 +49,28 @@ class Admission:
         self._state.admissions.discard(self)
 
 
+# Images a prompt may carry when --limit-mm-per-prompt leaves it to the model.
+DEFAULT_MAX_IMAGES = 4
+
+
+def media_limits(settings: ServerSettings, vision: bool) -> MediaLimits:
+    """The image caps; ValueError for --limit-mm-per-prompt allowing a text-only model
+    images."""
+    limit = parse_limit_mm_per_prompt(settings.limit_mm_per_prompt)
+    if limit and not vision:
+        raise ValueError(
+            f"limit_mm_per_prompt: model {settings.model_name} has no vision tower; it takes "
+            "no images"
+        )
+    default = DEFAULT_MAX_IMAGES if vision else 0
+    return MediaLimits(
+        max_images=default if limit is None else limit,
+        max_image_bytes=settings.max_image_bytes,
+        max_image_pixels=settings.max_image_pixels,
+        allowed_local_media_path=settings.allowed_local_media_path,
+    )
+
+
 class ServerState:
     def __init__(self, settings: ServerSettings, engine: EngineCoreClient) -> None:
         self.settings = settings
@@ -76,6 +100,9 @@ class ServerState:
                 settings.generation_config,
                 self.sampling_defaults,
             )
+        # A vision-language model's image preprocessing (None: the model takes no images).
+        self.image_processing = load_image_processing(engine.config.model, engine.tokenizer)
+        self.media = media_limits(settings, self.image_processing is not None)
         self.metrics = ServerMetrics(
             settings.model_name,
             lambda: engine.stats,

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from pagefleet_serve.server.chat_template import template_messages
 from pagefleet_serve.server.errors import bad_request
+from pagefleet_serve.server.media import read_images
 from pagefleet_serve.server.protocol import _CONFIG, ChatMessage, Tool, parse
 from pagefleet_serve.server.reasoning_api import render_prompt, template_kwargs
 from pagefleet_serve.server.state import ServerState
@@ -86,6 +87,8 @@ class TokenizeEndpoints:
                     param="continue_final_message",
                 )
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
+            # Images are read (and refused) as a chat request's are; their tokens counted.
+            images = read_images(request.messages, self.state.media, self.state.settings.model_name)
             text = render_prompt(
                 self.inputs,
                 template_messages(request.messages),
@@ -95,6 +98,11 @@ class TokenizeEndpoints:
                 request.continue_final_message,
             )
             special = bool(request.add_special_tokens)
+            if images and self.state.image_processing is not None:
+                try:
+                    text = self.state.image_processing.expand(text, len(images))
+                except ValueError as exc:
+                    raise bad_request(str(exc), param="messages") from None
         if len(text) > self.max_chars:
             raise bad_request(
                 f"prompt: {len(text)} characters cannot fit in {self.max_model_len} tokens",

@@ -46,7 +46,17 @@ class Attention(nn.Module):
         self.backend.write_kv_cache(
             k, v, cache.key, cache.value, attn.slot_mapping, cache.key_scale, cache.value_scale
         )
-        out = self.backend.paged_attention(
+        out = self._attend(q, cache, attn)
+        span = attn.bidirectional
+        if span is not None:
+            # The rows of a bidirectional span attend again, each to its whole span: their
+            # keys are all in the cache once this step's are written (a prompt's chunk
+            # never ends inside a span, see engine/scheduler.py).
+            out[span.rows] = self._attend(q.index_select(0, span.rows), cache, span.attn)
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def _attend(self, q, cache, attn: AttentionMetadata) -> torch.Tensor:
+        return self.backend.paged_attention(
             q,
             cache.key,
             cache.value,
@@ -62,7 +72,6 @@ class Attention(nn.Module):
             softcap=self.softcap,
             sinks=self.sinks,
         )
-        return out.reshape(-1, self.num_heads * self.head_dim)
 
     def weight_loader(self, param: nn.Parameter, weight: Weight, shard_id=None) -> None:
         """The sink logits of this rank's heads."""

@@ -135,6 +135,7 @@ def open_hf_dir(
             f"{supported}"
         )
     cls = model_class(architecture)
+    hf = cls.config_class.language_config(hf)
     scheme = _weight_scheme(path, hf, cls.reads_mxfp4)
     if shards is not None and (scheme is not None or parallel.parallel):
         shards.wait_all()  # slices and float8 scales are read through safetensors' own reader
