@@ -107,6 +107,17 @@ def test_evicted_blocks_come_back_from_host_memory(model_dir, cold):
     llm.engine.close()
 
 
+def test_an_int8_cache_keeps_its_scales(model_dir):
+    """A quantized block is its codes and their scales: both come back."""
+    llm = make_llm(model_dir, kv_cache_dtype="int8", kv_offloading_size=0.01)
+    cold_tokens = serve(llm, PROMPT)[0]
+    llm.engine.block_manager.reset_prefix_cache()
+    tokens, cached, _ = serve(llm, PROMPT)
+    assert tokens == cold_tokens and cached == HIT_BLOCKS * BLOCK
+    assert llm.stats().kv_tier.cpu_hit_tokens == cached
+    llm.engine.close()
+
+
 def test_restart_over_the_same_directory(model_dir, cold, tmp_path):
     first = make_llm(model_dir, kv_offload_dir=str(tmp_path))
     assert serve(first, PROMPT)[0] == cold

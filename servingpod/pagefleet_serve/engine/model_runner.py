@@ -233,9 +233,13 @@ class ModelRunner:
         """A block's K/V (then its scales, when quantized) as bytes in host memory: what
         the KV tier keeps (`write_block` puts them back)."""
         pools = [pool for pool in (self.kv_cache, self.kv_scales) if pool is not None]
-        return torch.cat(
-            [pool[:, :, block_id].contiguous().view(-1).view(torch.uint8).cpu() for pool in pools]
-        )
+        # A copy of its own, which no later step writes to.
+        parts = [
+            pool[:, :, block_id].clone(memory_format=torch.contiguous_format).view(-1)
+            for pool in pools
+        ]
+        parts = [part.view(torch.uint8) for part in parts]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Put a block's bytes from `read_block` (of a runner configured alike) into a block."""

@@ -424,9 +424,18 @@ def _lora_resident(label: list[str], lora: LoRAStats) -> GaugeMetricFamily:
     return family
 
 
+def _counters(label: list[str], *rows: tuple[str, str, float]):
+    """One counter family of one sample (this model's) per (name, doc, value)."""
+    for name, doc, value in rows:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric(label, value)
+        yield family
+
+
 def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
     """vLLM's speculative decoding counters (all zero when it is off)."""
-    for name, doc, value in (
+    yield from _counters(
+        label,
         (names.SPEC_DECODE_NUM_DRAFTS, "Sequence-steps that verified drafts.", spec.num_drafts),
         (names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Draft tokens verified.", spec.num_draft_tokens),
         (
@@ -434,10 +443,7 @@ def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
             "Draft tokens accepted.",
             spec.num_accepted_tokens,
         ),
-    ):
-        family = CounterMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric(label, value)
-        yield family
+    )
     per_position = CounterMetricFamily(
         names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
         "Accepted draft tokens by position in the draft.",
@@ -452,7 +458,8 @@ def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
 def _kv_tier_metrics(label: list[str], tier: KVTierStats):
     """The KV tier's series (see metric_names): vLLM's external prefix cache counters,
     then ours, by medium where the tier has two."""
-    for name, doc, value in (
+    yield from _counters(
+        label,
         (
             names.EXTERNAL_PREFIX_CACHE_QUERIES,
             "Prompt tokens looked up in the KV tier (the device prefix cache missed them).",
@@ -474,10 +481,7 @@ def _kv_tier_metrics(label: list[str], tier: KVTierStats):
             "KV tier block files found truncated, corrupted or foreign (recomputed).",
             tier.storage_invalid_blocks,
         ),
-    ):
-        family = CounterMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric(label, value)
-        yield family
+    )
     by_medium = (
         (
             CounterMetricFamily,
