@@ -9,6 +9,7 @@ that cannot be written is a warning and a counter, never a failed request."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,49 @@ def test_restart_over_the_same_directory(model_dir, cold, tmp_path):
     assert stats.kv_tier.storage_hit_tokens == cached
     assert stats.kv_tier.storage_invalid_blocks == 0
     restarted.engine.close()
+
+
+def test_a_slow_disk_holds_up_only_its_own_request(model_dir, cold, tmp_path):
+    """The files of a request's blocks are read ahead off the step: while the disk holds
+    its read, another request runs to its end; then it is served from the files."""
+    first = make_llm(model_dir, kv_offload_dir=str(tmp_path))
+    serve(first, PROMPT)
+    first.engine.close()
+    llm = make_llm(model_dir, kv_offload_dir=str(tmp_path))
+    files = llm.engine.kv_tier.files
+    disk = threading.Event()
+    read = files.read
+
+    def slow_read(key, block_hash):
+        assert disk.wait(timeout=30)
+        return read(key, block_hash)
+
+    files.read = slow_read
+    try:
+        llm.add_request("tier", PROMPT, GREEDY)
+        llm.add_request("other", OTHER[:40], GREEDY)
+        tokens: dict[str, list[int]] = {"tier": [], "other": []}
+        finished = {}
+
+        def step() -> None:
+            for out in llm.step():  # each step's new tokens
+                tokens[out.request_id] += out.outputs[0].token_ids
+                if out.finished:
+                    finished[out.request_id] = out
+
+        while "other" not in finished:
+            step()
+        assert "tier" not in finished and tokens["tier"] == []
+        assert not llm.engine.kv_tier.ready("tier")
+        disk.set()
+        while "tier" not in finished:
+            step()
+    finally:
+        del files.read
+    assert tokens["tier"] == cold
+    assert finished["tier"].num_cached_tokens == HIT_BLOCKS * BLOCK
+    assert llm.stats().kv_tier.storage_hit_tokens == HIT_BLOCKS * BLOCK
+    llm.engine.close()
 
 
 def test_two_engines_share_one_directory(model_dir, cold, tmp_path):

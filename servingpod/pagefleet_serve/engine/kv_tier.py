@@ -11,6 +11,11 @@ this one in another dtype, is never found (and, renamed into place, fails its he
 Blocks computed under a LoRA adapter stay on the device: an adapter's id, which seeds
 their hashes, names it in this process only.
 
+A request's blocks that only the files hold are read ahead when it arrives, by a reader
+thread (`prefetch`), into a staging area its admission takes them from: the scheduler
+passes over the request until its read is done, so the other requests' steps never wait
+on the disk.
+
 Every block the prefix cache names (and that the tier does not hold yet) is copied out
 once after the step that computed it: into host memory at once (least recently used out
 first, within the cap), to its file by the writer thread. A block leaving the device
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -30,6 +37,9 @@ from pagefleet_serve.kv_event_messages import MEDIUM_CPU, MEDIUM_STORAGE
 from pagefleet_serve.messages import KVTierStats
 
 GIB = 2**30
+# What blocks read ahead may hold until their requests are admitted (the oldest go first:
+# a request that no longer needs its blocks, aborted or served by the device, leaves them).
+_STAGING_BYTES = GIB
 
 
 def tier_namespace(**identity: object) -> bytes:
@@ -50,6 +60,12 @@ class _HostBlocks:
         block = self.blocks.get(key)
         if block is not None:
             self.blocks.move_to_end(key)
+        return block
+
+    def pop(self, key: bytes) -> torch.Tensor | None:
+        block = self.blocks.pop(key, None)
+        if block is not None:
+            self.stored_bytes -= block.numel()
         return block
 
     def put(self, key: bytes, block: torch.Tensor) -> None:
@@ -79,6 +95,13 @@ class KVTier:
         self.files = (
             FileTier(directory, directory_max_bytes, namespace) if directory is not None else None
         )
+        # Read ahead by the reader thread, until admission takes them.
+        self._staged = _HostBlocks(_STAGING_BYTES)
+        self._staged_lock = threading.Lock()
+        self._reads: dict[str, Future[None]] = {}  # request id -> its read ahead
+        self._reader = (
+            ThreadPoolExecutor(1, thread_name_prefix="kv-tier-reader") if self.files else None
+        )
         self.query_tokens = 0  # tokens looked up here (the device cache missed them)
         self.hit_tokens = {MEDIUM_CPU: 0, MEDIUM_STORAGE: 0}
         self.bytes_loaded = {MEDIUM_CPU: 0, MEDIUM_STORAGE: 0}
@@ -87,10 +110,53 @@ class KVTier:
     def key(self, block_hash: bytes) -> bytes:
         return hashlib.sha256(self.namespace + block_hash).digest()
 
+    def prefetch(self, request_id: str, block_hashes: list[bytes]) -> None:
+        """Start reading the files of a new request's blocks that host memory lacks,
+        from the first, up to the first the files lack (the reader thread's work). Only
+        when the first one's file is there: a new prompt's request is not held up behind
+        another's slow read."""
+        if self._reader is None:
+            return
+        wanted = [
+            (self.key(block_hash), block_hash)
+            for block_hash in block_hashes
+            if self.host is None or self.key(block_hash) not in self.host.blocks
+        ]
+        if wanted and self.files.path_of(wanted[0][0]).exists():
+            self._reads[request_id] = self._reader.submit(self._read_ahead, wanted)
+
+    def _read_ahead(self, wanted: list[tuple[bytes, bytes]]) -> None:
+        for key, block_hash in wanted:
+            block = self.files.read(key, block_hash)
+            if block is None:
+                return
+            with self._staged_lock:
+                self._staged.put(key, block)
+
+    def ready(self, request_id: str) -> bool:
+        """Whether the request's read ahead (if any) is done."""
+        read = self._reads.get(request_id)
+        if read is None:
+            return True
+        if not read.done():
+            return False
+        del self._reads[request_id]
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: its read ahead no longer matters."""
+        self._reads.pop(request_id, None)
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """With nothing else to run, wait a moment for a read ahead to finish."""
+        if self._reads:
+            wait(list(self._reads.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+
     def fetch(self, block_hashes: list[bytes]) -> list[tuple[torch.Tensor, str]]:
         """The bytes of the blocks the tier holds, from the first of `block_hashes` up to
-        the first it misses, each with the medium it came from (a file's block is kept in
-        host memory from then on)."""
+        the first it misses, each with the medium it came from: host memory, or the files
+        (read ahead: the step never reads a file), whose blocks host memory keeps from then
+        on."""
         found = []
         for block_hash in block_hashes:
             key = self.key(block_hash)
@@ -98,7 +164,8 @@ class KVTier:
             if block is not None:
                 found.append((block, MEDIUM_CPU))
                 continue
-            block = self.files.read(key, block_hash) if self.files is not None else None
+            with self._staged_lock:
+                block = self._staged.pop(key)
             if block is None:
                 break
             if self.host is not None:
@@ -148,5 +215,7 @@ class KVTier:
         )
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
         if self.files is not None:
             self.files.close()

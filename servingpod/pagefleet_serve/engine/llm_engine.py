@@ -187,7 +187,19 @@ class LLMEngine:
         self.outputs.add_request(
             request.request_id, request.prompt_token_ids, request.params, request.arrival_time
         )
+        if self.kv_tier is not None and seq.lora_id is None:
+            self._read_ahead(seq)
         self._fail(self.admission.add(seq))
+
+    def _read_ahead(self, seq: Sequence) -> None:
+        """Have the KV tier read ahead the files of the prompt's blocks past those the
+        device cache holds now."""
+        self.block_manager.update_block_hashes(seq)
+        hashes = seq.block_hashes[: (seq.num_tokens - 1) // self.config.block_size]
+        on_device = 0
+        while on_device < len(hashes) and hashes[on_device] in self.block_manager.cached:
+            on_device += 1
+        self.kv_tier.prefetch(seq.request_id, hashes[on_device:])
 
     def _fail(self, failures: list[Failure]) -> None:
         for seq, error in failures:
@@ -206,6 +218,8 @@ class LLMEngine:
             if sample_index is None or seq.sample_index == sample_index:
                 self.scheduler.finish(seq, reason)
         self.admission.drop(request_id, sample_index)
+        if self.kv_tier is not None and sample_index is None:
+            self.kv_tier.forget(request_id)
         output = self.outputs.finish(request_id, reason, time.time(), error, sample_index)
         if output is not None:
             self._pending.append(output)
@@ -234,6 +248,8 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if step.is_empty:
             self.admission.wait_for_pending()
+            if self.kv_tier is not None:
+                self.kv_tier.wait_for_reads(timeout=0.05)
             return self.step_pending()
         for slot, lora_id in step.lora_loads:
             self.executor.load_lora(slot, self.loras.cache.use(lora_id))

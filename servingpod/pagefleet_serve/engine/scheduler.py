@@ -30,7 +30,8 @@ hits go as deep as a state checkpoint (`StateCheckpoints`), and a prompt's chunk
 the block boundary a repeat of it would resume from, so that its state there is kept.
 
 With a KV tier (`KVTier`), a waiting request's prefix that misses the device cache is
-looked up there next: the blocks it holds, from the first the device lacks on, are
+looked up there next (once the blocks only its files hold have been read ahead: until
+then the request is passed over): the blocks it holds, from the first the device lacks on, are
 admitted as computed, in fresh blocks their bytes are loaded into before the step (the
 step's `kv_loads`), and count as prefix-cache hits.
 
@@ -217,6 +218,9 @@ class Scheduler:
             seq = self._next_waiting(passed_over, held)
             if seq is None:
                 break
+            if self.tier is not None and not self.tier.ready(seq.request_id):
+                passed_over.add(seq)  # its blocks are still being read ahead
+                continue
             freed = self._find_seats(seq, scheduled, preempted, held)
             if freed is None:
                 break
