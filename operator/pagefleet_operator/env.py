@@ -16,6 +16,7 @@ from .names import HTTP_PORT
 from .spec import InferenceServiceSpec
 
 CACHE_DIR = "/var/cache/pagefleet"
+KV_OFFLOAD_DIR = "/var/lib/pagefleet/kv"  # spec.kvCache.offload's block files
 MODEL_MOUNT_DIR = PVC_MOUNT_DIR
 
 
@@ -66,6 +67,14 @@ def get_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         "shutdown-timeout": spec.engine.shutdown_timeout_seconds,
         **spec.engine.settings,
     }
+    offload = spec.kv_offload
+    if offload is not None:
+        tier = {
+            "kv-offloading-size": offload.host_memory_gib,
+            "kv-offload-dir": KV_OFFLOAD_DIR if offload.files else None,
+            "kv-offload-dir-max-size": offload.max_size_gib,
+        }
+        flags |= {flag: value for flag, value in tier.items() if value is not None}
     if spec.adapters:
         flags["enable-lora"] = True
     if uses_adapters_file(spec):

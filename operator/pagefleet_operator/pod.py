@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .adapters import get_adapters_args, get_adapters_volume, uses_adapters_file
-from .env import CACHE_DIR, MODEL_MOUNT_DIR, get_env
+from .env import CACHE_DIR, KV_OFFLOAD_DIR, MODEL_MOUNT_DIR, get_env
 from .names import (
     CONTAINER_NAME,
     HTTP_PORT,
@@ -70,6 +70,15 @@ def get_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], list
         volume, mount = get_adapters_volume(name)
         volumes.append(volume)
         mounts.append(mount)
+    offload = spec.kv_offload
+    if offload is not None and offload.files:
+        tier: dict[str, Any] = (
+            {"persistentVolumeClaim": {"claimName": offload.pvc_name}}
+            if offload.pvc_name
+            else {"emptyDir": {"sizeLimit": offload.size_limit}}
+        )
+        volumes.append({"name": "kv-offload", **tier})
+        mounts.append({"name": "kv-offload", "mountPath": KV_OFFLOAD_DIR})
     if spec.parallelism.world_size > 1:
         shm = {"medium": "Memory", "sizeLimit": spec.parallelism.shm_size_limit}
         volumes.append({"name": "dshm", "emptyDir": shm})

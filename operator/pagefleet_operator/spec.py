@@ -176,6 +176,22 @@ class IngressSpec:
 
 
 @dataclass(frozen=True)
+class KVOffloadSpec:
+    """spec.kvCache.offload: the engine's KV tier below its prefix cache: GiB of host
+    memory, and a directory of block files on a claim every replica shares (ReadWriteMany)
+    or on an emptyDir of each pod's own (None and None: no files)."""
+
+    host_memory_gib: float | None = None
+    pvc_name: str | None = None
+    size_limit: str | None = None
+    max_size_gib: float | None = None
+
+    @property
+    def files(self) -> bool:
+        return self.pvc_name is not None or self.size_limit is not None
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSpec
     engine: EngineSpec
@@ -195,6 +211,7 @@ class InferenceServiceSpec:
     parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
     task: str = "generate"  # one of SPEC_TASKS
     inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
+    kv_offload: KVOffloadSpec | None = None
 
     @property
     def pvc_claim(self) -> str | None:
@@ -658,6 +675,32 @@ def _parse_node_selector(spec: Mapping[str, Any]) -> Mapping[str, str]:
     return node_selector
 
 
+def _parse_kv_offload(spec: Mapping[str, Any]) -> KVOffloadSpec | None:
+    section = _get(_get_section(spec, "kvCache"), "offload", "kvCache", dict)
+    if section is None:
+        return None
+    path = "kvCache.offload"
+    offload = KVOffloadSpec(
+        host_memory_gib=_get(section, "hostMemoryGiB", path, (int, float)),
+        pvc_name=_get(section, "pvcName", path, str),
+        size_limit=_get(section, "sizeLimit", path, str),
+        max_size_gib=_get(section, "maxSizeGiB", path, (int, float)),
+    )
+    for key, value in (
+        ("hostMemoryGiB", offload.host_memory_gib),
+        ("maxSizeGiB", offload.max_size_gib),
+    ):
+        if value is not None and not value > 0:
+            raise SpecError(f"{path}.{key}", f"must be a positive number of GiB, got {value}")
+    if offload.pvc_name and offload.size_limit:
+        raise SpecError(path, "set either pvcName (shared) or sizeLimit (per pod), not both")
+    if offload.max_size_gib is not None and not offload.files:
+        raise SpecError(f"{path}.maxSizeGiB", "caps the block files: set pvcName or sizeLimit")
+    if offload.host_memory_gib is None and not offload.files:
+        raise SpecError(path, "set hostMemoryGiB, or pvcName or sizeLimit for block files")
+    return offload
+
+
 def parse_spec(
     spec: Mapping[str, Any],
     *,
@@ -706,4 +749,5 @@ def parse_spec(
         task=_parse_task(spec),
         parallelism=parallelism,
         inference_pool=inference_pool,
+        kv_offload=_parse_kv_offload(spec),
     )

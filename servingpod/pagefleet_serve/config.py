@@ -377,6 +377,13 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | str | dict | None = None
     # vLLM's --kv-events-config: KV cache events over ZMQ; None (or not enabled): none.
     kv_events_config: KVEventsConfig | str | dict | None = None
+    # The KV tier below the prefix cache (engine/kv_tier.py): vLLM's --kv-offloading-size,
+    # GiB of host memory for blocks the device computed (None: none); a directory of block
+    # files that outlives the process and may be shared by several pods (None: none),
+    # kept under kv_offload_dir_max_size GiB.
+    kv_offloading_size: float | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_dir_max_size: float = 10.0
     # Seconds a structured output's grammar may take to compile before its request fails.
     structured_outputs_compile_timeout: float = 30.0
     # vLLM's --enable-lora: requests may name a LoRA adapter as their model; each row of a
@@ -447,6 +454,7 @@ class EngineConfig:
             raise ValueError(f"lora_read_timeout must be > 0 seconds, got {self.lora_read_timeout}")
         self._check_lora()
         self._check_parallel()
+        self._check_kv_tier()
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.dtype not in DTYPES:
@@ -540,6 +548,32 @@ class EngineConfig:
                     raise ValueError(
                         f"{name} {size} does not support {flag} yet: use {name} 1 or drop it"
                     )
+
+    @property
+    def kv_tier_enabled(self) -> bool:
+        return self.kv_offloading_size is not None or self.kv_offload_dir is not None
+
+    def _check_kv_tier(self) -> None:
+        for name in ("kv_offloading_size", "kv_offload_dir_max_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError(f"{name} must be a positive number of GiB, got {value!r}")
+        if self.kv_offload_dir == "":
+            raise ValueError("kv_offload_dir must be a directory path, got ''")
+        if not self.kv_tier_enabled:
+            return
+        spec = self.speculative_config
+        for unsupported, setting in (
+            (not self.enable_prefix_caching, "enable_prefix_caching off"),
+            (self.world_size > 1, "tensor_parallel_size or pipeline_parallel_size over 1"),
+            (spec is not None and spec.method == "draft_model", "a draft model"),
+            (self.task == "embed", "task 'embed'"),
+        ):
+            if unsupported:
+                raise ValueError(
+                    f"the KV tier (kv_offloading_size, kv_offload_dir) keeps prefix-cache "
+                    f"blocks, which {setting} does not support yet: drop one of them"
+                )
 
     def _check_lora(self) -> None:
         names = [module.name for module in self.lora_modules]

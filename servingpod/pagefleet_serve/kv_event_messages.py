@@ -31,6 +31,8 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int], extra_keys: byte
 
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the accelerator's KV pool, whatever the device
+MEDIUM_CPU = "CPU"  # the KV tier's host memory (--kv-offloading-size)
+MEDIUM_STORAGE = "STORAGE"  # the KV tier's files (--kv-offload-dir)
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):

@@ -116,6 +116,32 @@ class LoRAStats:
 
 
 @dataclass(frozen=True)
+class KVTierStats:
+    """The KV tier below the prefix cache (engine/kv_tier.py), by medium: CPU (host
+    memory) and STORAGE (files). Tokens looked up there and found, bytes loaded into the
+    device and copied out of it, bytes held now, and the file writer's queue, dropped
+    writes, refused writes and invalid files (truncated, corrupted, foreign: recomputed)."""
+
+    query_tokens: int
+    cpu_hit_tokens: int
+    storage_hit_tokens: int
+    cpu_bytes_loaded: int
+    storage_bytes_loaded: int
+    cpu_bytes_stored: int
+    storage_bytes_written: int
+    cpu_stored_bytes: int
+    storage_stored_bytes: int
+    storage_queue_depth: int
+    storage_dropped_writes: int
+    storage_write_errors: int
+    storage_invalid_blocks: int
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.cpu_hit_tokens + self.storage_hit_tokens
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -129,10 +155,9 @@ class EngineStats:
     spec_decode: SpecDecodeStats = SpecDecodeStats()
     lora: LoRAStats | None = None  # None: the engine serves no adapters
     state: StateStats | None = None  # None: the model keeps no per-sequence state
-    kv_events_dropped: int | None = None
-    encoder: EncoderStats | None = (
-        None  # None: the model takes no images  # None: no KV events published
-    )
+    kv_events_dropped: int | None = None  # None: no KV events published
+    encoder: EncoderStats | None = None  # None: the model takes no images
+    kv_tier: KVTierStats | None = None  # None: no KV tier (--kv-offloading-size/-dir)
 
 
 # -- frontend -> core ------------------------------------------------------------------------

@@ -81,6 +81,23 @@ REQUEST_IMAGES = "pagefleet:request_images"
 ENCODER_CACHE_QUERIES = "pagefleet:encoder_cache_queries"
 ENCODER_CACHE_HITS = "pagefleet:encoder_cache_hits"
 ENCODER_SECONDS = "pagefleet:encoder_seconds"
+
+# The KV tier below the prefix cache (--kv-offloading-size, --kv-offload-dir): vLLM's
+# counters of the prompt tokens looked up in an external cache (its KV connector's, here
+# the tier's: those the device cache missed) and found there; then, by `medium` (CPU:
+# host memory, STORAGE: files), the tokens found, the bytes loaded into the device and
+# copied out of it (written, for files), and the bytes held now; the file writer's queue,
+# its dropped and refused writes, and the invalid files (truncated, corrupted, foreign).
+EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"
+EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
+KV_OFFLOAD_HIT_TOKENS = "pagefleet:kv_offload_hit_tokens"
+KV_OFFLOAD_LOAD_BYTES = "pagefleet:kv_offload_load_bytes"
+KV_OFFLOAD_STORE_BYTES = "pagefleet:kv_offload_store_bytes"
+KV_OFFLOAD_STORED_BYTES = "pagefleet:kv_offload_stored_bytes"
+KV_OFFLOAD_QUEUE_DEPTH = "pagefleet:kv_offload_queue_depth"
+KV_OFFLOAD_DROPPED_WRITES = "pagefleet:kv_offload_dropped_writes"
+KV_OFFLOAD_WRITE_ERRORS = "pagefleet:kv_offload_write_errors"
+KV_OFFLOAD_INVALID_BLOCKS = "pagefleet:kv_offload_invalid_blocks"
 # Seconds each start-up phase took (label `phase`: imports, download, kernel_load,
 # weight_load, kv_cache, warm_up, and total: the process's start to the engine ready).
 STARTUP_SECONDS = "pagefleet:startup_seconds"

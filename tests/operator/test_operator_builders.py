@@ -170,6 +170,39 @@ def test_model_cache_volume(model_cache, volume):
     assert volume in volumes
 
 
+@pytest.mark.parametrize(
+    ("offload", "volume", "flags"),
+    [
+        ({"hostMemoryGiB": 4}, None, {"PAGEFLEET_KV_OFFLOADING_SIZE": "4"}),
+        (
+            {"pvcName": "kv", "maxSizeGiB": 100},
+            {"name": "kv-offload", "persistentVolumeClaim": {"claimName": "kv"}},
+            {
+                "PAGEFLEET_KV_OFFLOAD_DIR": "/var/lib/pagefleet/kv",
+                "PAGEFLEET_KV_OFFLOAD_DIR_MAX_SIZE": "100",
+            },
+        ),
+        (
+            {"sizeLimit": "20Gi", "hostMemoryGiB": 2.5},
+            {"name": "kv-offload", "emptyDir": {"sizeLimit": "20Gi"}},
+            {
+                "PAGEFLEET_KV_OFFLOADING_SIZE": "2.5",
+                "PAGEFLEET_KV_OFFLOAD_DIR": "/var/lib/pagefleet/kv",
+            },
+        ),
+    ],
+)
+def test_kv_offload_mounts_the_block_files_and_sets_the_flags(offload, volume, flags):
+    body = make_body({**BUILTIN, "kvCache": {"offload": offload}})
+    pod = get_deployment(body, parsed(body))["spec"]["template"]["spec"]
+    tier_volumes = [v for v in pod["volumes"] if v["name"] == "kv-offload"]
+    assert tier_volumes == ([volume] if volume else [])
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts.get("kv-offload") == ("/var/lib/pagefleet/kv" if volume else None)
+    env = env_of(body)
+    assert {name: env[name] for name in env if name.startswith("PAGEFLEET_KV_OFFLOAD")} == flags
+
+
 def test_deployment_shape_and_ownership():
     body = example_body("llama.yaml")
     deployment = get_deployment(body, parsed(body))
@@ -303,6 +336,19 @@ def test_desired_objects_cover_every_managed_kind():
         ({**BUILTIN, "autoscaling": {"targetQueueDepth": -1}}, "autoscaling.targetQueueDepth"),
         ({**BUILTIN, "modelCache": {"pvcName": "a", "sizeLimit": "1Gi"}}, "modelCache"),
         ({**BUILTIN, "ingress": {"className": "nginx"}}, "ingress.host"),
+        ({**BUILTIN, "kvCache": {"offload": {}}}, "kvCache.offload"),
+        (
+            {**BUILTIN, "kvCache": {"offload": {"pvcName": "a", "sizeLimit": "1Gi"}}},
+            "kvCache.offload",
+        ),
+        (
+            {**BUILTIN, "kvCache": {"offload": {"hostMemoryGiB": 0}}},
+            "kvCache.offload.hostMemoryGiB",
+        ),
+        (
+            {**BUILTIN, "kvCache": {"offload": {"hostMemoryGiB": 1, "maxSizeGiB": 5}}},
+            "kvCache.offload.maxSizeGiB",
+        ),
         ({**BUILTIN, "engine": "fast"}, "engine"),
     ],
 )

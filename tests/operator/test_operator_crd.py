@@ -240,6 +240,20 @@ def mismatch(path: str, value: str, pattern: str) -> str:
         ),
         ({**BUILTIN, "replica": 2}, ['strict decoding error: unknown field "spec.replica"']),
         (
+            {**BUILTIN, "kvCache": {"offload": {"pvcName": "kv", "sizeLimit": "1Gi"}}},
+            [
+                "spec.kvCache.offload.sizeLimit: Forbidden: set either kvCache.offload.pvcName "
+                "or kvCache.offload.sizeLimit, not both"
+            ],
+        ),
+        (
+            {**BUILTIN, "kvCache": {"offload": {}}},
+            [
+                "spec.kvCache.offload.hostMemoryGiB: Required value: set "
+                "kvCache.offload.hostMemoryGiB, or pvcName or sizeLimit for block files"
+            ],
+        ),
+        (
             {**BUILTIN, "replicas": "two"},
             [
                 'spec.replicas: Invalid value: "string": spec.replicas in body must be of '
@@ -357,6 +371,8 @@ def test_every_rule_on_an_object_names_its_field_with_a_valid_path():
         "value",
         "effect",
         "sizeLimit",
+        "sizeLimit",  # kvCache.offload
+        "hostMemoryGiB",
         "minReplicas",
     ]
     with pytest.raises(ValueError, match="does not refer to a valid field"):

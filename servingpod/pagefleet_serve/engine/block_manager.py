@@ -10,6 +10,8 @@ stay in the prefix cache until the allocator reuses them; the free queue is leas
 used first, and a sequence frees its blocks tail-first so that chain tails go first.
 With `record_events`, naming and evicting blocks (and a reset) are recorded as vLLM's KV
 cache events, which the engine takes after each step (`take_events`) and publishes.
+With `record_named`, the blocks of the base model newly named are listed for the KV tier
+(`take_named`), which copies them out after the step that computed them.
 """
 
 import hashlib
@@ -97,6 +99,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool,
         record_events: bool = False,
+        record_named: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -107,6 +110,7 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.events: list[KVCacheEvent] | None = [] if record_events else None
+        self.named: list[tuple[bytes, int]] | None = [] if record_named else None
         # Called with each block hash that leaves the prefix cache (a hybrid model's state
         # checkpoint of that block goes with it).
         self.on_evict: list[Callable[[bytes], None]] = []
@@ -177,6 +181,8 @@ class BlockManager:
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
         if self.events is not None and named:
             self._record_stored(seq, named)
+        if self.named is not None and seq.lora_id is None:
+            self.named += [(seq.block_hashes[i], seq.block_table[i]) for i in named]
 
     def _record_stored(self, seq: Sequence, named: list[int]) -> None:
         """One BlockStored per run of consecutive newly named blocks: a run's blocks chain
@@ -210,6 +216,13 @@ class BlockManager:
         events, self.events = self.events, []
         return events
 
+    def take_named(self) -> list[tuple[bytes, int]]:
+        """The (hash, block id) of the base model's blocks named since the last call."""
+        if self.named is None:
+            return []
+        named, self.named = self.named, []
+        return named
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache), only while no sequence
         holds a block: a running sequence's blocks keep their names. Returns False,
@@ -227,17 +240,23 @@ class BlockManager:
 
     # -- allocation ---------------------------------------------------------------------
     def allocate(
-        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] = ()
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_prefix: list[KVBlock] = (),
+        num_loaded: int = 0,
     ) -> list[tuple[int, int]] | None:
         """Make room for `num_new_tokens` more computed tokens of `seq`, after taking
-        `cached_prefix` (a new admission's prefix-cache hits) into its block table.
+        `cached_prefix` (a new admission's prefix-cache hits) into its block table, then
+        `num_loaded` fresh blocks that count as computed: the KV tier's hits, which the
+        engine loads into them before the step (the step after names them).
 
         Returns the (src, dst) block copies to run first (copy-on-write of a shared partial
         block), or None, changing nothing, when the free blocks do not suffice.
         """
         bs = self.block_size
         table = seq.block_table
-        num_computed = seq.num_computed_tokens + len(cached_prefix) * bs
+        num_computed = seq.num_computed_tokens + (len(cached_prefix) + num_loaded) * bs
         num_new_blocks = (
             self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(cached_prefix)
         )
@@ -252,7 +271,7 @@ class BlockManager:
                 self.free_queue.remove(block)
             block.ref_count += 1
             table.append(block.block_id)
-        if cached_prefix:
+        if cached_prefix or num_loaded:
             seq.num_computed_tokens = num_computed
             seq.num_cached_blocks = len(cached_prefix)
         copies = []

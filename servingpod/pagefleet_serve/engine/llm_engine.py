@@ -26,6 +26,7 @@ from pagefleet_serve.engine.admission import (
 from pagefleet_serve.engine.block_manager import BlockManager
 from pagefleet_serve.engine.executor.distributed import WorkerLost
 from pagefleet_serve.engine.kv_events import KVEventPublisher
+from pagefleet_serve.engine.kv_tier import GIB, KVTier, tier_namespace
 from pagefleet_serve.engine.lora_manager import LoRAManager
 from pagefleet_serve.engine.model_runner import ModelRunner, sampling_failures
 from pagefleet_serve.engine.output_tracker import OutputTracker
@@ -77,14 +78,21 @@ class LLMEngine:
             config.block_size,
             config.enable_prefix_caching and not self.pooling,
             record_events=config.kv_events_config is not None,
+            record_named=config.kv_tier_enabled,
         )
-        events = config.kv_events_config
-        self.kv_events = KVEventPublisher(events) if events is not None else None
         self.state_slots, self.state_checkpoints = state_cache(
             model.num_state_slots, model.num_state_checkpoints, self.block_manager
         )
+        self.kv_tier = self._kv_tier() if config.kv_tier_enabled else None
+        events = config.kv_events_config
+        self.kv_events = KVEventPublisher(events) if events is not None else None
         self.scheduler = Scheduler(
-            config, self.block_manager, self.max_model_len, self.state_slots, self.state_checkpoints
+            config,
+            self.block_manager,
+            self.max_model_len,
+            self.state_slots,
+            self.state_checkpoints,
+            self.kv_tier,
         )
         self.speculator = None
         if config.speculative_config is not None:
@@ -116,6 +124,33 @@ class LLMEngine:
             ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self.startup_seconds.items()),
         )
 
+    def _kv_tier(self) -> KVTier:
+        """The KV tier below the prefix cache, its blocks named for this model and shard."""
+        config, runner = self.config, self.runner
+        if self.state_slots is not None:
+            self.executor.close()
+            raise ValueError(
+                f"{self.model_name} is a hybrid model (recurrent layers keep a per-sequence "
+                "state), whose prefix cache the KV tier (kv_offloading_size, kv_offload_dir) "
+                "does not keep yet: drop them"
+            )
+        namespace = tier_namespace(
+            model=config.model,
+            name=self.model_name,
+            model_config=repr(self.model_config),
+            dtype=runner.dtype,
+            kv_cache_dtype=runner.kv_cache_dtype,
+            block_size=config.block_size,
+            quantization=config.quantization,
+            activation_quantization=config.activation_quantization,
+            tp=(self.executor.tp.rank, self.executor.tp.size),
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            bytes_per_block=runner.bytes_per_block,
+        )
+        host_bytes = int((config.kv_offloading_size or 0) * GIB)
+        dir_bytes = int(config.kv_offload_dir_max_size * GIB)
+        return KVTier(namespace, config.block_size, host_bytes, config.kv_offload_dir, dir_bytes)
+
     @property
     def runner(self) -> ModelRunner:
         """Rank 0's model runner: this process's shard of the model."""
@@ -127,6 +162,8 @@ class LLMEngine:
         self.executor.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.kv_tier is not None:
+            self.kv_tier.close()
         if self.grammar_compiler is not None:
             self._close_compiler()
 
@@ -151,7 +188,19 @@ class LLMEngine:
         self.outputs.add_request(
             request.request_id, request.prompt_token_ids, request.params, request.arrival_time
         )
+        if self.kv_tier is not None and seq.lora_id is None:
+            self._read_ahead(seq)
         self._fail(self.admission.add(seq))
+
+    def _read_ahead(self, seq: Sequence) -> None:
+        """Have the KV tier read ahead the files of the prompt's blocks past those the
+        device cache holds now."""
+        self.block_manager.update_block_hashes(seq)
+        hashes = seq.block_hashes[: (seq.num_tokens - 1) // self.config.block_size]
+        on_device = 0
+        while on_device < len(hashes) and hashes[on_device] in self.block_manager.cached:
+            on_device += 1
+        self.kv_tier.prefetch(seq.request_id, hashes[on_device:])
 
     def _fail(self, failures: list[Failure]) -> None:
         for seq, error in failures:
@@ -170,6 +219,8 @@ class LLMEngine:
             if sample_index is None or seq.sample_index == sample_index:
                 self.scheduler.finish(seq, reason)
         self.admission.drop(request_id, sample_index)
+        if self.kv_tier is not None and sample_index is None:
+            self.kv_tier.forget(request_id)
         output = self.outputs.finish(request_id, reason, time.time(), error, sample_index)
         if output is not None:
             self._pending.append(output)
@@ -198,9 +249,13 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if step.is_empty:
             self.admission.wait_for_pending()
+            if self.kv_tier is not None:
+                self.kv_tier.wait_for_reads(timeout=0.05)
             return self.step_pending()
         for slot, lora_id in step.lora_loads:
             self.executor.load_lora(slot, self.loras.cache.use(lora_id))
+        for block_id, data in step.kv_loads:
+            self.runner.write_block(block_id, data)
         now = time.time()
         for item in step.scheduled:
             self.outputs.mark_scheduled(item.seq, now)
@@ -218,6 +273,7 @@ class LLMEngine:
                 f"the model failed for every sequence of a step: {type(first).__name__}: {first}"
             )
         new_tokens = self.scheduler.update(SchedulerOutput(succeeded, step.preempted), sampled)
+        self._copy_out(self.block_manager.take_named())
         if self.kv_events is not None:
             self.kv_events.publish(self.block_manager.take_events())
         now = time.time()
@@ -226,6 +282,14 @@ class LLMEngine:
             + self._pooled(succeeded, now)
             + self.outputs.process(new_tokens, now)
         )
+
+    def _copy_out(self, named: list[tuple[bytes, int]]) -> None:
+        """Copy the blocks the step named into the KV tier (those it lacks)."""
+        if self.kv_tier is None:
+            return
+        for block_hash, block_id in named:
+            if self.kv_tier.wants(block_hash):
+                self.kv_tier.store(block_hash, self.runner.read_block(block_id))
 
     def _pooled(self, items: list[ScheduledSeq], now: float) -> list[RequestOutput]:
         """The outputs of the embedding requests whose prompt this step completed (the
@@ -283,6 +347,7 @@ class LLMEngine:
             ),
             kv_events_dropped=self.kv_events.num_dropped if self.kv_events else None,
             encoder=self._encoder_stats(),
+            kv_tier=self.kv_tier.stats() if self.kv_tier else None,
         )
 
     def _encoder_stats(self) -> EncoderStats | None:

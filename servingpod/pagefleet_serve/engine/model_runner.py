@@ -233,6 +233,30 @@ class ModelRunner:
             if pool is not None:
                 pool[:, :, dst] = pool[:, :, src]
 
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A block's K/V (then its scales, when quantized) as bytes in host memory: what
+        the KV tier keeps (`write_block` puts them back)."""
+        pools = [pool for pool in (self.kv_cache, self.kv_scales) if pool is not None]
+        # A copy of its own, which no later step writes to.
+        parts = [
+            pool[:, :, block_id].clone(memory_format=torch.contiguous_format).view(-1)
+            for pool in pools
+        ]
+        parts = [part.view(torch.uint8) for part in parts]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Put a block's bytes from `read_block` (of a runner configured alike) into a block."""
+        offset = 0
+        for pool in (self.kv_cache, self.kv_scales):
+            if pool is None:
+                continue
+            target = pool[:, :, block_id]
+            size = target.numel() * target.element_size()
+            part = data[offset : offset + size].to(self.device).view(pool.dtype)
+            target.copy_(part.view(target.shape))
+            offset += size
+
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Each (src, dst) state slot's rows into dst, one after another: a later copy may
         read what an earlier one wrote (a checkpoint saved, then restored)."""

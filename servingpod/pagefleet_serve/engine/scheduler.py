@@ -29,6 +29,12 @@ finding none free for it and its n samples stays waiting, as for blocks. Its pre
 hits go as deep as a state checkpoint (`StateCheckpoints`), and a prompt's chunk ends at
 the block boundary a repeat of it would resume from, so that its state there is kept.
 
+With a KV tier (`KVTier`), a waiting request's prefix that misses the device cache is
+looked up there next (once the blocks only its files hold have been read ahead: until
+then the request is passed over): the blocks it holds, from the first the device lacks on, are
+admitted as computed, in fresh blocks their bytes are loaded into before the step (the
+step's `kv_loads`), and count as prefix-cache hits.
+
 An embedding request (`Sequence.pooling`) follows the same rule up to the end of its
 prompt, in chunks batched with other prefills; it never samples, and the step that
 completes its prompt finishes it, freeing its blocks (the engine hands out its vector).
@@ -38,8 +44,11 @@ import bisect
 import collections
 from dataclasses import dataclass, field
 
+import torch
+
 from pagefleet_serve.config import EngineConfig
 from pagefleet_serve.engine.block_manager import BlockManager
+from pagefleet_serve.engine.kv_tier import KVTier
 from pagefleet_serve.engine.lora_slots import LoRASlots
 from pagefleet_serve.engine.sampler import SampledToken
 from pagefleet_serve.engine.sequence import Sequence, SequenceStatus
@@ -53,6 +62,8 @@ class ScheduledSeq:
     num_new_tokens: int
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
+    # (block id, bytes): the KV tier's blocks to load into the sequence's blocks first.
+    kv_loads: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -84,6 +95,10 @@ class SchedulerOutput:
         return [copy for item in self.scheduled for copy in item.block_copies]
 
     @property
+    def kv_loads(self) -> list[tuple[int, torch.Tensor]]:
+        return [load for item in self.scheduled for load in item.kv_loads]
+
+    @property
     def num_batched_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.scheduled)
 
@@ -100,9 +115,11 @@ class Scheduler:
         max_model_len: int,
         state_slots: StateSlots | None = None,
         checkpoints: StateCheckpoints | None = None,
+        tier: KVTier | None = None,
     ):
         """`state_slots`: a hybrid model's (None: the model keeps no per-sequence state);
-        `checkpoints`: its prefix cache's states (None: prefix caching is off)."""
+        `checkpoints`: its prefix cache's states (None: prefix caching is off); `tier`:
+        the KV tier below the prefix cache (None: none)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -114,6 +131,7 @@ class Scheduler:
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         self.state_slots = state_slots
         self.checkpoints = checkpoints
+        self.tier = tier
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self._waiting_clients: collections.Counter[str] = collections.Counter()
         self.running: list[Sequence] = []
@@ -200,6 +218,9 @@ class Scheduler:
             seq = self._next_waiting(passed_over, held)
             if seq is None:
                 break
+            if self.tier is not None and not self.tier.ready(seq.request_id):
+                passed_over.add(seq)  # its blocks are still being read ahead
+                continue
             freed = self._find_seats(seq, scheduled, preempted, held)
             if freed is None:
                 break
@@ -214,14 +235,19 @@ class Scheduler:
             prefix = [] if wants_prompt else self.block_manager.find_cached_prefix(seq)
             if self.checkpoints is not None:
                 prefix = prefix[: self.checkpoints.resumable(seq, len(prefix))]
-            start = len(prefix) * self.block_manager.block_size
+            loaded = [] if wants_prompt else self._from_tier(seq, len(prefix))
+            start = (len(prefix) + len(loaded)) * self.block_manager.block_size
             num_new = self._to_checkpoint(seq, start, min(seq.num_tokens - start, budget))
-            lookahead = self._lookahead(seq, len(prefix) * self.block_manager.block_size + num_new)
-            copies = self.block_manager.allocate(seq, num_new + lookahead, prefix)
+            lookahead = self._lookahead(seq, start + num_new)
+            copies = self.block_manager.allocate(seq, num_new + lookahead, prefix, len(loaded))
             if copies is None and lookahead:
-                copies = self.block_manager.allocate(seq, num_new, prefix)
+                copies = self.block_manager.allocate(seq, num_new, prefix, len(loaded))
             if copies is None:
                 break
+            if self.tier is not None and not wants_prompt and seq.lora_id is None:
+                self.tier.count(
+                    seq.num_tokens - len(prefix) * self.block_manager.block_size, loaded
+                )
             num_hit = seq.num_computed_tokens
             self.block_manager.count_prefix_lookup(seq.num_tokens, num_hit)
             if seq.num_preemptions == 0:
@@ -235,7 +261,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             held[seq.client] += seq.num_samples
-            scheduled[seq] = ScheduledSeq(seq, num_new, copies)
+            table = seq.block_table[len(prefix) : len(prefix) + len(loaded)]
+            kv_loads = [(block_id, data) for block_id, (data, _) in zip(table, loaded, strict=True)]
+            scheduled[seq] = ScheduledSeq(seq, num_new, copies, kv_loads=kv_loads)
             budget -= num_new
             admitted = True
 
@@ -261,8 +289,19 @@ class Scheduler:
         if copies is None:
             return 0
         more = total - item.num_new_tokens
-        scheduled[seq] = ScheduledSeq(seq, total, item.block_copies + copies)
+        scheduled[seq] = ScheduledSeq(
+            seq, total, item.block_copies + copies, kv_loads=item.kv_loads
+        )
         return more
+
+    def _from_tier(self, seq: Sequence, num_cached: int) -> list[tuple[torch.Tensor, str]]:
+        """The KV tier's blocks of the sequence's prefix past its `num_cached` device hits
+        (bytes, medium), up to the last full block before its last token (whose logits the
+        step needs)."""
+        if self.tier is None or seq.lora_id is not None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_manager.block_size
+        return self.tier.fetch(seq.block_hashes[num_cached:max_blocks])
 
     def _to_checkpoint(self, seq: Sequence, start: int, num_new: int) -> int:
         """A hybrid prompt's chunk from `start` ends at the boundary a repeat of the prompt

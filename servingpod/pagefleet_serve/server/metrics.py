@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagefleet_serve import metric_names as names
-from pagefleet_serve.messages import EngineStats, LoRAStats, SpecDecodeStats
+from pagefleet_serve.messages import EngineStats, KVTierStats, LoRAStats, SpecDecodeStats
 from pagefleet_serve.outputs import RequestOutput
 from pagefleet_serve.server.tracing import record_finished
 
@@ -394,6 +394,8 @@ class _EngineCollector:
                 "KV event batches dropped because the publisher's queue was full.",
                 stats.kv_events_dropped,
             )
+        if stats.kv_tier is not None:
+            yield from _kv_tier_metrics(label, stats.kv_tier)
         if stats.lora is not None:
             yield _lora_info(label, stats.lora)
             yield _lora_resident(label, stats.lora)
@@ -439,9 +441,18 @@ def _lora_resident(label: list[str], lora: LoRAStats) -> GaugeMetricFamily:
     return family
 
 
+def _counters(label: list[str], *rows: tuple[str, str, float]):
+    """One counter family of one sample (this model's) per (name, doc, value)."""
+    for name, doc, value in rows:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric(label, value)
+        yield family
+
+
 def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
     """vLLM's speculative decoding counters (all zero when it is off)."""
-    for name, doc, value in (
+    yield from _counters(
+        label,
         (names.SPEC_DECODE_NUM_DRAFTS, "Sequence-steps that verified drafts.", spec.num_drafts),
         (names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Draft tokens verified.", spec.num_draft_tokens),
         (
@@ -449,10 +460,7 @@ def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
             "Draft tokens accepted.",
             spec.num_accepted_tokens,
         ),
-    ):
-        family = CounterMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric(label, value)
-        yield family
+    )
     per_position = CounterMetricFamily(
         names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
         "Accepted draft tokens by position in the draft.",
@@ -462,3 +470,74 @@ def _spec_decode_counters(label: list[str], spec: SpecDecodeStats):
     for position, value in enumerate(spec.accepted_per_position or (0,)):
         per_position.add_metric([*label, str(position)], value)
     yield per_position
+
+
+def _kv_tier_metrics(label: list[str], tier: KVTierStats):
+    """The KV tier's series (see metric_names): vLLM's external prefix cache counters,
+    then ours, by medium where the tier has two."""
+    yield from _counters(
+        label,
+        (
+            names.EXTERNAL_PREFIX_CACHE_QUERIES,
+            "Prompt tokens looked up in the KV tier (the device prefix cache missed them).",
+            tier.query_tokens,
+        ),
+        (names.EXTERNAL_PREFIX_CACHE_HITS, "Prompt tokens found in the KV tier.", tier.hit_tokens),
+        (
+            names.KV_OFFLOAD_DROPPED_WRITES,
+            "Block writes dropped because the KV tier's file queue was full.",
+            tier.storage_dropped_writes,
+        ),
+        (
+            names.KV_OFFLOAD_WRITE_ERRORS,
+            "Block writes the KV tier's directory refused (full, read-only, missing).",
+            tier.storage_write_errors,
+        ),
+        (
+            names.KV_OFFLOAD_INVALID_BLOCKS,
+            "KV tier block files found truncated, corrupted or foreign (recomputed).",
+            tier.storage_invalid_blocks,
+        ),
+    )
+    by_medium = (
+        (
+            CounterMetricFamily,
+            names.KV_OFFLOAD_HIT_TOKENS,
+            "Prompt tokens loaded from the KV tier.",
+            tier.cpu_hit_tokens,
+            tier.storage_hit_tokens,
+        ),
+        (
+            CounterMetricFamily,
+            names.KV_OFFLOAD_LOAD_BYTES,
+            "Bytes loaded from the KV tier into the device.",
+            tier.cpu_bytes_loaded,
+            tier.storage_bytes_loaded,
+        ),
+        (
+            CounterMetricFamily,
+            names.KV_OFFLOAD_STORE_BYTES,
+            "Bytes copied out of the device into the KV tier (written, for files).",
+            tier.cpu_bytes_stored,
+            tier.storage_bytes_written,
+        ),
+        (
+            GaugeMetricFamily,
+            names.KV_OFFLOAD_STORED_BYTES,
+            "Bytes the KV tier holds.",
+            tier.cpu_stored_bytes,
+            tier.storage_stored_bytes,
+        ),
+    )
+    for kind, name, doc, cpu, storage in by_medium:
+        family = kind(name, doc, labels=["model_name", "medium"])
+        family.add_metric([*label, "CPU"], cpu)
+        family.add_metric([*label, "STORAGE"], storage)
+        yield family
+    queue = GaugeMetricFamily(
+        names.KV_OFFLOAD_QUEUE_DEPTH,
+        "Block writes queued for the KV tier's files.",
+        labels=["model_name"],
+    )
+    queue.add_metric(label, tier.storage_queue_depth)
+    yield queue

@@ -137,6 +137,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
     )
     flag(
+        "--kv-offloading-size",
+        "GiB of host memory for a KV tier below the prefix cache (vLLM's flag): blocks the "
+        "device computed are kept there and loaded back when a prompt's prefix misses the "
+        "device cache (default: none)",
+        type=float,
+        default=engine("kv_offloading_size"),
+    )
+    flag(
+        "--kv-offload-dir",
+        "directory of the KV tier's block files, which outlive the process and may be "
+        "shared by several servers of the same model (default: none)",
+        default=engine("kv_offload_dir"),
+    )
+    flag(
+        "--kv-offload-dir-max-size",
+        "GiB the block files of --kv-offload-dir are kept under (least recently used out)",
+        type=float,
+        default=engine("kv_offload_dir_max_size"),
+    )
+    flag(
         "--quantization",
         "weights: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks quantized (CPU) and a float8 "
         "checkpoint in float8 (CUDA), none expands them to --dtype, int8 is weight-only int8 "
@@ -513,6 +533,9 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             speculative_config=args.speculative_config,
             kv_events_config=args.kv_events_config,
+            kv_offloading_size=args.kv_offloading_size,
+            kv_offload_dir=args.kv_offload_dir,
+            kv_offload_dir_max_size=args.kv_offload_dir_max_size,
             structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
             enable_lora=args.enable_lora,
             lora_modules=tuple(args.lora_modules or ()) + (lora_file[1] if lora_file else ()),
