@@ -42,9 +42,9 @@ def count_forward_passes(monkeypatch, llm) -> list[int]:
     runner, calls = llm.engine.runner, [0]
     real = runner.run
 
-    def run(inputs):
+    def run(inputs, *rest):
         calls[0] += 1
-        return real(inputs)
+        return real(inputs, *rest)
 
     monkeypatch.setattr(runner, "run", run)
     return calls

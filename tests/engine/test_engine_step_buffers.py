@@ -128,11 +128,11 @@ def test_the_engine_copies_metadata_once_per_forward_pass(monkeypatch):
         copies.append(total)
         copy(self, total)
 
-    def checking_run(inputs):
+    def checking_run(inputs, *rest):
         passes.append(len(copies))
         device_buffer = runner.buffers._device.untyped_storage().data_ptr()
         assert inputs.input_ids.untyped_storage().data_ptr() == device_buffer
-        return run(inputs)
+        return run(inputs, *rest)
 
     run = runner.run
     monkeypatch.setattr(StepBuffers, "_copy", counting_copy)

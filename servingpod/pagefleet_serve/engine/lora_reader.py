@@ -68,7 +68,19 @@ class AdapterReader:
         )
         timer = threading.Timer(self.timeout_s, settle, (future.set_exception, expired))
         timer.daemon = True
-        future.add_done_callback(lambda _: timer.cancel())
+
+        def stop_timer(_: Future) -> None:
+            timer.cancel()
+            # The timer's function and arguments hold the future, whose callbacks hold the
+            # timer: a cycle that would keep the adapter's megabytes resident until the
+            # garbage collector ran. Cancelled, the timer calls nothing: let go of them.
+            timer.function, timer.args = _nothing, ()
+
+        future.add_done_callback(stop_timer)
         threading.Thread(target=run, name="lora-reader", daemon=True).start()
         timer.start()
         return future
+
+
+def _nothing(*_: Any) -> None:
+    """What a cancelled timer would call (never)."""
