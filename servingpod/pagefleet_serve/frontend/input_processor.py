@@ -136,18 +136,14 @@ class InputProcessor:
             prompt = prompt.token_ids
         if isinstance(prompt, ChatPrompt):
             chat = prompt
-            prompt = self.tokenize(
-                self.render_chat(chat.messages, chat.tools, template_kwargs=chat.template_kwargs)
-            )
+            text = self.render_chat(chat.messages, chat.tools, template_kwargs=chat.template_kwargs)
+            self._check_chars(text)  # refused unread, as any text prompt
+            prompt = self.tokenize(text)
             spec = self.thinking(prompt, chat.template_kwargs or {}, chat.thinking_token_budget)
             if spec is not None:
                 params = dataclasses.replace(params, thinking=spec)
-        if (
-            isinstance(prompt, str)
-            and self.tokenizer is not None
-            and len(prompt) > self.max_prompt_chars
-        ):
-            raise PromptTooLongError(len(prompt), self.max_prompt_chars, self.limits.max_model_len)
+        if isinstance(prompt, str):
+            self._check_chars(prompt)
         prompt_token_ids = self.tokenize(prompt, add_special_tokens=pooling) if prompt else []
         limits = self.limits
         if not prompt_token_ids:
@@ -245,6 +241,12 @@ class InputProcessor:
         if self.tokenizer is None:
             raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def _check_chars(self, text: str) -> None:
+        """PromptTooLongError for text longer than the context could hold, whatever its
+        tokens."""
+        if self.tokenizer is not None and len(text) > self.max_prompt_chars:
+            raise PromptTooLongError(len(text), self.max_prompt_chars, self.limits.max_model_len)
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ContextLengthError when a prompt this long plus max_tokens exceeds the context."""
